@@ -1,0 +1,159 @@
+"""The Iceberg shape of a state table: schema, partition spec, sort order, layout properties.
+
+A state table's Iceberg schema is ``StateLayout.entry_schema`` with Iceberg field ids.
+The layout (key schema, state variables and their kinds, max parallelism) is recorded in
+table properties so that opening the table again can tell a compatible operator (same
+keys, same types for known state variables, maybe new variables) from a different one.
+
+Types are compared in a canonical form, Arrow -> Iceberg -> Arrow, so that Arrow
+flavours Iceberg does not distinguish (int8 and int32, string and large_string) compare
+equal while real changes (long to string) do not. Pure functions, thread safe.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+from pyiceberg.io.pyarrow import _ConvertToIcebergWithoutIDs, schema_to_pyarrow, visit_pyarrow
+from pyiceberg.partitioning import PartitionField, PartitionSpec
+from pyiceberg.schema import Schema, assign_fresh_schema_ids
+from pyiceberg.table.sorting import SortField, SortOrder
+from pyiceberg.transforms import IdentityTransform, TruncateTransform
+
+from catalog import properties as props
+from statestore.errors import StateTableMismatchError
+from statestore.layout import KEY_GROUP, StateLayout
+
+# Partition field ids start here in Iceberg (spec rule); a fresh spec uses the first one.
+_FIRST_PARTITION_FIELD_ID = 1000
+_FIX = (
+    "open it with the declaration it was created with, or give the changed operator a new table_name "
+    "(changing a state variable's type needs a new state name)"
+)
+
+
+def iceberg_schema(arrow_schema: pa.Schema) -> Schema:
+    """An Iceberg schema for ``arrow_schema`` with fresh field ids 1, 2, ... in column order."""
+    # pyiceberg's own converter for create_table(schema=pa.Schema); it has no public name.
+    return assign_fresh_schema_ids(visit_pyarrow(arrow_schema, _ConvertToIcebergWithoutIDs()))
+
+
+def partition_spec(schema: Schema, width: int, field_id: int = _FIRST_PARTITION_FIELD_ID) -> PartitionSpec:
+    """``truncate(key_group, width)``: partition p holds key groups [p*width, (p+1)*width - 1]."""
+    return PartitionSpec(
+        PartitionField(
+            source_id=schema.find_field(KEY_GROUP).field_id, field_id=field_id,
+            transform=TruncateTransform(width), name=partition_field_name(width),
+        )
+    )
+
+
+def partition_field_name(width: int) -> str:
+    return f"{props.PARTITION_FIELD_PREFIX}{width}"
+
+
+def sort_order(schema: Schema) -> SortOrder:
+    """Segments are sorted by key group (then key); recorded so other engines know it."""
+    return SortOrder(SortField(source_id=schema.find_field(KEY_GROUP).field_id, transform=IdentityTransform()))
+
+
+def default_partition_width(max_parallelism: int) -> int:
+    return -(-max_parallelism // props.DEFAULT_PARTITION_COUNT)
+
+
+def layout_properties(layout: StateLayout, recorded_layout: str | None = None) -> dict[str, str]:
+    """The statestore.* table properties of ``layout``.
+
+    States recorded earlier but not declared now stay recorded: their columns stay in the
+    table (Iceberg never drops them here), and a later operator may declare them again.
+    """
+    states = {s["name"]: s for s in _recorded_states(recorded_layout)}
+    for d in layout.descriptors:
+        states[d.name] = {
+            "name": d.name, "kind": d.kind.value, "value_type": str(d.value_type),
+            "user_key_type": None if d.user_key_type is None else str(d.user_key_type),
+        }
+    return {
+        props.MAX_PARALLELISM: str(layout.max_parallelism),
+        props.KEY_SCHEMA: json.dumps([{"name": f.name, "type": str(f.type)} for f in layout.key_schema]),
+        props.LAYOUT: json.dumps({"states": list(states.values())}, sort_keys=True),
+    }
+
+
+def _recorded_states(recorded_layout: str | None) -> list[dict]:
+    return json.loads(recorded_layout)["states"] if recorded_layout else []
+
+
+def check_compatible(table_name: str, schema: Schema, properties: dict[str, str], layout: StateLayout) -> None:
+    """Raise StateTableMismatchError unless ``layout`` may use the existing table.
+
+    Compatible means: same max parallelism, same key column names (in order) and types,
+    and the same kind and column types for every state variable the table already knows.
+    New state variables are fine (``new_columns`` lists what to add).
+    """
+    if props.MAX_PARALLELISM not in properties:
+        raise StateTableMismatchError(
+            f"table {table_name} is not a state table (it has no {props.MAX_PARALLELISM} property): "
+            "pick a table_name that is unused or was created by IcebergStateTable.open"
+        )
+    recorded_n = int(properties[props.MAX_PARALLELISM])
+    if recorded_n != layout.max_parallelism:
+        raise StateTableMismatchError(
+            f"state table {table_name} was created with max_parallelism={recorded_n}, the operator declares "
+            f"{layout.max_parallelism}: key groups are fixed for the life of the state; open it with "
+            f"max_parallelism={recorded_n} or start a new table"
+        )
+    recorded_keys = [k["name"] for k in json.loads(properties[props.KEY_SCHEMA])]
+    if recorded_keys != layout.key_names:
+        raise StateTableMismatchError(
+            f"state table {table_name} has key columns {recorded_keys}, the operator declares "
+            f"{layout.key_names}: {_FIX}"
+        )
+    _check_state_kinds(table_name, properties.get(props.LAYOUT), layout)
+    _check_column_types(table_name, schema, layout)
+
+
+def _check_state_kinds(table_name: str, recorded_layout: str | None, layout: StateLayout) -> None:
+    recorded = {s["name"]: s["kind"] for s in _recorded_states(recorded_layout)}
+    for d in layout.descriptors:
+        if d.name in recorded and recorded[d.name] != d.kind.value:
+            raise StateTableMismatchError(
+                f"state variable {d.name!r} of state table {table_name} is a {recorded[d.name]} state, the "
+                f"operator declares a {d.kind.value} state: {_FIX}"
+            )
+
+
+def _check_column_types(table_name: str, schema: Schema, layout: StateLayout) -> None:
+    known = {f.name for f in schema.fields}
+    for f in layout.entry_schema:
+        if f.name not in known:
+            if not f.nullable:
+                raise StateTableMismatchError(
+                    f"state table {table_name} lacks the required column {f.name!r}: it was created for "
+                    f"another layout; {_FIX}"
+                )
+            continue
+        have = canonical_type(schema.find_field(f.name).field_type)
+        want = canonical_arrow_type(f.type)
+        if not have.equals(want):
+            raise StateTableMismatchError(
+                f"column {f.name!r} of state table {table_name} has type {have}, the operator declares "
+                f"{want}: {_FIX}"
+            )
+
+
+def new_columns(schema: Schema, layout: StateLayout) -> pa.Schema:
+    """Columns of ``layout.entry_schema`` that the table lacks (columns of new state variables)."""
+    known = {f.name for f in schema.fields}
+    return pa.schema([f for f in layout.entry_schema if f.name not in known])
+
+
+def canonical_type(iceberg_type) -> pa.DataType:
+    """The Arrow type Iceberg reads ``iceberg_type`` as, without field ids."""
+    return schema_to_pyarrow(iceberg_type, include_field_ids=False)
+
+
+def canonical_arrow_type(arrow_type: pa.DataType) -> pa.DataType:
+    converted = iceberg_schema(pa.schema([pa.field("c", arrow_type)]))
+    return canonical_type(converted.find_field("c").field_type)

@@ -1,0 +1,84 @@
+"""The local cache of resolved key-group views.
+
+For each cached key group it holds, per state variable, the *view* (``resolve.py``): the
+newest live entry per key over every segment of that key group and the memtable entries
+applied so far (``applied``: how many memtable parts of that variable and key group are in
+the view; ``pending``: committed entries not yet applied). The cache is bounded by
+``size_bytes_max`` and evicts whole key groups, least recently used first, never those a
+running request pinned. Not thread safe.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import polars as pl
+
+
+@dataclass
+class CachedKeyGroup:
+    views: dict[str, pl.DataFrame] = field(default_factory=dict)
+    applied: dict[str, int] = field(default_factory=dict)
+    # Entries that were committed by a checkpoint while still unapplied to the view: the
+    # memtable forgets them at the checkpoint, the view applies them on its next read.
+    pending: dict[str, list[pl.DataFrame]] = field(default_factory=dict)
+    size_bytes: int = 0
+
+    def measure(self) -> int:
+        self.size_bytes = sum(int(v.estimated_size()) for v in self.views.values())
+        return self.size_bytes
+
+
+class KeyGroupCache:
+    def __init__(self, size_bytes_max: int):
+        self.size_bytes_max = size_bytes_max
+        self._groups: OrderedDict[int, CachedKeyGroup] = OrderedDict()
+        self._size_bytes = 0
+        self.misses = 0
+        self.evictions = 0
+
+    def __contains__(self, key_group: int) -> bool:
+        return key_group in self._groups
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._size_bytes
+
+    def get(self, key_group: int) -> CachedKeyGroup | None:
+        group = self._groups.get(key_group)
+        if group is not None:
+            self._groups.move_to_end(key_group)
+        return group
+
+    def put(self, key_group: int, group: CachedKeyGroup) -> None:
+        old = self._groups.pop(key_group, None)
+        if old is not None:
+            self._size_bytes -= old.size_bytes
+        self._groups[key_group] = group
+        self._size_bytes += group.measure()
+
+    def resized(self, key_group: int) -> None:
+        """Re-measure a group whose views were replaced in place."""
+        group = self._groups[key_group]
+        self._size_bytes -= group.size_bytes
+        self._size_bytes += group.measure()
+
+    def trim(self, pinned: Iterable[int] = ()) -> None:
+        """Evict least recently used groups until within the bound, sparing ``pinned``."""
+        pinned = set(pinned)
+        for kg in list(self._groups):
+            if self._size_bytes <= self.size_bytes_max:
+                return
+            if kg in pinned:
+                continue
+            self._size_bytes -= self._groups.pop(kg).size_bytes
+            self.evictions += 1
+
+    def clear(self) -> None:
+        self._groups.clear()
+        self._size_bytes = 0

@@ -1,0 +1,78 @@
+"""The memtable: writes since the last checkpoint, as columnar entry batches per
+(state variable, key group), each entry stamped with a monotonically increasing ``ord``.
+
+Batched writes land here directly; per-key writes collect in the state handles' overlays
+and are sealed into the memtable (``StateStore._seal``) before any batched operation and
+at flush. Entries get their checkpoint id at flush. Not thread safe: one task thread.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import polars as pl
+
+from statestore.resolve import ORD
+
+# Entries still in the memtable order after every committed checkpoint: their ord uses
+# this checkpoint id until flush stamps the real one.
+MEMTABLE_CHECKPOINT_ID = (1 << 31) - 1
+SEQ_MAX = (1 << 32) - 1
+SEQ_RESET_AT = 1 << 31
+KG = "_kg"
+
+
+class Memtable:
+    def __init__(self) -> None:
+        self._parts: dict[str, dict[int, list[pl.DataFrame]]] = defaultdict(lambda: defaultdict(list))
+        self._seq = 0
+
+    def next_ords(self, n: int) -> np.ndarray:
+        if self._seq + n > SEQ_MAX:
+            raise OverflowError("more than 2^32 entries in one checkpoint: checkpoint more often")
+        start = self._seq
+        self._seq += n
+        return np.arange(start, start + n, dtype=np.int64) + (MEMTABLE_CHECKPOINT_ID << 32)
+
+    def add(self, name: str, key_groups: np.ndarray, entries: pl.DataFrame) -> list[int]:
+        """Append entries (in their row order, newest last) and return the key groups touched."""
+        if entries.height == 0:
+            return []
+        df = entries.with_columns(pl.Series(ORD, self.next_ords(entries.height)), pl.Series(KG, key_groups))
+        touched = []
+        for (kg,), part in df.partition_by(KG, as_dict=True, maintain_order=True).items():
+            self._parts[name][int(kg)].append(part.drop(KG))
+            touched.append(int(kg))
+        return touched
+
+    def parts(self, name: str, key_group: int) -> list[pl.DataFrame]:
+        by_kg = self._parts.get(name)
+        return by_kg.get(key_group, []) if by_kg else []
+
+    def items(self):
+        """(state name, key group, entries) of every part, oldest first within a key group."""
+        for name, by_kg in self._parts.items():
+            for kg, parts in by_kg.items():
+                for part in parts:
+                    yield name, kg, part
+
+    def is_empty(self) -> bool:
+        return not any(by_kg for by_kg in self._parts.values())
+
+    def entry_count(self) -> int:
+        return sum(p.height for _, _, p in self.items())
+
+    def clear(self) -> bool:
+        """Drop every part. The ord sequence continues (entries applied lazily by cached views
+        after a checkpoint must stay older than new ones) until it passes half its range;
+        returns True when it was reset, and callers must then drop those lazy entries."""
+        self._parts.clear()
+        if self._seq > SEQ_RESET_AT:
+            self._seq = 0
+            return True
+        return False
+
+    def reset(self) -> None:
+        self._parts.clear()
+        self._seq = 0

@@ -1,0 +1,30 @@
+"""All file naming of a state table, in one place.
+
+A segment is ``<table location>/data/seg-cp<checkpoint id>-t<task>-p<partition>-<uuid>.parquet``.
+The checkpoint id in the name lets garbage collection recognise files of checkpoints
+that never committed (stored on disk: keep the format readable by ``parse_segment_name``).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+DATA_DIR = "data"
+_SEGMENT = re.compile(r"^seg-cp(\d{12})-t(\d{5})-p(\d{5})-([0-9a-f]{12})\.parquet$")
+
+
+def segment_file_name(checkpoint_id: int, task_index: int, partition: int) -> str:
+    if checkpoint_id < 0 or task_index < 0 or partition < 0:
+        raise ValueError(f"negative id in segment name: cp={checkpoint_id} task={task_index} part={partition}")
+    return f"seg-cp{checkpoint_id:012d}-t{task_index:05d}-p{partition:05d}-{uuid.uuid4().hex[:12]}.parquet"
+
+
+def segment_path(table_location: str, checkpoint_id: int, task_index: int, partition: int) -> str:
+    return f"{table_location.rstrip('/')}/{DATA_DIR}/{segment_file_name(checkpoint_id, task_index, partition)}"
+
+
+def parse_segment_name(path: str) -> tuple[int, int, int] | None:
+    """(checkpoint id, task index, partition) of a segment path, or None for other files."""
+    m = _SEGMENT.match(path.rsplit("/", 1)[-1])
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None

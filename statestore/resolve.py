@@ -1,0 +1,100 @@
+"""Resolution of LSM entries into the live state of one state variable (polars, vectorized).
+
+Input: entries of one variable with columns ``<keys>, op, ord, expire_at_ms, [mk_<name>],
+v_<name>``, where ``ord`` totally orders the entries of a key (greater is newer). Output, a
+*view*:
+
+* value, reducing, aggregating: one row per live key: ``<keys>, v, expire_at_ms``;
+* map: one row per live entry: ``<keys>, mk, v, expire_at_ms``;
+* list: one row per live element, ordered by ``ord``: ``<keys>, v, expire_at_ms, ord``.
+
+Rules (invariant 5, identical for every reader): the newest entry wins; a tombstone hides
+older entries (a tombstone without a map user key hides the key's whole map or list);
+entries expired at ``now_ms`` are invisible and dropped. A view can be turned back into
+entries (``view_as_entries``) older than anything new, so views merge with fresh writes.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from statestore.descriptors import StateDescriptor, StateKind
+from statestore.layout import EXPIRE_AT_MS, OP, OP_APPEND, OP_DELETE, OP_PUT
+
+ORD = "ord"
+CLEAR_ORD = "_clear_ord"
+
+
+def make_ord(checkpoint_id: pl.Expr, seq: pl.Expr) -> pl.Expr:
+    """(checkpoint id, seq) as one int64: checkpoint ids stay below 2^31, seq below 2^32 per flush."""
+    return (checkpoint_id.cast(pl.Int64) * (1 << 32) + seq.cast(pl.Int64)).alias(ORD)
+
+
+def _live(df: pl.DataFrame, now_ms: int) -> pl.DataFrame:
+    return df.filter(pl.col(EXPIRE_AT_MS).is_null() | (pl.col(EXPIRE_AT_MS) > now_ms))
+
+
+def _after_clear(entries: pl.DataFrame, keys: list[str], clear_mask: pl.Expr) -> pl.DataFrame:
+    """Entries newer than their key's newest whole-key tombstone (and not that tombstone)."""
+    clears = entries.filter(clear_mask).group_by(keys).agg(pl.col(ORD).max().alias(CLEAR_ORD))
+    if clears.height == 0:
+        return entries.filter(~clear_mask)
+    joined = entries.filter(~clear_mask).join(clears, on=keys, how="left", nulls_equal=True)
+    return joined.filter(pl.col(CLEAR_ORD).is_null() | (pl.col(ORD) > pl.col(CLEAR_ORD))).drop(CLEAR_ORD)
+
+
+def resolve(entries: pl.DataFrame, desc: StateDescriptor, keys: list[str], now_ms: int) -> pl.DataFrame:
+    """The view of ``desc`` over ``entries`` (see the module docstring)."""
+    v = desc.value_column
+    if desc.kind is StateKind.LIST:
+        live = _after_clear(entries, keys, pl.col(OP) == OP_DELETE)
+        live = live.filter(pl.col(OP) == OP_APPEND).sort(ORD)
+        return _live(live.select([*keys, v, EXPIRE_AT_MS, ORD]), now_ms)
+    if desc.kind is StateKind.MAP:
+        mk = desc.user_key_column
+        live = _after_clear(entries, keys, (pl.col(OP) == OP_DELETE) & pl.col(mk).is_null())
+        newest = live.sort(ORD).unique(subset=[*keys, mk], keep="last", maintain_order=False)
+        newest = newest.filter(pl.col(OP) == OP_PUT)
+        return _live(newest.select([*keys, mk, v, EXPIRE_AT_MS]), now_ms)
+    newest = entries.sort(ORD).unique(subset=keys, keep="last", maintain_order=False)
+    newest = newest.filter(pl.col(OP) == OP_PUT)
+    return _live(newest.select([*keys, v, EXPIRE_AT_MS]), now_ms)
+
+
+def view_as_entries(view: pl.DataFrame, desc: StateDescriptor) -> pl.DataFrame:
+    """A view as entries older than any real entry (``ord`` < 0; list order kept)."""
+    if desc.kind is StateKind.LIST:
+        # Keep the element order while moving every element below ord 0.
+        n = view.height
+        return view.with_columns(
+            pl.lit(OP_APPEND, dtype=pl.Int8).alias(OP),
+            (pl.int_range(0, n, dtype=pl.Int64) - n).alias(ORD),
+        )
+    return view.with_columns(pl.lit(OP_PUT, dtype=pl.Int8).alias(OP), pl.lit(-1, dtype=pl.Int64).alias(ORD))
+
+
+def merge(view: pl.DataFrame | None, new_entries: list[pl.DataFrame], desc: StateDescriptor,
+          keys: list[str], now_ms: int, entry_schema: pl.Schema) -> pl.DataFrame:
+    """The view after applying ``new_entries`` (each with ``ord``) on top of ``view``.
+
+    ``entry_schema`` is the polars schema of the variable's entries (``entry_columns``).
+    """
+    cols = entry_columns(desc, keys)
+    parts = [] if view is None else [view_as_entries(view, desc).select(cols)]
+    parts += [p.select(cols).cast(entry_schema) for p in new_entries]
+    if not parts:
+        return pl.DataFrame(schema=entry_schema).select(view_columns(desc, keys))
+    return resolve(pl.concat(parts, how="vertical"), desc, keys, now_ms)
+
+
+def entry_columns(desc: StateDescriptor, keys: list[str]) -> list[str]:
+    mk = [desc.user_key_column] if desc.kind is StateKind.MAP else []
+    return [*keys, OP, ORD, EXPIRE_AT_MS, *mk, desc.value_column]
+
+
+def view_columns(desc: StateDescriptor, keys: list[str]) -> list[str]:
+    if desc.kind is StateKind.LIST:
+        return [*keys, desc.value_column, EXPIRE_AT_MS, ORD]
+    if desc.kind is StateKind.MAP:
+        return [*keys, desc.user_key_column, desc.value_column, EXPIRE_AT_MS]
+    return [*keys, desc.value_column, EXPIRE_AT_MS]

@@ -1,0 +1,552 @@
+"""State handles: the user-facing API of each state variable.
+
+Every handle has two forms:
+
+* a per-key API on the store's current key (``store.set_current_key``), with Python
+  values; writes collect in an *overlay* (a dict, the cheap path for one key at a time)
+  that the store seals into the memtable before batched calls and at checkpoints;
+* a batched API taking and returning Arrow data for many keys at once; a batched read is
+  one vectorized join per call over the views of the key groups involved.
+
+Values may not be null (a null would be indistinguishable from absence): write ``clear``
+instead. Handles are used by the store's task thread only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from statestore.descriptors import StateDescriptor, StateKind, TtlUpdateType
+from statestore.errors import SchemaMismatchError
+from statestore.layout import EXPIRE_AT_MS, OP, OP_APPEND, OP_DELETE, OP_PUT
+from statestore.resolve import ORD
+
+if TYPE_CHECKING:
+    from statestore.store import StateStore
+
+ROW = "_row"
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+def _arrow(values: Any, dtype: pa.DataType, what: str) -> pa.Array:
+    """Values as an Arrow array of exactly ``dtype``; SchemaMismatchError otherwise."""
+    try:
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks()
+        arr = values if isinstance(values, pa.Array) else pa.array(values, type=dtype)
+        if arr.type != dtype:
+            arr = arr.cast(dtype)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError) as e:
+        raise SchemaMismatchError(f"{what} do not match the declared type {dtype}: {e}") from e
+    if arr.null_count:
+        raise ValueError(f"{what} contain {arr.null_count} null(s); state values must not be null (use clear)")
+    return arr
+
+
+@dataclass
+class _Pending:
+    """Per-key writes of one key since the last seal (list and map: a delta on the stored state)."""
+
+    key_group: int
+    cleared: bool = False
+    value: Any = None
+    has_value: bool = False
+    expire_at_ms: int | None = None
+    appended: list[tuple[Any, int | None]] = field(default_factory=list)
+    entries: dict[Any, tuple[Any, Any, bool, int | None]] = field(default_factory=dict)
+
+
+class KeyedState:
+    """Common plumbing of every state kind."""
+
+    def __init__(self, store: StateStore, desc: StateDescriptor):
+        self._store = store
+        self.descriptor = desc
+        self.name = desc.name
+        self._v = desc.value_column
+        self._overlay: dict[tuple, _Pending] = {}
+
+    # -- TTL
+
+    def _expire_at(self) -> int | None:
+        ttl = self.descriptor.ttl
+        return None if ttl is None else self._store.now_ms() + ttl.ttl_ms
+
+    def _refresh_on_read(self) -> bool:
+        ttl = self.descriptor.ttl
+        return ttl is not None and ttl.update_type is TtlUpdateType.ON_READ_AND_WRITE
+
+    def _live(self, expire_at_ms: int | None) -> bool:
+        return expire_at_ms is None or expire_at_ms > self._store.now_ms()
+
+    # -- overlay
+
+    def _pending(self) -> tuple[tuple, _Pending]:
+        key, kg = self._store.current_key()
+        p = self._overlay.get(key)
+        if p is None:
+            p = self._overlay[key] = _Pending(kg)
+        return key, p
+
+    def _stored_rows(self) -> pl.DataFrame:
+        """Live view rows of the current key, without the overlay (which is newer than any view)."""
+        key, kg = self._store.current_key()
+        view = self._store.views(self.name, [kg], seal=False)[0]
+        cond = pl.all_horizontal([pl.col(k) == pl.lit(v, dtype=view.schema[k])
+                                  for k, v in zip(self._store.key_names, key, strict=True)])
+        rows = view.filter(cond)
+        if rows.height:
+            rows = rows.filter(pl.col(EXPIRE_AT_MS).is_null() | (pl.col(EXPIRE_AT_MS) > self._store.now_ms()))
+        return rows
+
+    def seal_overlay(self) -> tuple[np.ndarray, pl.DataFrame] | None:
+        """Turn the overlay into (key groups, entries in write order) and empty it."""
+        if not self._overlay:
+            return None
+        rows: list[tuple[tuple, int, int, Any, Any, int | None]] = []
+        for key, p in self._overlay.items():
+            rows.extend(self._pending_entries(key, p))
+        self._overlay = {}
+        if not rows:
+            return None
+        return self._entries_frame(rows)
+
+    def _pending_entries(self, key: tuple, p: _Pending):
+        """(key, key group, op, user key, value, expire) rows of one key's pending writes."""
+        if p.cleared:
+            yield key, p.key_group, OP_DELETE, None, None, None
+        if p.has_value:
+            yield key, p.key_group, OP_PUT, None, p.value, p.expire_at_ms
+
+    def _entries_frame(self, rows) -> tuple[np.ndarray, pl.DataFrame]:
+        keys = list(zip(*[r[0] for r in rows], strict=True))
+        schema = self._store.layout.key_schema
+        cols: dict[str, pa.Array] = {f.name: pa.array(keys[i], type=f.type) for i, f in enumerate(schema)}
+        cols[OP] = pa.array([r[2] for r in rows], pa.int8())
+        cols[EXPIRE_AT_MS] = pa.array([r[5] for r in rows], pa.int64())
+        if self.descriptor.kind is StateKind.MAP:
+            cols[self.descriptor.user_key_column] = pa.array([r[3] for r in rows], self.descriptor.user_key_type)
+        cols[self._v] = pa.array([r[4] for r in rows], self.descriptor.value_type)
+        kgs = np.array([r[1] for r in rows], dtype=np.int32)
+        return kgs, pl.from_arrow(pa.table(cols))
+
+    # -- batched helpers
+
+    def _write_batch(self, keys: pa.Table, kgs: np.ndarray, op: int, values: pa.Array | None,
+                     user_keys: pa.Array | None = None, expire: pa.Array | None = None) -> None:
+        n = keys.num_rows
+        cols = {name: keys.column(name) for name in keys.column_names}
+        cols[OP] = pa.array(np.full(n, op, dtype=np.int8))
+        if expire is None:
+            exp = self._expire_at() if op != OP_DELETE else None
+            expire = pa.nulls(n, pa.int64()) if exp is None else pa.array(np.full(n, exp, dtype=np.int64))
+        cols[EXPIRE_AT_MS] = expire
+        if self.descriptor.kind is StateKind.MAP:
+            cols[self.descriptor.user_key_column] = (
+                user_keys if user_keys is not None else pa.nulls(n, self.descriptor.user_key_type))
+        cols[self._v] = values if values is not None else pa.nulls(n, self.descriptor.value_type)
+        self._store.write(self.name, kgs, pl.from_arrow(pa.table(cols)))
+
+    def _lookup_values(self, keys: pa.Table, kgs: np.ndarray) -> pl.DataFrame:
+        """keys joined with live values (``v`` null where absent or expired), in order."""
+        res = self._store.lookup(self.name, keys, kgs)
+        dead = pl.col(EXPIRE_AT_MS).is_not_null() & (pl.col(EXPIRE_AT_MS) <= self._store.now_ms())
+        return res.with_columns(pl.when(dead).then(None).otherwise(pl.col(self._v)).alias(self._v))
+
+    def _to_arrow(self, series: pl.Series, dtype: pa.DataType) -> pa.Array:
+        arr = series.to_arrow()
+        if isinstance(arr, pa.ChunkedArray):
+            arr = arr.combine_chunks()
+        return arr.cast(dtype)
+
+    def clear(self) -> None:
+        """Remove the current key's state."""
+        _, p = self._pending()
+        p.cleared, p.has_value, p.value = True, False, None
+        p.appended.clear()
+        p.entries.clear()
+
+    def clear_batch(self, keys: pa.Table) -> None:
+        """Remove the state of every key in ``keys``."""
+        keys, kgs = self._store.prepare_keys(keys)
+        self._write_batch(keys, kgs, OP_DELETE, None)
+
+
+class _ValueLike(KeyedState):
+    """Value, reducing and aggregating state: one stored value per key."""
+
+    def _stored(self) -> tuple[bool, Any]:
+        key, _ = self._store.current_key()
+        p = self._overlay.get(key)
+        if p is not None and (p.has_value or p.cleared):
+            if p.has_value and self._live(p.expire_at_ms):
+                return True, p.value
+            return False, None
+        rows = self._stored_rows()
+        if rows.height == 0:
+            return False, None
+        value = rows.get_column(self._v).to_list()[0]
+        if self._refresh_on_read():
+            self._put(value)
+        return True, value
+
+    def _put(self, value: Any) -> None:
+        if value is None:
+            raise ValueError(f"state {self.name!r}: values must not be null; call clear() instead")
+        _, p = self._pending()
+        p.value, p.has_value, p.expire_at_ms = value, True, self._expire_at()
+
+    def exists(self) -> bool:
+        return self._stored()[0]
+
+    def get_batch(self, keys: pa.Table) -> pa.Array:
+        """Stored value of each key (null where absent), aligned with ``keys``."""
+        keys, kgs = self._store.prepare_keys(keys)
+        res = self._lookup_values(keys, kgs)
+        values = self._to_arrow(res.get_column(self._v), self.descriptor.value_type)
+        if self._refresh_on_read():
+            found = pc.is_valid(values)
+            if pc.any(found).as_py():
+                self._write_batch(keys.filter(found), kgs[found.to_numpy(zero_copy_only=False)], OP_PUT,
+                                  values.filter(found))
+        return values
+
+
+class ValueState(_ValueLike):
+    def get(self) -> Any:
+        """The current key's value, or None."""
+        return self._stored()[1]
+
+    def update(self, value: Any) -> None:
+        self._put(value)
+
+    def update_batch(self, keys: pa.Table, values: pa.Array | list) -> None:
+        """Set the value of each key; for a key given twice the last value wins."""
+        keys, kgs = self._store.prepare_keys(keys)
+        values = _arrow(values, self.descriptor.value_type, f"values for state {self.name!r}")
+        _check_len(values, keys, self.name)
+        self._write_batch(keys, kgs, OP_PUT, values)
+
+
+class ReducingState(_ValueLike):
+    """Keeps ``reduce_fn(reduce_fn(v1, v2), v3)...`` of the values added to a key."""
+
+    def get(self) -> Any:
+        return self._stored()[1]
+
+    def add(self, value: Any) -> None:
+        found, current = self._stored()
+        self._put(self.descriptor.reduce_fn(current, value) if found else value)
+
+    def add_batch(self, keys: pa.Table, values: pa.Array | list) -> None:
+        """Add many values (several per key allowed), reduced per key and with the stored value.
+
+        Vectorized when the descriptor names a column aggregation (``vectorized``),
+        otherwise ``reduce_fn`` runs in Python per value.
+        """
+        keys, kgs = self._store.prepare_keys(keys)
+        values = _arrow(values, self.descriptor.value_type, f"values for state {self.name!r}")
+        _check_len(values, keys, self.name)
+        names = self._store.key_names
+        df = pl.from_arrow(keys).with_columns(pl.Series(self._v, values), pl.Series("_kg", kgs))
+        agg = self.descriptor.vectorized
+        if agg is not None:
+            grouped = df.group_by([*names, "_kg"], maintain_order=True).agg(getattr(pl.col(self._v), agg)())
+        else:
+            fn = self.descriptor.reduce_fn
+            grouped = df.group_by([*names, "_kg"], maintain_order=True).agg(pl.col(self._v))
+            grouped = grouped.with_columns(pl.Series(self._v, [_fold(fn, vs) for vs in grouped[self._v].to_list()],
+                                                     dtype=df.schema[self._v]))
+        ukeys = grouped.select(names).to_arrow().cast(self._store.layout.key_schema)
+        ukgs = grouped.get_column("_kg").to_numpy().astype(np.int32)
+        stored = self._lookup_values(ukeys, ukgs).get_column(self._v)
+        new = grouped.get_column(self._v)
+        if agg is not None:
+            both = pl.DataFrame({"a": stored, "b": new})
+            combined = both.select(getattr(pl, f"{agg}_horizontal")("a", "b")).to_series()
+        else:
+            fn = self.descriptor.reduce_fn
+            combined = pl.Series([b if a is None else fn(a, b) for a, b in zip(stored.to_list(), new.to_list(),
+                                                                                  strict=True)], dtype=new.dtype)
+        self._write_batch(ukeys, ukgs, OP_PUT, self._to_arrow(combined, self.descriptor.value_type))
+
+
+def _fold(fn, values: list) -> Any:
+    acc = values[0]
+    for v in values[1:]:
+        acc = fn(acc, v)
+    return acc
+
+
+class AggregatingState(_ValueLike):
+    """Keeps an accumulator per key; ``get`` returns ``agg_fn.get_result(accumulator)``."""
+
+    def get(self) -> Any:
+        found, acc = self._stored()
+        return self.descriptor.agg_fn.get_result(acc) if found else None
+
+    def add(self, value: Any) -> None:
+        fn = self.descriptor.agg_fn
+        found, acc = self._stored()
+        self._put(fn.add(value, acc if found else fn.create_accumulator()))
+
+    def merge_accumulator(self, accumulator: Any) -> None:
+        fn = self.descriptor.agg_fn
+        found, acc = self._stored()
+        self._put(fn.merge(acc, accumulator) if found else accumulator)
+
+    def add_batch(self, keys: pa.Table, values: pa.Array | list) -> None:
+        """Add many values; grouping is vectorized, ``agg_fn.add`` runs per value in Python."""
+        keys, kgs = self._store.prepare_keys(keys)
+        values = values.to_pylist() if isinstance(values, pa.Array | pa.ChunkedArray) else list(values)
+        _check_len(values, keys, self.name)
+        names = self._store.key_names
+        df = pl.from_arrow(keys).with_columns(pl.Series("_kg", kgs), pl.Series("_i", np.arange(len(values))))
+        grouped = df.group_by([*names, "_kg"], maintain_order=True).agg(pl.col("_i"))
+        ukeys = grouped.select(names).to_arrow().cast(self._store.layout.key_schema)
+        ukgs = grouped.get_column("_kg").to_numpy().astype(np.int32)
+        stored = self._lookup_values(ukeys, ukgs).get_column(self._v).to_list()
+        fn = self.descriptor.agg_fn
+        accs = []
+        for acc, idx in zip(stored, grouped.get_column("_i").to_list(), strict=True):
+            acc = fn.create_accumulator() if acc is None else acc
+            for i in idx:
+                acc = fn.add(values[i], acc)
+            accs.append(acc)
+        accs = _arrow(accs, self.descriptor.value_type, f"accumulators of {self.name!r}")
+        self._write_batch(ukeys, ukgs, OP_PUT, accs)
+
+    def get_batch(self, keys: pa.Table) -> pa.Array:  # type: ignore[override]
+        """Result of each key's accumulator (null where absent)."""
+        accs = super().get_batch(keys).to_pylist()
+        fn = self.descriptor.agg_fn
+        return pa.array([None if a is None else fn.get_result(a) for a in accs])
+
+
+class ListState(KeyedState):
+    def _pending_entries(self, key: tuple, p: _Pending):
+        if p.cleared:
+            yield key, p.key_group, OP_DELETE, None, None, None
+        for value, expire in p.appended:
+            yield key, p.key_group, OP_APPEND, None, value, expire
+
+    def get(self) -> list:
+        """The current key's elements in order (an empty list when none)."""
+        key, _ = self._store.current_key()
+        p = self._overlay.get(key)
+        stored: list = []
+        if p is None or not p.cleared:
+            rows = self._stored_rows()
+            stored = rows.sort(ORD).get_column(self._v).to_list() if rows.height else []
+        pending = [v for v, e in p.appended if self._live(e)] if p is not None else []
+        result = stored + pending
+        if self._refresh_on_read() and result:
+            self.update(result)
+        return result
+
+    def exists(self) -> bool:
+        return bool(self.get())
+
+    def add(self, value: Any) -> None:
+        if value is None:
+            raise ValueError(f"state {self.name!r}: list elements must not be null")
+        _, p = self._pending()
+        p.appended.append((value, self._expire_at()))
+
+    def add_all(self, values: list) -> None:
+        for v in values:
+            self.add(v)
+
+    def update(self, values: list) -> None:
+        """Replace the current key's list."""
+        self.clear()
+        self.add_all(values)
+
+    def get_batch(self, keys: pa.Table) -> pa.ListArray:
+        """Each key's list (empty when none), aligned with ``keys``."""
+        keys, kgs = self._store.prepare_keys(keys)
+        names = self._store.key_names
+        views = self._store.views(self.name, np.unique(kgs).tolist())
+        view = pl.concat(views, how="vertical", rechunk=False)
+        now = self._store.now_ms()
+        live = view.filter(pl.col(EXPIRE_AT_MS).is_null() | (pl.col(EXPIRE_AT_MS) > now))
+        lists = live.sort(ORD).group_by(names, maintain_order=True).agg(pl.col(self._v))
+        res = pl.from_arrow(keys).join(lists, on=names, how="left", maintain_order="left")
+        out = res.get_column(self._v).to_arrow()
+        if isinstance(out, pa.ChunkedArray):
+            out = out.combine_chunks()
+        out = out.cast(pa.list_(self.descriptor.value_type))
+        out = pc.if_else(pc.is_null(out), pa.scalar([], out.type), out)
+        if self._refresh_on_read():
+            found = res.filter(pl.col(self._v).is_not_null())
+            if found.height:
+                fkeys = found.select(names).to_arrow().cast(self._store.layout.key_schema)
+                self.update_batch(fkeys, self._to_arrow(found.get_column(self._v),
+                                                        pa.list_(self.descriptor.value_type)))
+        return out
+
+    def add_batch(self, keys: pa.Table, values: pa.Array | list) -> None:
+        """Append ``values[i]`` to the list of ``keys[i]``, in row order."""
+        keys, kgs = self._store.prepare_keys(keys)
+        values = _arrow(values, self.descriptor.value_type, f"elements for state {self.name!r}")
+        _check_len(values, keys, self.name)
+        self._write_batch(keys, kgs, OP_APPEND, values)
+
+    def update_batch(self, keys: pa.Table, lists: pa.Array | list) -> None:
+        """Replace the list of each key with ``lists[i]`` (a list array aligned with ``keys``)."""
+        keys, kgs = self._store.prepare_keys(keys)
+        lists = _arrow(lists, pa.list_(self.descriptor.value_type), f"lists for state {self.name!r}")
+        _check_len(lists, keys, self.name)
+        self._write_batch(keys, kgs, OP_DELETE, None)
+        parents = pc.list_parent_indices(lists)
+        elems = pc.list_flatten(lists)
+        if len(elems):
+            self._write_batch(keys.take(parents), kgs[parents.to_numpy()], OP_APPEND,
+                              _arrow(elems, self.descriptor.value_type, f"elements for state {self.name!r}"))
+
+
+class MapState(KeyedState):
+    def _pending_entries(self, key: tuple, p: _Pending):
+        if p.cleared:
+            yield key, p.key_group, OP_DELETE, None, None, None
+        for uk, value, present, expire in p.entries.values():
+            yield key, p.key_group, OP_PUT if present else OP_DELETE, uk, value, expire
+
+    def _user_key_col(self) -> str:
+        return self.descriptor.user_key_column
+
+    def _entries(self) -> dict:
+        """The current key's live map: {hashable user key: (user key, value)}."""
+        key, _ = self._store.current_key()
+        p = self._overlay.get(key)
+        result: dict = {}
+        if p is None or not p.cleared:
+            rows = self._stored_rows()
+            for uk, v in zip(rows.get_column(self._user_key_col()).to_list(), rows.get_column(self._v).to_list(),
+                             strict=True):
+                result[_hashable(uk)] = (uk, v)
+        if p is not None:
+            for h, (uk, value, present, expire) in p.entries.items():
+                if present and self._live(expire):
+                    result[h] = (uk, value)
+                else:
+                    result.pop(h, None)
+        return result
+
+    def _touch(self, entries: dict) -> None:
+        if self._refresh_on_read():
+            for uk, v in list(entries.values()):
+                self.put(uk, v)
+
+    def get(self, user_key: Any) -> Any:
+        hit = self._entries().get(_hashable(user_key))
+        if hit is not None:
+            self._touch({0: hit})
+        return None if hit is None else hit[1]
+
+    def contains(self, user_key: Any) -> bool:
+        return _hashable(user_key) in self._entries()
+
+    def put(self, user_key: Any, value: Any) -> None:
+        if user_key is None or value is None:
+            raise ValueError(f"state {self.name!r}: map user keys and values must not be null")
+        _, p = self._pending()
+        p.entries[_hashable(user_key)] = (user_key, value, True, self._expire_at())
+
+    def put_all(self, mapping: dict) -> None:
+        for k, v in mapping.items():
+            self.put(k, v)
+
+    def remove(self, user_key: Any) -> None:
+        _, p = self._pending()
+        p.entries[_hashable(user_key)] = (user_key, None, False, None)
+
+    def items(self) -> list[tuple[Any, Any]]:
+        entries = self._entries()
+        self._touch(entries)
+        return list(entries.values())
+
+    def keys(self) -> list:
+        return [uk for uk, _ in self.items()]
+
+    def values(self) -> list:
+        return [v for _, v in self.items()]
+
+    def is_empty(self) -> bool:
+        return not self._entries()
+
+    def exists(self) -> bool:
+        return not self.is_empty()
+
+    def get_batch(self, keys: pa.Table, user_keys: pa.Array | list) -> pa.Array:
+        """Value of ``(keys[i], user_keys[i])`` (null where absent), aligned with the rows."""
+        keys, kgs = self._store.prepare_keys(keys)
+        uks = _arrow(user_keys, self.descriptor.user_key_type, f"user keys for map {self.name!r}")
+        _check_len(uks, keys, self.name)
+        extra = pl.from_arrow(pa.table({self._user_key_col(): uks}))
+        res = self._store.lookup(self.name, keys, kgs, on_extra=extra)
+        dead = pl.col(EXPIRE_AT_MS).is_not_null() & (pl.col(EXPIRE_AT_MS) <= self._store.now_ms())
+        res = res.with_columns(pl.when(dead).then(None).otherwise(pl.col(self._v)).alias(self._v))
+        values = self._to_arrow(res.get_column(self._v), self.descriptor.value_type)
+        if self._refresh_on_read():
+            found = pc.is_valid(values)
+            if pc.any(found).as_py():
+                self._write_batch(keys.filter(found), kgs[found.to_numpy(zero_copy_only=False)], OP_PUT,
+                                  values.filter(found), user_keys=uks.filter(found))
+        return values
+
+    def items_batch(self, keys: pa.Table) -> pa.Table:
+        """Every live entry of the given keys: columns ``_row`` (index into ``keys``), user key, value."""
+        keys, kgs = self._store.prepare_keys(keys)
+        names = self._store.key_names
+        views = self._store.views(self.name, np.unique(kgs).tolist())
+        view = pl.concat(views, how="vertical", rechunk=False)
+        live = view.filter(pl.col(EXPIRE_AT_MS).is_null() | (pl.col(EXPIRE_AT_MS) > self._store.now_ms()))
+        left = pl.from_arrow(keys).with_row_index(ROW)
+        res = left.join(live, on=names, how="inner", maintain_order="left")
+        out = res.select([pl.col(ROW).cast(pl.Int64), self._user_key_col(), self._v]).to_arrow()
+        return out.cast(pa.schema([(ROW, pa.int64()), (self._user_key_col(), self.descriptor.user_key_type),
+                                   (self._v, self.descriptor.value_type)]))
+
+    def put_batch(self, keys: pa.Table, user_keys: pa.Array | list, values: pa.Array | list) -> None:
+        keys, kgs = self._store.prepare_keys(keys)
+        uks = _arrow(user_keys, self.descriptor.user_key_type, f"user keys for map {self.name!r}")
+        values = _arrow(values, self.descriptor.value_type, f"values for map {self.name!r}")
+        _check_len(uks, keys, self.name)
+        _check_len(values, keys, self.name)
+        self._write_batch(keys, kgs, OP_PUT, values, user_keys=uks)
+
+    def remove_batch(self, keys: pa.Table, user_keys: pa.Array | list) -> None:
+        keys, kgs = self._store.prepare_keys(keys)
+        uks = _arrow(user_keys, self.descriptor.user_key_type, f"user keys for map {self.name!r}")
+        _check_len(uks, keys, self.name)
+        self._write_batch(keys, kgs, OP_DELETE, None, user_keys=uks)
+
+
+def _check_len(values, keys: pa.Table, name: str) -> None:
+    if len(values) != keys.num_rows:
+        raise ValueError(f"state {name!r}: {len(values)} values for {keys.num_rows} keys; they must align")
+
+
+STATE_CLASSES: dict[StateKind, type[KeyedState]] = {
+    StateKind.VALUE: ValueState,
+    StateKind.LIST: ListState,
+    StateKind.MAP: MapState,
+    StateKind.REDUCING: ReducingState,
+    StateKind.AGGREGATING: AggregatingState,
+}
+
+__all__ = ["AggregatingState", "KeyedState", "ListState", "MapState", "ReducingState", "ValueState"]

@@ -1,0 +1,343 @@
+"""``StateStore``: one task's keyed state over a ``StateTable``.
+
+The store owns the key groups of one task (``key_group_range``), the memtable of writes
+since the last checkpoint, the cache of resolved key-group views and the state handles.
+Reads go memtable (through the views, which apply memtable entries lazily) then segments
+(loaded into the cache, a whole key group at a time, with pruned Parquet reads). A
+checkpoint flushes the memtable into new segments and commits them through the table.
+
+Thread safety: a store is used by one task thread at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from statestore.cache import CachedKeyGroup, KeyGroupCache
+from statestore.config import StoreConfig
+from statestore.descriptors import StateDescriptor
+from statestore.errors import KeyGroupOutOfRangeError, StateClosedError, StateStoreError
+from statestore.faults import crash_point
+from statestore.keygroups import KeyGroupRange, assign_key_groups, compute_key_group_range_for_task
+from statestore.layout import CHECKPOINT_ID, EXPIRE_AT_MS, KEY_GROUP, OP, SEQ, STATE
+from statestore.memtable import KG, Memtable
+from statestore.resolve import ORD, entry_columns, make_ord, merge, resolve, view_columns
+from statestore.segment import SegmentReader, write_segments
+from statestore.state import STATE_CLASSES, KeyedState
+from statestore.table import CheckpointInfo, SegmentFile, StateTable
+
+
+class StateStore:
+    """Keyed state of one task (``task_index`` of ``parallelism``) over ``table``.
+
+    The table must be opened at the checkpoint to continue from; nothing is read until a
+    key group is first accessed (restore downloads nothing up front).
+    """
+
+    def __init__(self, table: StateTable, *, task_index: int = 0, parallelism: int = 1,
+                 config: StoreConfig | None = None):
+        self._table = table
+        self.layout = table.layout
+        self.key_names = self.layout.key_names
+        self.task_index = task_index
+        self.parallelism = parallelism
+        self.key_group_range = compute_key_group_range_for_task(self.layout.max_parallelism, parallelism, task_index)
+        self.config = config or StoreConfig()
+        self._memtable = Memtable()
+        self._cache = KeyGroupCache(self.config.cache_size_bytes_max)
+        self._reader = SegmentReader(table.filesystem, self.config.footer_cache_entries_max)
+        self._entry_schemas = self._polars_entry_schemas()
+        self._handles: dict[str, KeyedState] = {}
+        self._current_key: tuple | None = None
+        self._current_key_group: int | None = None
+        self._closed = False
+
+    # ---------------------------------------------------------------- state handles
+
+    def get_state(self, descriptor: StateDescriptor | str) -> KeyedState:
+        """The handle of a state variable declared in the table's layout."""
+        self._check_open()
+        name = descriptor if isinstance(descriptor, str) else descriptor.name
+        try:
+            declared = self.layout.descriptor(name)
+        except KeyError as e:
+            raise StateStoreError(
+                f"state {name!r} is not declared in table layout (declared: "
+                f"{[d.name for d in self.layout.descriptors]}); declare it when opening the state table"
+            ) from e
+        if not isinstance(descriptor, str) and descriptor != declared:
+            raise StateStoreError(f"state {name!r} is declared as {declared}, requested as {descriptor}")
+        if name not in self._handles:
+            self._handles[name] = STATE_CLASSES[declared.kind](self, declared)
+        return self._handles[name]
+
+    @property
+    def table(self) -> StateTable:
+        return self._table
+
+    # ---------------------------------------------------------------- current key
+
+    def set_current_key(self, key: Any) -> None:
+        """Select the key the per-key state API works on (a scalar, or a tuple for several columns)."""
+        key = key if isinstance(key, tuple) else (key,)
+        if len(key) != len(self.key_names):
+            raise ValueError(f"key {key!r} has {len(key)} value(s); the key columns are {self.key_names}")
+        if any(v is None for v in key):
+            raise ValueError(f"key {key!r} has a null value: keys must not be null")
+        try:
+            cols = [pa.array([v], type=f.type) for v, f in zip(key, self.layout.key_schema, strict=True)]
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as e:
+            raise TypeError(f"key {key!r} does not fit the key schema {self.layout.key_schema}: {e}") from e
+        kg = int(assign_key_groups(cols, self.layout.max_parallelism)[0])
+        self._check_owned(np.array([kg]))
+        self._current_key, self._current_key_group = key, kg
+
+    def current_key(self) -> tuple[tuple, int]:
+        if self._current_key is None:
+            raise StateStoreError("no current key: call set_current_key(key) before the per-key state API")
+        return self._current_key, self._current_key_group
+
+    # ---------------------------------------------------------------- batched plumbing
+
+    def prepare_keys(self, keys: pa.Table | pa.RecordBatch) -> tuple[pa.Table, np.ndarray]:
+        """Validate keys, compute their key groups and check this task owns them."""
+        self._check_open()
+        table = self.layout.check_keys(keys)
+        kgs = assign_key_groups(table, self.layout.max_parallelism)
+        self._check_owned(kgs)
+        return table, kgs
+
+    def write(self, name: str, key_groups: np.ndarray, entries: pl.DataFrame) -> None:
+        """Append entries of state ``name`` (entry columns but ``ord``) to the memtable."""
+        self.seal()
+        self._memtable.add(name, key_groups, entries)
+
+    def views(self, name: str, key_groups: Iterable[int], seal: bool = True) -> list[pl.DataFrame]:
+        """Views of ``name`` for the given key groups (loading what is missing), up to date with
+        the memtable; with ``seal`` also with the handles' per-key writes (the per-key API reads
+        without sealing and applies its own overlay on top)."""
+        if seal:
+            self.seal()
+        kgs = sorted({int(k) for k in key_groups})
+        missing = [kg for kg in kgs if kg not in self._cache]
+        if missing:
+            self._cache.misses += len(missing)
+            self._load(missing)
+        out = [self._refresh(kg, name) for kg in kgs]
+        self._cache.trim(pinned=kgs)
+        return out
+
+    def lookup(self, name: str, keys: pa.Table, key_groups: np.ndarray, on_extra: pl.DataFrame | None = None,
+               ) -> pl.DataFrame:
+        """Left join of ``keys`` (in order) with the live view rows of ``name``.
+
+        ``on_extra`` adds join columns (a map's user keys), aligned with ``keys``.
+        """
+        views = self.views(name, np.unique(key_groups).tolist())
+        view = pl.concat(views, how="vertical", rechunk=False) if views else None
+        left = pl.from_arrow(keys)
+        on = list(self.key_names)
+        if on_extra is not None:
+            left = left.hstack(on_extra)
+            on += on_extra.columns
+        if view is None or view.height == 0:
+            desc = self.layout.descriptor(name)
+            return left.join(self.empty_view(desc), on=on, how="left", maintain_order="left")
+        return left.join(view, on=on, how="left", maintain_order="left")
+
+    def now_ms(self) -> int:
+        return int(self.config.clock_ms())
+
+    def empty_view(self, desc: StateDescriptor) -> pl.DataFrame:
+        schema = self._entry_schemas[desc.name]
+        return pl.DataFrame(schema=schema).select(view_columns(desc, self.key_names))
+
+    def entry_schema(self, name: str) -> pl.Schema:
+        return self._entry_schemas[name]
+
+    def seal(self) -> None:
+        """Move every handle's per-key writes into the memtable, in write order."""
+        for handle in self._handles.values():
+            sealed = handle.seal_overlay()
+            if sealed is not None:
+                self._memtable.add(handle.name, *sealed)
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def flush(self, checkpoint_id: int) -> list[SegmentFile]:
+        """Write the memtable as this task's segments of ``checkpoint_id`` (not committed).
+
+        The memtable is kept until ``checkpoint_complete``: if the commit fails, the next
+        checkpoint writes it again and the files written here are garbage.
+        """
+        self._check_open()
+        self.seal()
+        crash_point("flush_started")
+        entries = self._memtable_as_entries(checkpoint_id)
+        if entries is None:
+            return []
+        return write_segments(self._table, entries, checkpoint_id, self.task_index,
+                              self.config.row_group_rows_min, self.config.row_group_rows_max)
+
+    def checkpoint_complete(self, checkpoint_id: int) -> None:
+        """The checkpoint that ``flush`` wrote is committed: drop the memtable.
+
+        Memtable entries that a cached view has not applied yet move to the view's
+        ``pending`` list, so a cached key group never has to be read again.
+        """
+        for kg in self._iter_cached():
+            group = self._cache.get(kg)
+            for name in group.views:
+                unapplied = self._memtable.parts(name, kg)[group.applied.get(name, 0):]
+                if unapplied:
+                    group.pending.setdefault(name, []).extend(unapplied)
+                group.applied[name] = 0
+        if self._memtable.clear():
+            # The ord sequence wrapped: pending entries could sort after newer ones.
+            self._cache.clear()
+
+    def checkpoint(self, batch_id: int | None = None, properties: dict[str, str] | None = None) -> CheckpointInfo:
+        """Flush and commit a checkpoint of this store alone (single-task use)."""
+        checkpoint_id = self._table.next_checkpoint_id()
+        segments = self.flush(checkpoint_id)
+        crash_point("segments_written")
+        info = self._table.commit_checkpoint(
+            checkpoint_id, segments, parallelism=self.parallelism, batch_id=batch_id, properties=properties
+        )
+        self.checkpoint_complete(checkpoint_id)
+        return info
+
+    def restore(self, checkpoint_id: int | None = None) -> CheckpointInfo | None:
+        """Drop all uncommitted state and continue from ``checkpoint_id`` (newest when None)."""
+        self._check_open()
+        info = self._table.restore(checkpoint_id)
+        self._reset()
+        return info
+
+    def close(self) -> None:
+        self._reset()
+        self._closed = True
+
+    # ---------------------------------------------------------------- statistics
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "cache_key_groups": len(self._cache),
+            "cache_size_bytes": self._cache.size_bytes,
+            "cache_misses": self._cache.misses,
+            "cache_evictions": self._cache.evictions,
+            "memtable_entries": self._memtable.entry_count(),
+            "segment_bytes_read": self._reader.bytes_read,
+            "segment_files_opened": self._reader.files_opened,
+        }
+
+    # ---------------------------------------------------------------- internals
+
+    def _reset(self) -> None:
+        self._memtable.reset()
+        self._cache.clear()
+        for handle in self._handles.values():
+            handle.seal_overlay()
+        self._current_key = self._current_key_group = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateClosedError("the state store is closed; open a new StateStore on the table")
+
+    def _check_owned(self, kgs: np.ndarray) -> None:
+        r = self.key_group_range
+        bad = kgs[(kgs < r.start) | (kgs > r.end)]
+        if len(bad):
+            raise KeyGroupOutOfRangeError(
+                f"key group {int(bad[0])} is not owned by task {self.task_index} of {self.parallelism} "
+                f"(owns {r}); route keys with pmod(xxhash64(keys), {self.layout.max_parallelism}) to their task"
+            )
+
+    def _iter_cached(self) -> list[int]:
+        return [kg for kg in range(self.key_group_range.start, self.key_group_range.end + 1) if kg in self._cache]
+
+    def _polars_entry_schemas(self) -> dict[str, pl.Schema]:
+        empty = pl.from_arrow(self.layout.entry_schema.empty_table())
+        full = dict(empty.schema)
+        full[ORD] = pl.Int64
+        return {
+            d.name: pl.Schema({c: full[c] for c in entry_columns(d, self.key_names)})
+            for d in self.layout.descriptors
+        }
+
+    def _refresh(self, kg: int, name: str) -> pl.DataFrame:
+        group = self._cache.get(kg)
+        parts = self._memtable.parts(name, kg)
+        applied = group.applied.get(name, 0)
+        if len(parts) > applied or group.pending.get(name):
+            desc = self.layout.descriptor(name)
+            new = group.pending.pop(name, []) + parts[applied:]
+            group.views[name] = merge(group.views[name], new, desc, self.key_names, self.now_ms(),
+                                      self._entry_schemas[name])
+            group.applied[name] = len(parts)
+            self._cache.resized(kg)
+        return group.views[name]
+
+    def _load(self, kgs: Sequence[int]) -> None:
+        """Read the segments of ``kgs`` and resolve every variable's view of each."""
+        wanted = np.asarray(kgs, dtype=np.int64)
+        segments = self._table.segments(KeyGroupRange.of(int(wanted[0]), int(wanted[-1])))
+        columns = [KEY_GROUP, *self.key_names, STATE, OP, CHECKPOINT_ID, SEQ, EXPIRE_AT_MS]
+        columns += [c for c in self.layout.entry_schema.names if c.startswith(("mk_", "v_"))]
+        tables = self._reader.read(segments, wanted, columns)
+        entries = None
+        if tables:
+            table = pa.concat_tables(tables, promote_options="permissive")
+            entries = pl.from_arrow(table).with_columns(make_ord(pl.col(CHECKPOINT_ID), pl.col(SEQ)))
+        groups = {kg: CachedKeyGroup() for kg in kgs}
+        now = self.now_ms()
+        for desc in self.layout.descriptors:
+            for kg, view in self._resolve_loaded(desc, entries, kgs, now).items():
+                groups[kg].views[desc.name] = view
+                groups[kg].applied[desc.name] = len(self._memtable.parts(desc.name, kg))
+        for kg, group in groups.items():
+            self._cache.put(kg, group)
+
+    def _resolve_loaded(self, desc: StateDescriptor, entries: pl.DataFrame | None, kgs: Sequence[int],
+                        now: int) -> dict[int, pl.DataFrame]:
+        schema = self._entry_schemas[desc.name]
+        cols = entry_columns(desc, self.key_names)
+        frames = []
+        if entries is not None:
+            seg = entries.filter(pl.col(STATE) == desc.name)
+            frames.append(seg.select([pl.col(KEY_GROUP).cast(pl.Int32).alias(KG), *cols]).cast(schema))
+        for kg in kgs:
+            frames += [p.with_columns(pl.lit(kg, dtype=pl.Int32).alias(KG)).select([KG, *cols])
+                       for p in self._memtable.parts(desc.name, kg)]
+        keyed_schema = pl.Schema({KG: pl.Int32, **schema})
+        frames = [f.cast(keyed_schema) for f in frames if f.height]
+        empty = self.empty_view(desc)
+        if not frames:
+            return dict.fromkeys(kgs, empty)
+        view = resolve(pl.concat(frames, how="vertical"), desc, [KG, *self.key_names], now)
+        by_kg = view.partition_by(KG, as_dict=True, include_key=False)
+        return {kg: by_kg.get((kg,), empty) for kg in kgs}
+
+    def _memtable_as_entries(self, checkpoint_id: int) -> pa.Table | None:
+        entry_schema = self.layout.entry_schema
+        parts = []
+        for name, kg, part in self._memtable.items():
+            desc = self.layout.descriptor(name)
+            df = part.select(entry_columns(desc, self.key_names)).with_columns(
+                pl.lit(kg, dtype=pl.Int32).alias(KEY_GROUP),
+                pl.lit(name).alias(STATE),
+                pl.lit(checkpoint_id, dtype=pl.Int64).alias(CHECKPOINT_ID),
+                (pl.col(ORD) & ((1 << 32) - 1)).alias(SEQ),
+            ).drop(ORD)
+            parts.append(df.to_arrow())
+        if not parts:
+            return None
+        table = pa.concat_tables(parts, promote_options="permissive")
+        cols = [table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+                for f in entry_schema]
+        return pa.Table.from_arrays(cols, schema=entry_schema)
