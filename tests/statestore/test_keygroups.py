@@ -421,6 +421,36 @@ def test_assign_key_group_single_tuple():
         assert got == java_pmod(to_signed(h), n)
 
 
+# --------------------------------------------------------------------------- Spark golden values
+
+# Computed once with Spark 4.3 (session time zone UTC):
+#   SELECT xxhash64(<keys>), pmod(xxhash64(<keys>), 128)
+SPARK_GOLDEN = [
+    ([pa.array(["Spark"])], -4294468057691064905, 55),
+    ([pa.array([""])], -7444071767201028348, 4),
+    ([pa.array(["😀中é"])], -7089128988863799010, 30),
+    ([pa.array(["x" * 40])], -5348608777870439244, 52),
+    ([pa.array([b"\x00\xff"], pa.binary())], 879945414100663330, 34),
+    ([pa.array([-1], pa.int8())], 2017008487422258757, 69),
+    ([pa.array([-32768], pa.int16())], -904511417458573795, 29),
+    ([pa.array([True])], -6698625589789238999, 41),
+    ([pa.array([False])], 3614696996920510707, 115),
+    ([pa.array([42], pa.int32())], -387659249110444264, 24),
+    ([pa.array([42], pa.int64())], -6876166290308861218, 94),
+    ([pa.array([dt.date(1969, 7, 20)], pa.date32())], 4358245511639172990, 126),
+    ([pa.array([-1], pa.timestamp("us", tz="UTC"))], 3858142552250413010, 82),
+    ([pa.array(["Spark"]), pa.array([7], pa.int64())], 7081094736886788433, 81),
+    ([pa.array([1], pa.int32()), pa.array([dt.date(2024, 2, 29)]), pa.array([True])], 1421148509405662125, 45),
+]
+
+
+@pytest.mark.parametrize(("columns", "spark_hash", "spark_group"), SPARK_GOLDEN, ids=lambda v: None)
+def test_spark_golden_values(columns, spark_hash, spark_group):
+    assert spark_xxhash64(columns).tolist() == [spark_hash]
+    assert assign_key_groups(columns, 128).tolist() == [spark_group]
+    assert ref_row_hashes(columns) == [spark_hash]  # the xxhash-package reference agrees with Spark
+
+
 # --------------------------------------------------------------------------- pmod
 
 
