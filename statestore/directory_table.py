@@ -125,7 +125,8 @@ class DirectoryStateTable:
             raise ValueError(f"checkpoint id {checkpoint_id} is not greater than every committed id of {self._root}")
         for s in segments:
             self._check_segment(s)
-        visible = (self._current["segments"] if self._current else []) + [_seg_dict(s) for s in segments]
+        new = [{**_seg_dict(s), "path": self._relative(s.path)} for s in segments]
+        visible = (self._current["segments"] if self._current else []) + new
         record = {
             "checkpoint_id": checkpoint_id, "batch_id": batch_id, "parallelism": parallelism,
             "max_parallelism": self._layout.max_parallelism, "timestamp_ms": int(time.time() * 1000),
@@ -151,8 +152,10 @@ class DirectoryStateTable:
                 return None
             checkpoint_id = int(head.read_text())
         path = self._cp_path(checkpoint_id)
-        if not path.exists():
-            retained = [c.checkpoint_id for c in self.list_checkpoints()]
+        committed = self._line(self._head())
+        if checkpoint_id not in {c["checkpoint_id"] for c in committed} or not path.exists():
+            # A checkpoint file that HEAD never reached belongs to a commit that crashed.
+            retained = [c["checkpoint_id"] for c in committed]
             raise CheckpointNotFoundError(
                 f"checkpoint {checkpoint_id} is not retained in state table {self._root} (retained: {retained}); "
                 "restore one of those"
@@ -164,7 +167,21 @@ class DirectoryStateTable:
 
     def _set_current(self, record: dict | None) -> None:
         self._current = record
-        self._segments = [SegmentFile(**s) for s in record["segments"]] if record else []
+        self._segments = [SegmentFile(**{**s, "path": self._absolute(s["path"])}) for s in record["segments"]] \
+            if record else []
+
+    def _absolute(self, path: str) -> str:
+        # Segments are recorded relative to the table root, so the table stays valid when
+        # its directory is reached through another spelling (a symlink) or moved.
+        return path if os.path.isabs(path) else str(self._root / path)
+
+    def _relative(self, path: str) -> str:
+        p = Path(path)
+        return str(p.relative_to(self._root)) if p.is_relative_to(self._root) else path
+
+    def _head(self) -> int | None:
+        head = self._root / CHECKPOINT_DIR / HEAD
+        return int(head.read_text()) if head.exists() else None
 
     def _check_layout(self) -> None:
         path = self._root / "_layout.json"
@@ -188,10 +205,11 @@ class DirectoryStateTable:
     def _all_checkpoints(self) -> list[dict]:
         return [json.loads(p.read_text()) for p in sorted((self._root / CHECKPOINT_DIR).glob("cp-*.json"))]
 
-    def _line(self) -> list[dict]:
-        """Retained checkpoints from the current one back through its parents, oldest first."""
+    def _line(self, start: int | None = None) -> list[dict]:
+        """Retained checkpoints from ``start`` (default: the current one) back through its
+        parents, oldest first."""
         by_id = {c["checkpoint_id"]: c for c in self._all_checkpoints()}
-        line, cur = [], self._current["checkpoint_id"] if self._current else None
+        line, cur = [], start if start is not None else (self._current["checkpoint_id"] if self._current else None)
         while cur is not None and cur in by_id:
             line.append(by_id[cur])
             cur = by_id[cur]["parent"]
@@ -209,7 +227,7 @@ class DirectoryStateTable:
         data = self._root / paths.DATA_DIR
         for f in data.glob("seg-*.parquet") if data.exists() else []:
             parsed = paths.parse_segment_name(f.name)
-            if parsed and parsed[0] <= newest and str(f) not in referenced:
+            if parsed and parsed[0] <= newest and self._relative(str(f)) not in referenced:
                 f.unlink(missing_ok=True)
         crash_point("files_deleted")
 

@@ -77,7 +77,7 @@ def _write_one(fs: pafs.FileSystem, path: str, part: pa.Table, kgs: np.ndarray, 
     fs.create_dir(parent, recursive=True)
     with fs.open_output_stream(path) as out, pq.ParquetWriter(
         out, part.schema, compression=PARQUET_COMPRESSION, write_statistics=True,
-        store_schema=False,
+        store_schema=False, write_page_checksum=True,
     ) as writer:
         for offset, length in _row_group_bounds(kgs, rows_min, rows_max):
             writer.write_table(part.slice(offset, length), row_group_size=length)
@@ -126,7 +126,8 @@ class SegmentReader:
             present = [c for c in columns if c in names]
             with self._fs.open_input_file(seg.path) as f:
                 self.files_opened += 1
-                t = pq.ParquetFile(f, metadata=md).read_row_groups(groups, columns=present)
+                t = pq.ParquetFile(f, metadata=md, page_checksum_verification=True).read_row_groups(
+                    groups, columns=present)
             self.bytes_read += sum(md.row_group(g).total_byte_size for g in groups)
         except (OSError, pa.ArrowException) as e:
             self._footers.pop(seg.path, None)

@@ -319,7 +319,7 @@ class StateStore:
         empty = self.empty_view(desc)
         if not frames:
             return dict.fromkeys(kgs, empty)
-        view = resolve(pl.concat(frames, how="vertical"), desc, [KG, *self.key_names], now)
+        view = resolve(pl.concat(frames, how="vertical", rechunk=True), desc, [KG, *self.key_names], now)
         by_kg = view.partition_by(KG, as_dict=True, include_key=False)
         return {kg: by_kg.get((kg,), empty) for kg in kgs}
 
