@@ -22,7 +22,9 @@ SUMMARY_CHECKPOINT_ID = "statestore.checkpoint-id"
 SUMMARY_BATCH_ID = "statestore.batch-id"
 SUMMARY_PARALLELISM = "statestore.parallelism"
 SUMMARY_MAX_PARALLELISM = "statestore.max-parallelism"
-RESERVED_SUMMARY_KEYS = frozenset({SUMMARY_CHECKPOINT_ID, SUMMARY_BATCH_ID, SUMMARY_PARALLELISM, SUMMARY_MAX_PARALLELISM})
+RESERVED_SUMMARY_KEYS = frozenset(
+    {SUMMARY_CHECKPOINT_ID, SUMMARY_BATCH_ID, SUMMARY_PARALLELISM, SUMMARY_MAX_PARALLELISM}
+)
 
 # Partitioning. A segment covers the key groups of one partition, truncate(key_group, W).
 # The default is one partition for the whole table (W = max parallelism): a task writes one
@@ -57,3 +59,11 @@ def iceberg_table_properties() -> dict[str, str]:
         # which after a restore to an older checkpoint would resurrect the abandoned line.
         TableProperties.COMMIT_NUM_RETRIES: "0",
     }
+
+
+# Summary keys pyiceberg itself writes (snapshot statistics); checkpoint properties may not use them.
+_ICEBERG_SUMMARY_PREFIXES = ("added-", "deleted-", "removed-", "total-", "changed-", "partitions.", "partition-")
+
+
+def is_iceberg_summary_key(key: str) -> bool:
+    return key == "operation" or key.startswith(_ICEBERG_SUMMARY_PREFIXES)

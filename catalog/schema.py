@@ -22,7 +22,17 @@ from pyiceberg.table.sorting import SortField, SortOrder
 from pyiceberg.transforms import IdentityTransform, TruncateTransform
 
 from catalog import properties as props
-from statestore.errors import StateTableMismatchError
+from statestore.descriptors import (
+    AggregateFunction,
+    AggregatingStateDescriptor,
+    ListStateDescriptor,
+    MapStateDescriptor,
+    ReducingStateDescriptor,
+    StateDescriptor,
+    StateKind,
+    ValueStateDescriptor,
+)
+from statestore.errors import StateStoreError, StateTableMismatchError
 from statestore.layout import KEY_GROUP, StateLayout
 
 # Partition field ids start here in Iceberg (spec rule); a fresh spec uses the first one.
@@ -65,11 +75,15 @@ def default_partition_width(max_parallelism: int) -> int:
 def layout_properties(layout: StateLayout, recorded_layout: str | None = None) -> dict[str, str]:
     """The statestore.* table properties of ``layout``.
 
-    States recorded earlier but not declared now stay recorded: their columns stay in the
-    table (Iceberg never drops them here), and a later operator may declare them again.
+    States recorded earlier stay recorded as they were: undeclared ones because their
+    columns stay in the table and a later operator may declare them again, declared ones
+    because ``check_compatible`` found them equal (an Arrow flavour of the same type must
+    not rewrite the property at every open).
     """
     states = {s["name"]: s for s in _recorded_states(recorded_layout)}
     for d in layout.descriptors:
+        if d.name in states:
+            continue  # validated equal (kind, canonical types): keep the recorded spelling
         states[d.name] = {
             "name": d.name, "kind": d.kind.value, "value_type": str(d.value_type),
             "user_key_type": None if d.user_key_type is None else str(d.user_key_type),
@@ -157,3 +171,49 @@ def canonical_type(iceberg_type) -> pa.DataType:
 def canonical_arrow_type(arrow_type: pa.DataType) -> pa.DataType:
     converted = iceberg_schema(pa.schema([pa.field("c", arrow_type)]))
     return canonical_type(converted.find_field("c").field_type)
+
+
+def recorded_layout(table_name: str, schema: Schema, properties: dict[str, str]) -> StateLayout:
+    """The layout an existing state table was created (and grown) for, rebuilt from its metadata.
+
+    Types come from the table's columns. Reducing and aggregating states get functions that
+    refuse to run: their code is not stored, so such a layout reads state but cannot fold
+    new values into it (open with the operator's own layout for that).
+    """
+    if props.MAX_PARALLELISM not in properties:
+        raise StateTableMismatchError(f"table {table_name} is not a state table (no {props.MAX_PARALLELISM} property)")
+    keys = [k["name"] for k in json.loads(properties[props.KEY_SCHEMA])]
+    key_schema = pa.schema([pa.field(k, _column_type(schema, k)) for k in keys])
+    descriptors = [_descriptor(s, schema) for s in _recorded_states(properties.get(props.LAYOUT))]
+    return StateLayout.of(key_schema, descriptors, int(properties[props.MAX_PARALLELISM]))
+
+
+def _column_type(schema: Schema, name: str) -> pa.DataType:
+    return canonical_type(schema.find_field(name).field_type)
+
+
+def _descriptor(state: dict, schema: Schema) -> StateDescriptor:
+    name, kind = state["name"], StateKind(state["kind"])
+    value_type = _column_type(schema, f"v_{name}")
+    if kind is StateKind.MAP:
+        return MapStateDescriptor(name, value_type, key_type=_column_type(schema, f"mk_{name}"))
+    if kind is StateKind.REDUCING:
+        return ReducingStateDescriptor(name, value_type, reduce_fn=_StoredFunctionUnavailable(name))
+    if kind is StateKind.AGGREGATING:
+        return AggregatingStateDescriptor(name, value_type, agg_fn=_StoredFunctionUnavailable(name))
+    return {StateKind.VALUE: ValueStateDescriptor, StateKind.LIST: ListStateDescriptor}[kind](name, value_type)
+
+
+class _StoredFunctionUnavailable(AggregateFunction):
+    """Stands in for the reduce or aggregate function of a layout rebuilt from metadata."""
+
+    def __init__(self, state_name: str):
+        self.state_name = state_name
+
+    def __call__(self, *args: object) -> object:
+        raise StateStoreError(
+            f"state {self.state_name!r} was opened from the table's recorded layout, which has no reduce or "
+            "aggregate function: open the table with the operator's own layout to add values"
+        )
+
+    create_accumulator = add = merge = get_result = __call__

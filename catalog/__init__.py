@@ -1,0 +1,28 @@
+"""The Iceberg side of the state store: one Iceberg table per stateful operator.
+
+Public surface:
+
+* ``IcebergStateTable``: a ``statestore.table.StateTable`` whose checkpoints are Iceberg
+  snapshots (open, commit, restore, retention and garbage collection);
+* ``default_catalog``: the embedded SQLite catalog used when none is given;
+* ``entries_view``, ``connect``: a checkpoint in DuckDB (raw entries, live state per variable).
+
+Only this package imports pyiceberg. Module guide: ``iceberg_table`` (the table),
+``creation`` (create / validate / evolve), ``schema`` (layout <-> Iceberg schema),
+``manifests`` (manifest cache), ``retention`` (what to expire and delete), ``naming``
+(URIs and tagged commit files), ``properties`` (stored keys), ``defaults``, ``sql``;
+``cli`` and ``demo`` are the ``icestate`` command and the main job.
+"""
+
+from catalog.defaults import DEFAULT_NAMESPACE, default_catalog
+from catalog.iceberg_table import DEFAULT_RETAIN_CHECKPOINTS, IcebergStateTable
+from catalog.sql import connect, entries_view
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "DEFAULT_RETAIN_CHECKPOINTS",
+    "IcebergStateTable",
+    "connect",
+    "default_catalog",
+    "entries_view",
+]

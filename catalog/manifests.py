@@ -1,0 +1,89 @@
+"""An in-memory cache of what Iceberg manifests and manifest lists say, by path.
+
+Manifests and manifest lists are immutable once written, so their contents can be kept
+by path for as long as the process lives; each commit, restore and garbage collection
+then reads only the few manifests it has not seen before. Entries keep only what the
+state table needs: the file, whether it is live in the manifest, the snapshot that added
+it, and its key-group bounds (decoded from the column statistics).
+
+Not thread safe (the state table that owns it is not either).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pyiceberg.conversions import from_bytes
+from pyiceberg.io import FileIO
+from pyiceberg.manifest import DataFile, ManifestEntryStatus, ManifestFile
+from pyiceberg.table.snapshots import Snapshot
+from pyiceberg.types import IntegerType
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """One file of one manifest. ``path`` is the URI stored in Iceberg metadata."""
+
+    path: str
+    live: bool  # ADDED or EXISTING; False for an entry that records a deletion
+    snapshot_id: int | None  # snapshot that added the file
+    key_group_min: int | None  # None when the file has no key_group statistics
+    key_group_max: int | None
+    record_count: int
+    size_bytes: int
+
+
+def file_entry(data_file: DataFile, key_group_field_id: int, *, live: bool, snapshot_id: int | None) -> FileEntry:
+    return FileEntry(
+        path=data_file.file_path, live=live, snapshot_id=snapshot_id,
+        key_group_min=_bound(data_file.lower_bounds, key_group_field_id),
+        key_group_max=_bound(data_file.upper_bounds, key_group_field_id),
+        record_count=data_file.record_count, size_bytes=data_file.file_size_in_bytes,
+    )
+
+
+def _bound(bounds: dict[int, bytes] | None, field_id: int) -> int | None:
+    raw = (bounds or {}).get(field_id)
+    return None if raw is None else from_bytes(IntegerType(), raw)
+
+
+class ManifestCache:
+    """Contents of manifest lists and manifests, read once per path."""
+
+    def __init__(self, io: FileIO, key_group_field_id: int):
+        self._io = io
+        self._key_group_field_id = key_group_field_id
+        self._lists: dict[str, tuple[ManifestFile, ...]] = {}
+        self._entries: dict[str, tuple[FileEntry, ...]] = {}
+
+    def manifests(self, snapshot: Snapshot) -> tuple[ManifestFile, ...]:
+        """The manifests a snapshot's manifest list names."""
+        path = snapshot.manifest_list
+        if path not in self._lists:
+            self._lists[path] = tuple(snapshot.manifests(self._io))
+        return self._lists[path]
+
+    def entries(self, manifest: ManifestFile) -> tuple[FileEntry, ...]:
+        """Every entry of a manifest, deletions included."""
+        path = manifest.manifest_path
+        if path not in self._entries:
+            self._entries[path] = tuple(
+                file_entry(e.data_file, self._key_group_field_id,
+                           live=e.status != ManifestEntryStatus.DELETED, snapshot_id=e.snapshot_id)
+                for e in manifest.fetch_manifest_entry(self._io, discard_deleted=False)
+            )
+        return self._entries[path]
+
+    def live_files(self, snapshot: Snapshot) -> dict[str, FileEntry]:
+        """The files a snapshot holds, by URI."""
+        return {e.path: e for m in self.manifests(snapshot) for e in self.entries(m) if e.live}
+
+    def manifest_paths(self, snapshots: Iterable[Snapshot]) -> set[str]:
+        return {m.manifest_path for s in snapshots for m in self.manifests(s)}
+
+    def forget(self, paths: Iterable[str]) -> None:
+        """Drop deleted manifests and manifest lists, so memory follows the retained table."""
+        for p in paths:
+            self._lists.pop(p, None)
+            self._entries.pop(p, None)

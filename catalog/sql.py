@@ -1,0 +1,118 @@
+"""SQL access to a state table at a checkpoint with DuckDB.
+
+DuckDB's iceberg extension cannot be loaded offline, so the entries view reads the
+Parquet files the checkpoint's snapshot plans (``read_parquet`` over pyiceberg's file
+list) with DuckDB's bundled reader. Entries are raw: every put, append and tombstone of
+every segment. ``connect`` adds one table per state variable with its live state,
+resolved by ``statestore.resolve`` (invariant 5: the same rules as every other reader).
+"""
+
+from __future__ import annotations
+
+import time
+
+import duckdb
+import polars as pl
+from pyiceberg.io.pyarrow import schema_to_pyarrow
+from pyiceberg.table import Table
+
+from catalog.iceberg_table import IcebergStateTable
+from catalog.naming import Locations
+from statestore.errors import CheckpointNotFoundError
+from statestore.layout import CHECKPOINT_ID, OP, SEQ, STATE
+from statestore.resolve import entry_columns, make_ord, resolve
+
+DEFAULT_VIEW_NAME = "state_entries"
+ENTRIES_VIEW = "entries"
+STATE_TABLE_PREFIX = "state_"
+
+
+def connect(
+    table: IcebergStateTable, connection: duckdb.DuckDBPyConnection | None = None, *,
+    checkpoint_id: int | None = None, now_ms: int | None = None,
+) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection holding the view ``entries`` (raw) and ``state_<name>`` per state variable.
+
+    The ``state_<name>`` tables hold the live state at ``now_ms`` (default: now), read once
+    here: one row per key (value, reducing, aggregating), per map entry, or per list
+    element. Meant for inspection; it reads every entry of the checkpoint.
+    """
+    con = connection if connection is not None else duckdb.connect()
+    entries_view(table, checkpoint_id=checkpoint_id, connection=con, view_name=ENTRIES_VIEW)
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    keys = table.layout.key_names
+    for desc in table.layout.descriptors:
+        raw = con.sql(f"SELECT * FROM {ENTRIES_VIEW} WHERE {STATE} = ?", params=[desc.name]).to_arrow_table()
+        entries = pl.from_arrow(raw).with_columns(
+            make_ord(pl.col(CHECKPOINT_ID), pl.col(SEQ)), pl.col(OP).cast(pl.Int8),
+        )
+        live = resolve(entries.select(entry_columns(desc, keys)), desc, keys, now)
+        con.execute(f"DROP VIEW IF EXISTS {_ident(STATE_TABLE_PREFIX + desc.name)}")
+        con.register(STATE_TABLE_PREFIX + desc.name, live.to_arrow())
+    return con
+
+
+def entries_view(
+    table: IcebergStateTable | Table, *, checkpoint_id: int | None = None, snapshot_id: int | None = None,
+    connection: duckdb.DuckDBPyConnection | None = None, view_name: str = DEFAULT_VIEW_NAME,
+) -> duckdb.DuckDBPyRelation:
+    """Create (or replace) the view ``view_name`` of a checkpoint's raw entries; return it as a relation.
+
+    Args:
+        table: a state table (its opened checkpoint by default) or a pyiceberg table (its
+            current snapshot by default).
+        checkpoint_id: a retained checkpoint of a state table to read instead.
+        snapshot_id: an Iceberg snapshot to read instead.
+        connection: where to create the view; a new in-memory connection when None.
+
+    Raises:
+        CheckpointNotFoundError: ``checkpoint_id`` is not retained.
+    """
+    if checkpoint_id is not None and snapshot_id is not None:
+        raise ValueError("pass checkpoint_id or snapshot_id, not both")
+    iceberg = table.iceberg_table if isinstance(table, IcebergStateTable) else table
+    if isinstance(table, IcebergStateTable):
+        snapshot_id = snapshot_id if snapshot_id is not None else _snapshot_of(table, checkpoint_id)
+    elif checkpoint_id is not None:
+        raise TypeError("checkpoint_id needs an IcebergStateTable; pass snapshot_id for a plain Iceberg table")
+    con = connection if connection is not None else duckdb.connect()
+    files = _planned_files(iceberg, snapshot_id)
+    con.execute(f"DROP VIEW IF EXISTS {_ident(view_name)}")
+    if files:
+        source = f"read_parquet({_sql_list(files)}, union_by_name = true)"
+        con.execute(f"CREATE OR REPLACE VIEW {_ident(view_name)} AS SELECT * FROM {source}")
+    else:
+        # read_parquet needs at least one file: an empty table of the schema stands in.
+        con.register(view_name, schema_to_pyarrow(iceberg.schema(), include_field_ids=False).empty_table())
+    return con.table(view_name)
+
+
+def _snapshot_of(table: IcebergStateTable, checkpoint_id: int | None) -> int | None:
+    if checkpoint_id is None:
+        current = table.current_checkpoint()
+        return None if current is None else current.snapshot_id
+    for info in table.list_checkpoints():
+        if info.checkpoint_id == checkpoint_id:
+            return info.snapshot_id
+    raise CheckpointNotFoundError(
+        f"checkpoint {checkpoint_id} is not retained in state table {table.identifier} "
+        f"(retained: {[c.checkpoint_id for c in table.list_checkpoints()]})"
+    )
+
+
+def _planned_files(iceberg: Table, snapshot_id: int | None) -> list[str]:
+    """Paths DuckDB can open of the data files ``snapshot_id`` (or the current snapshot) holds."""
+    if snapshot_id is None and iceberg.current_snapshot() is None:
+        return []
+    locations = Locations.of(iceberg.location(), iceberg.io)
+    uris = [task.file.file_path for task in iceberg.scan(snapshot_id=snapshot_id).plan_files()]
+    # DuckDB reads local files by path and remote ones (s3://...) by URI.
+    return [locations.to_path(u) for u in uris] if locations.scheme == "file" else uris
+
+
+def _sql_list(paths: list[str]) -> str:
+    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'

@@ -1,0 +1,170 @@
+"""Committing checkpoints: one snapshot per checkpoint, summary properties, the segment index
+and its pruning, argument validation, corrupt segments, and races with other writers."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from catalog_helpers import LAYOUT, MAX_PARALLELISM, commit_next, entries, write_segment
+from pyiceberg.io.pyarrow import parquet_file_to_data_file
+
+from catalog import properties as props
+from statestore.errors import CommitConflictError, CorruptSegmentError
+from statestore.keygroups import KeyGroupRange
+from statestore.table import SegmentFile
+
+ALL = KeyGroupRange.of(0, MAX_PARALLELISM - 1)
+
+
+def test_checkpoint_is_one_snapshot_with_summary(open_table):
+    table = open_table()
+    cp = table.next_checkpoint_id()
+    segments = [write_segment(table, cp, t, kgs) for t, kgs in enumerate([[0, 1], [5, 6, 7], [9], [14, 15]])]
+    info = table.commit_checkpoint(cp, segments, parallelism=4, batch_id=41, properties={"source": "kafka"})
+    ice = table.iceberg_table
+    assert len(ice.metadata.snapshots) == 1
+    snapshot = ice.current_snapshot()
+    summary = snapshot.summary.additional_properties
+    assert summary[props.SUMMARY_CHECKPOINT_ID] == str(cp)
+    assert summary[props.SUMMARY_BATCH_ID] == "41"
+    assert summary[props.SUMMARY_PARALLELISM] == "4"
+    assert summary[props.SUMMARY_MAX_PARALLELISM] == str(MAX_PARALLELISM)
+    assert summary["added-data-files"] == "4" and summary["source"] == "kafka"
+    assert (info.checkpoint_id, info.batch_id, info.parallelism, info.snapshot_id) == (cp, 41, 4, snapshot.snapshot_id)
+    assert info.properties == {"source": "kafka"} and info.max_parallelism == MAX_PARALLELISM
+    assert table.current_checkpoint() == info == table.list_checkpoints()[-1]
+    assert sorted(s.path for s in table.segments(ALL)) == sorted(s.path for s in segments)
+    assert ice.properties[props.LAST_CHECKPOINT_ID] == str(cp)
+
+
+def test_segments_prune_by_key_group_range_oldest_first(open_table):
+    table = open_table()
+    first = commit_next(table, [[0, 1, 2], [10, 11]])
+    second = commit_next(table, [[2, 3], [12, 15]])
+    got = table.segments(KeyGroupRange.of(2, 2))
+    assert [s.checkpoint_id for s in got] == [first, second]
+    assert all(s.key_group_min <= 2 <= s.key_group_max for s in got)
+    assert [s.checkpoint_id for s in table.segments(KeyGroupRange.of(13, 14))] == [second]
+    assert [(s.key_group_min, s.key_group_max) for s in table.segments(KeyGroupRange.of(4, 9))] == []
+    assert table.segments(KeyGroupRange.EMPTY) == []
+    assert [s.checkpoint_id for s in table.segments(ALL)] == [first, first, second, second]
+    seg = table.segments(KeyGroupRange.of(10, 10))[0]
+    assert (seg.key_group_min, seg.key_group_max, seg.record_count) == (10, 11, 2)
+    assert seg.size_bytes == os.path.getsize(seg.path)
+
+
+def test_index_after_reopen_matches_index_after_commit(open_table):
+    table = open_table()
+    for _ in range(3):
+        commit_next(table)
+    expected = table.segments(ALL)
+    table.close()
+    assert open_table().segments(ALL) == expected
+
+
+def test_empty_checkpoint_commits(open_table):
+    table = open_table()
+    commit_next(table)
+    before = table.segments(ALL)
+    cp = table.next_checkpoint_id()
+    info = table.commit_checkpoint(cp, [], parallelism=1, batch_id=3)
+    assert info.checkpoint_id == cp and table.segments(ALL) == before
+
+
+def test_checkpoint_ids_must_grow(open_table):
+    table = open_table()
+    cp = commit_next(table)
+    segment = write_segment(table, cp, 0, [1])
+    with pytest.raises(ValueError, match="next_checkpoint_id"):
+        table.commit_checkpoint(cp, [segment], parallelism=1)
+    with pytest.raises(ValueError, match="above every committed"):
+        table.commit_checkpoint(cp - 1, [], parallelism=1)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"parallelism": 0}, "parallelism"),
+        ({"parallelism": MAX_PARALLELISM + 1}, "parallelism"),
+        ({"batch_id": -1}, "batch_id"),
+        ({"properties": {props.SUMMARY_CHECKPOINT_ID: "9"}}, "reserved"),
+        ({"properties": {"total-records": "9"}}, "reserved"),
+    ],
+)
+def test_commit_arguments_are_validated(open_table, change, message):
+    table = open_table()
+    kwargs = {"parallelism": 1, **change}
+    with pytest.raises(ValueError, match=message):
+        table.commit_checkpoint(1, [write_segment(table, 1, 0, [1])], **kwargs)
+
+
+def test_segment_must_belong_to_the_checkpoint_and_one_partition(open_table):
+    table = open_table(partition_width=4)
+    other = write_segment(table, 2, 0, [1])
+    with pytest.raises(ValueError, match="does not belong to checkpoint 1"):
+        table.commit_checkpoint(1, [other], parallelism=1)
+    seg = write_segment(table, 1, 0, [1])
+    with pytest.raises(ValueError, match="committed twice"):
+        table.commit_checkpoint(1, [seg, seg], parallelism=1)
+    spanning = SegmentFile(seg.path, 1, 1, 5, seg.record_count, seg.size_bytes)
+    with pytest.raises(ValueError, match="one partition"):
+        table.commit_checkpoint(1, [spanning], parallelism=1)
+    assert table.iceberg_table.metadata.snapshots == []
+
+
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _replace_with_other_schema(path: str) -> None:
+    pq.write_table(pa.table({"key_group": pa.array([1], pa.int32()), "surprise": ["x"]}), path)
+
+
+def _replace_with_more_rows(path: str) -> None:
+    pq.write_table(entries(LAYOUT, 2, [1, 1, 1]), path)
+
+
+@pytest.mark.parametrize("damage", [os.remove, _truncate, _replace_with_other_schema, _replace_with_more_rows])
+def test_corrupt_or_missing_segment_commits_nothing(open_table, damage):
+    table = open_table()
+    first = commit_next(table)
+    metadata_location = table.iceberg_table.metadata_location
+    before = table.segments(ALL)
+    good = write_segment(table, 2, 0, [1, 2])
+    bad = write_segment(table, 2, 1, [1])
+    damage(bad.path)
+    with pytest.raises(CorruptSegmentError, match=os.path.basename(bad.path)):
+        table.commit_checkpoint(2, [good, bad], parallelism=2)
+    assert table.iceberg_table.refresh().metadata_location == metadata_location
+    assert table.current_checkpoint().checkpoint_id == first and table.segments(ALL) == before
+    assert table.next_checkpoint_id() == 2
+
+
+def test_second_driver_with_the_same_id_gets_a_conflict(open_table):
+    mine = open_table()
+    commit_next(mine)
+    theirs = open_table()
+    commit_next(theirs)
+    with pytest.raises(CommitConflictError, match="two drivers"):
+        commit_next(mine)
+
+
+def test_commit_follows_a_non_checkpoint_append_of_another_writer(open_table):
+    """A writer that appends without a checkpoint id (as compaction will) is followed, not undone."""
+    table = open_table()
+    commit_next(table)
+    other = open_table().iceberg_table
+    extra = write_segment(table, 1, 9, [4])  # named like a segment of checkpoint 1, added by "compaction"
+    with other.transaction() as tx:
+        append = tx.update_snapshot().fast_append()
+        append.append_data_file(parquet_file_to_data_file(other.io, other.metadata, "file://" + extra.path))
+        append.commit()
+    cp = commit_next(table)
+    ice = table.iceberg_table
+    assert ice.current_snapshot().parent_snapshot_id == other.current_snapshot().snapshot_id
+    assert extra.path in {s.path for s in table.segments(ALL)}
+    assert [c.checkpoint_id for c in table.list_checkpoints()] == [1, cp]

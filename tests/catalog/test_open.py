@@ -1,0 +1,219 @@
+"""Creating and opening state tables: Iceberg shape, validation against the layout, schema
+and partition evolution, and catalogs passed in."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pytest
+from catalog_helpers import DESCRIPTORS, KEY_SCHEMA, LAYOUT, MAX_PARALLELISM, commit_next
+from pyiceberg.table import TableProperties
+from pyiceberg.transforms import IdentityTransform, TruncateTransform
+
+from catalog import IcebergStateTable, default_catalog
+from catalog import properties as props
+from statestore.descriptors import ListStateDescriptor, ReducingStateDescriptor, ValueStateDescriptor
+from statestore.errors import StateClosedError, StateStoreError, StateTableMismatchError
+from statestore.keygroups import KeyGroupRange
+from statestore.layout import StateLayout
+from statestore.store import StateStore
+from statestore.table import StateTable
+
+
+def test_create_sets_schema_spec_sort_order_and_properties(open_table, warehouse):
+    table = open_table()
+    ice = table.iceberg_table
+    assert isinstance(table, StateTable)
+    assert os.path.isfile(os.path.join(warehouse, "catalog.db"))
+    assert [f.name for f in ice.schema().fields] == LAYOUT.entry_schema.names
+    assert ice.schema().find_field("user").required and not ice.schema().find_field("v_count").required
+    (part,) = ice.spec().fields
+    assert part.transform == TruncateTransform(MAX_PARALLELISM)  # default: one partition
+    assert ice.sort_order().fields[0].transform == IdentityTransform()
+    p = ice.properties
+    assert p[props.MAX_PARALLELISM] == str(MAX_PARALLELISM)
+    assert json.loads(p[props.KEY_SCHEMA]) == [{"name": "user", "type": "string"}]
+    states = {s["name"]: s for s in json.loads(p[props.LAYOUT])["states"]}
+    assert states["seen"] == {"name": "seen", "kind": "map", "value_type": "int32", "user_key_type": "string"}
+    assert p[props.PARTITION_WIDTH] == str(MAX_PARALLELISM)
+    assert p[TableProperties.PARQUET_COMPRESSION] == "zstd"
+    assert p[TableProperties.METADATA_DELETE_AFTER_COMMIT_ENABLED] == "true"
+    assert "user" in p[TableProperties.DEFAULT_NAME_MAPPING]
+    assert table.current_checkpoint() is None and table.list_checkpoints() == []
+    assert table.next_checkpoint_id() == 1
+    assert table.segments(KeyGroupRange.of(0, MAX_PARALLELISM - 1)) == []
+
+
+def test_file_schema_carries_field_ids(open_table):
+    schema = open_table().file_schema()
+    ids = [int(f.metadata[b"PARQUET:field_id"]) for f in schema]
+    assert schema.names == LAYOUT.entry_schema.names and ids == sorted(set(ids))
+
+
+def test_paths_partitions_and_filesystem(open_table):
+    table = open_table(partition_width=4)
+    assert [table.partition_of(kg) for kg in (0, 3, 4, 15)] == [0, 0, 1, 3]
+    path = table.new_segment_path(7, 2, 3)
+    assert not path.startswith("file:") and path.startswith(table.location.removeprefix("file://"))
+    assert os.path.basename(path).startswith("seg-cp000000000007-t00002-p00003-")
+    assert table.filesystem.get_file_info(os.path.dirname(path)).type.name == "Directory"
+    with pytest.raises(ValueError):
+        table.partition_of(MAX_PARALLELISM)
+    with pytest.raises(ValueError):
+        table.new_segment_path(1, 0, 4)
+
+
+def test_reopen_keeps_checkpoints(open_table):
+    table = open_table()
+    cp = commit_next(table)
+    table.close()
+    again = open_table()
+    assert again.current_checkpoint().checkpoint_id == cp
+    assert again.next_checkpoint_id() == cp + 1
+
+
+@pytest.mark.parametrize(
+    ("layout", "fragment"),
+    [
+        (StateLayout.of(KEY_SCHEMA, DESCRIPTORS, 32), "max_parallelism=16"),
+        (StateLayout.of(pa.schema([("account", pa.string())]), DESCRIPTORS, MAX_PARALLELISM), "key columns ['user']"),
+        (StateLayout.of(pa.schema([("user", pa.int64())]), DESCRIPTORS, MAX_PARALLELISM), "column 'user'"),
+        (StateLayout.of(KEY_SCHEMA, [ValueStateDescriptor("count", pa.string())], MAX_PARALLELISM), "'v_count'"),
+        (StateLayout.of(KEY_SCHEMA, [ListStateDescriptor("count", pa.int64())], MAX_PARALLELISM), "'count'"),
+    ],
+    ids=["max-parallelism", "key-name", "key-type", "value-type", "state-kind"],
+)
+def test_mismatched_layout_is_refused_naming_table_and_difference(open_table, layout, fragment):
+    open_table().close()
+    with pytest.raises(StateTableMismatchError) as e:
+        open_table(layout)
+    assert "state.op" in str(e.value) and fragment in str(e.value)
+
+
+def test_equivalent_arrow_flavours_are_compatible(open_table):
+    open_table().close()
+    large = StateLayout.of(pa.schema([("user", pa.large_string())]), DESCRIPTORS, MAX_PARALLELISM)
+    open_table(large)
+
+
+def test_table_that_is_not_a_state_table_is_refused(open_table, warehouse):
+    cat = default_catalog(warehouse)
+    cat.create_namespace_if_not_exists("state")
+    cat.create_table(("state", "plain"), schema=pa.schema([("x", pa.int64())]))
+    cat.close()
+    with pytest.raises(StateTableMismatchError, match="not a state table"):
+        open_table(table_name="plain")
+
+
+def test_new_state_variable_is_added_by_schema_evolution(open_table):
+    table = open_table()
+    first = commit_next(table)
+    old_segments = table.segments(KeyGroupRange.of(0, MAX_PARALLELISM - 1))
+    table.close()
+    grown = StateLayout.of(KEY_SCHEMA, [*DESCRIPTORS, ValueStateDescriptor("last_seen", pa.timestamp("us"))],
+                           MAX_PARALLELISM)
+    table = open_table(grown)
+    ice = table.iceberg_table
+    assert ice.schema().find_field("v_last_seen").required is False
+    assert "v_last_seen" in ice.properties[TableProperties.DEFAULT_NAME_MAPPING]
+    assert "last_seen" in ice.properties[props.LAYOUT]
+    assert ice.metadata.current_snapshot_id == table.current_checkpoint().snapshot_id  # metadata only
+    assert table.current_checkpoint().checkpoint_id == first
+    assert table.segments(KeyGroupRange.of(0, MAX_PARALLELISM - 1)) == old_segments
+    assert "v_last_seen" in table.file_schema().names
+    commit_next(table)  # segments with the new column commit
+    table.close()
+    # The old layout (without the new variable) still opens: its variables are unchanged.
+    open_table(LAYOUT)
+
+
+def test_partition_width_is_kept_and_evolves_metadata_only(open_table):
+    table = open_table(partition_width=8)
+    commit_next(table, [[0, 3, 7], [8, 12, 15]])
+    table.close()
+    table = open_table()  # None keeps the table's width
+    assert table.partition_of(9) == 1
+    table.close()
+    table = open_table(partition_width=4)
+    assert table.iceberg_table.spec().fields[0].transform == TruncateTransform(4)
+    assert table.iceberg_table.properties[props.PARTITION_WIDTH] == "4"
+    commit_next(table, [[0, 3], [4, 7], [8, 11], [12, 15]])
+    assert len(table.segments(KeyGroupRange.of(0, 15))) == 6
+    assert len(table.segments(KeyGroupRange.of(5, 6))) == 2  # the old 0-7 segment and the new 4-7 one
+
+
+def test_any_catalog_can_be_passed_in_and_stays_open(tmp_path):
+    cat = default_catalog(str(tmp_path / "elsewhere"))
+    table = IcebergStateTable.open(LAYOUT, catalog=cat, namespace="ns", table_name="t")
+    cp = commit_next(table)
+    table.close()
+    assert cat.load_table(("ns", "t")).current_snapshot() is not None  # the catalog is still usable
+    table = IcebergStateTable.open(LAYOUT, catalog=cat, namespace="ns", table_name="t", checkpoint_id=cp)
+    assert table.current_checkpoint().checkpoint_id == cp
+    table.close()
+    cat.close()
+
+
+def test_open_arguments_are_validated(open_table, tmp_path):
+    with pytest.raises(ValueError, match="warehouse"):
+        IcebergStateTable.open(LAYOUT, table_name="t")
+    with pytest.raises(ValueError, match="retain_checkpoints"):
+        open_table(retain_checkpoints=0)
+    with pytest.raises(ValueError, match="partition_width"):
+        open_table(partition_width=MAX_PARALLELISM + 1)
+    with pytest.raises(ValueError, match="URI"):
+        default_catalog("s3://bucket/warehouse")
+
+
+def test_closed_table_refuses_calls(open_table):
+    table = open_table()
+    table.close()
+    table.close()
+    with pytest.raises(StateClosedError, match=r"state\.op"):
+        table.next_checkpoint_id()
+
+
+def test_segments_written_by_the_store_commit(open_table):
+    """The contract end to end: statestore's StateStore writes, checkpoints and reads back."""
+    table = open_table(partition_width=4)
+    store = StateStore(table)
+    count = store.get_state("count")
+    for user, n in [("ann", 1), ("bob", 2), ("cy", 3)]:
+        store.set_current_key(user)
+        count.update(n)
+    store.checkpoint(batch_id=0)
+    table.close()
+    reopened = open_table()
+    store = StateStore(reopened)
+    count = store.get_state("count")
+    values = {}
+    for user in ["ann", "bob", "cy", "dan"]:
+        store.set_current_key(user)
+        values[user] = count.get()
+    assert values == {"ann": 1, "bob": 2, "cy": 3, "dan": None}
+
+
+def test_open_existing_rebuilds_the_recorded_layout(open_table, warehouse):
+    layout = StateLayout.of(KEY_SCHEMA, [*DESCRIPTORS, ListStateDescriptor("pages", pa.string()),
+                                         ReducingStateDescriptor("total", pa.int64(), reduce_fn=lambda a, b: a + b)],
+                            MAX_PARALLELISM)
+    table = open_table(layout)
+    cp = commit_next(table)
+    table.close()
+    existing = IcebergStateTable.open_existing(warehouse=warehouse, table_name="op")
+    try:
+        assert existing.identifier == "state.op"
+        assert existing.current_checkpoint().checkpoint_id == cp
+        assert [(d.name, d.kind) for d in existing.layout.descriptors] == [(d.name, d.kind) for d in layout.descriptors]
+        assert existing.layout.key_names == ["user"] and existing.layout.max_parallelism == MAX_PARALLELISM
+        with pytest.raises(StateStoreError, match="'total'"):
+            existing.layout.descriptor("total").reduce_fn(1, 2)
+        metadata_location = existing.iceberg_table.metadata_location
+    finally:
+        existing.close()
+    open_table(layout).close()  # the recorded layout matched: nothing was written
+    assert open_table().iceberg_table.metadata_location == metadata_location
+    with pytest.raises(ValueError, match=r"no state table state\.nope"):
+        IcebergStateTable.open_existing(warehouse=warehouse, table_name="nope")

@@ -1,0 +1,121 @@
+"""Retention and garbage collection: expired snapshots, the files only they referenced,
+orphans of crashed commits, stale metadata, and what must never be deleted."""
+
+from __future__ import annotations
+
+import os
+
+from catalog_helpers import (
+    MAX_PARALLELISM,
+    commit_next,
+    file_exists,
+    referenced_files,
+    snapshot_files,
+    table_files,
+    write_segment,
+)
+from pyiceberg.table import TableProperties
+
+from catalog import properties as props
+from catalog.naming import checkpoint_of_commit_file, commit_uuid
+from statestore.keygroups import KeyGroupRange
+
+ALL = KeyGroupRange.of(0, MAX_PARALLELISM - 1)
+
+
+def test_keeps_exactly_the_newest_k_checkpoints(open_table):
+    table = open_table(retain_checkpoints=3)
+    early_lists, early_metadata = set(), set()
+    for n in range(10):
+        commit_next(table, [[n], [n + 5]])
+        if n < 5:
+            early_lists.add(table.iceberg_table.current_snapshot().manifest_list.removeprefix("file://"))
+            early_metadata.add(table.iceberg_table.metadata_location.removeprefix("file://"))
+    assert [c.checkpoint_id for c in table.list_checkpoints()] == [8, 9, 10]
+    metadata = table.iceberg_table.metadata
+    assert len(metadata.snapshots) == 3 and len(metadata.snapshot_log) == 3
+    assert len(metadata.metadata_log) <= props.METADATA_PREVIOUS_VERSIONS_MAX
+    assert not any(file_exists(p) for p in early_lists | early_metadata)
+    for snapshot in metadata.snapshots:
+        assert all(file_exists(p) for p in snapshot_files(table, snapshot))
+    # Appends carry every earlier segment forward: all 20 are still live in the newest checkpoint.
+    assert len(table.segments(ALL)) == 20
+    assert table_files(table) == referenced_files(table)
+    for cp in (8, 9, 10):
+        table.restore(cp)
+
+
+def test_manifests_per_snapshot_stay_bounded(open_table):
+    table = open_table(retain_checkpoints=2)
+    for _ in range(props.MANIFEST_MIN_MERGE_COUNT + 4):
+        commit_next(table, [[1]])
+    manifests = table.iceberg_table.current_snapshot().manifests(table.iceberg_table.io)
+    assert len(manifests) < props.MANIFEST_MIN_MERGE_COUNT
+    assert len(table.segments(ALL)) == props.MANIFEST_MIN_MERGE_COUNT + 4
+    assert table_files(table) == referenced_files(table)
+
+
+def test_tagged_snapshot_is_kept_with_its_files(open_table):
+    table = open_table(retain_checkpoints=2)
+    commit_next(table, [[1]])
+    savepoint = table.iceberg_table.current_snapshot()
+    table.iceberg_table.manage_snapshots().create_tag(savepoint.snapshot_id, "savepoint-1").commit()
+    for _ in range(4):
+        commit_next(table, [[2]])
+    kept = {s.snapshot_id for s in table.iceberg_table.metadata.snapshots}
+    assert savepoint.snapshot_id in kept and len(kept) == 3
+    assert all(file_exists(p) for p in snapshot_files(table, savepoint))
+
+
+def test_orphan_segments_of_uncommitted_checkpoints_are_deleted(open_table):
+    table = open_table()
+    commit_next(table)
+    crashed = write_segment(table, 2, 0, [3])  # written, never committed (the commit crashed)
+    table.close()
+    table = open_table()
+    cp = commit_next(table)  # the first commit after open sweeps for orphans
+    assert cp == 2 and not file_exists(crashed.path)
+    in_flight = write_segment(table, cp + 1, 0, [3])  # the next checkpoint, being written now
+    leftover = write_segment(table, cp, 5, [4])  # a failed task's retry leftover of checkpoint 2
+    table.collect_garbage()
+    assert file_exists(in_flight.path) and not file_exists(leftover.path)
+    assert all(file_exists(s.path) for s in table.segments(ALL))
+
+
+def test_foreign_files_are_never_swept(open_table):
+    table = open_table()
+    commit_next(table)
+    data_dir = os.path.dirname(table.segments(ALL)[0].path)
+    metadata_dir = os.path.join(os.path.dirname(data_dir), "metadata")
+    foreign = [os.path.join(data_dir, "00000-0-someone-else.parquet"),
+               os.path.join(metadata_dir, "6f1a2b3c-0000-4000-8000-000000000001-m0.avro"),
+               os.path.join(metadata_dir, "99999-future.metadata.json")]
+    for path in foreign:
+        with open(path, "wb") as f:
+            f.write(b"x")
+    commit_next(table)
+    table.collect_garbage()
+    assert all(file_exists(p) for p in foreign)
+
+
+def test_stale_metadata_json_is_swept(open_table):
+    table = open_table()
+    commit_next(table)
+    metadata_dir = os.path.dirname(table.iceberg_table.metadata_location.removeprefix("file://"))
+    stale = os.path.join(metadata_dir, "00000-0a1b2c3d-lost-race.metadata.json")
+    with open(stale, "wb") as f:
+        f.write(b"{}")
+    table.collect_garbage()
+    assert not file_exists(stale)
+    assert table.iceberg_table.properties[TableProperties.METADATA_DELETE_AFTER_COMMIT_ENABLED] == "true"
+
+
+def test_commit_files_carry_their_checkpoint_id(open_table):
+    table = open_table()
+    cp = commit_next(table)
+    snapshot = table.iceberg_table.current_snapshot()
+    assert checkpoint_of_commit_file(snapshot.manifest_list) == cp
+    manifests = snapshot.manifests(table.iceberg_table.io)
+    assert [checkpoint_of_commit_file(m.manifest_path) for m in manifests] == [cp]
+    assert checkpoint_of_commit_file(f"snap-1-0-{commit_uuid(2**40)}.avro") == 2**40
+    assert checkpoint_of_commit_file("snap-1-0-6f1a2b3c-0000-4000-8000-000000000001.avro") is None
