@@ -47,8 +47,10 @@ def _layout() -> StateLayout:
     return StateLayout.of(KEY_SCHEMA, [COUNT], max_parallelism=128)
 
 
-def _build_state(warehouse: str, name: str, n_keys: int, chunk: int = 500_000) -> IcebergStateTable:
-    """A table whose newest checkpoint holds ``n_keys`` keys (one checkpoint per chunk)."""
+def _build_state(warehouse: str, name: str, n_keys: int, checkpoints: int = 4) -> IcebergStateTable:
+    """A table whose newest checkpoint holds ``n_keys`` keys, written in ``checkpoints``
+    checkpoints whatever the size, so that states of different sizes differ only in size."""
+    chunk = -(-n_keys // checkpoints)
     table = IcebergStateTable.open(_layout(), warehouse=warehouse, table_name=name)
     store = StateStore(table)
     state = store.get_state(COUNT)
