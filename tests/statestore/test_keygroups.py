@@ -189,25 +189,21 @@ def test_hash_bytes_every_length_0_to_100():
     blobs = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in range(101)]
     blobs += [bytes(n) for n in range(101)] + [b"\xff" * n for n in range(101)]
     rng.shuffle(blobs)
-    data = np.frombuffer(b"".join(blobs), dtype=np.uint8)
-    offsets = np.concatenate([[0], np.cumsum([len(b) for b in blobs])]).astype(np.int64)
     for seed in SEEDS_U64:
         seeds = np.full(len(blobs), seed, dtype=np.uint64)
-        got = kg.hash_bytes(offsets, data, seeds)
+        got = kg.hash_binary(pa.array(blobs, pa.binary()), seeds)
         assert got.tolist() == [ref_bytes(b, seed) for b in blobs]
 
 
 @given(blobs=st.lists(st.binary(max_size=150), max_size=40), seed=st.integers(0, U64 - 1))
 @settings(max_examples=200, deadline=None)
 def test_hash_bytes_property(blobs, seed):
-    data = np.frombuffer(b"".join(blobs), dtype=np.uint8)
-    offsets = np.concatenate([[0], np.cumsum([len(b) for b in blobs], dtype=np.int64)]).astype(np.int64)
-    got = kg.hash_bytes(offsets, data, np.full(len(blobs), seed, dtype=np.uint64))
+    got = kg.hash_binary(pa.array(blobs, pa.large_binary()), np.full(len(blobs), seed, dtype=np.uint64))
     assert got.tolist() == [ref_bytes(b, seed) for b in blobs]
 
 
 def test_hash_bytes_empty_input():
-    got = kg.hash_bytes(np.zeros(1, np.int64), np.zeros(0, np.uint8), np.zeros(0, np.uint64))
+    got = kg.hash_binary(pa.array([], pa.binary()), np.zeros(0, np.uint64))
     assert got.shape == (0,)
 
 
