@@ -56,6 +56,24 @@ def _arrow(values: Any, dtype: pa.DataType, what: str) -> pa.Array:
     return arr
 
 
+def _check_value(value: Any, dtype: pa.DataType, what: str) -> None:
+    """Per-key writes are checked when made, as batched ones are: a value that cannot be
+    stored would otherwise fail later, at the seal, and take the whole overlay with it."""
+    if value is None:
+        raise ValueError(f"{what} must not be null")
+    try:
+        pa.scalar(value, type=dtype)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError) as e:
+        raise SchemaMismatchError(f"{what} {value!r} does not match the declared type {dtype}: {e}") from e
+
+
+def _last_rows(keys: pa.Table) -> np.ndarray:
+    """Row indices of the last occurrence of each distinct key, in row order."""
+    df = pl.from_arrow(keys).with_row_index(ROW)
+    last = df.group_by(keys.column_names).agg(pl.col(ROW).last()).get_column(ROW).sort()
+    return last.to_numpy().astype(np.int64)
+
+
 @dataclass
 class _Pending:
     """Per-key writes of one key since the last seal (list and map: a delta on the stored state)."""
@@ -193,6 +211,8 @@ class _ValueLike(KeyedState):
         p = self._overlay.get(key)
         if p is not None and (p.has_value or p.cleared):
             if p.has_value and self._live(p.expire_at_ms):
+                if self._refresh_on_read():
+                    p.expire_at_ms = self._expire_at()
                 return True, p.value
             return False, None
         rows = self._stored_rows()
@@ -206,6 +226,7 @@ class _ValueLike(KeyedState):
     def _put(self, value: Any) -> None:
         if value is None:
             raise ValueError(f"state {self.name!r}: values must not be null; call clear() instead")
+        _check_value(value, self.descriptor.value_type, f"state {self.name!r}: value")
         _, p = self._pending()
         p.value, p.has_value, p.expire_at_ms = value, True, self._expire_at()
 
@@ -363,15 +384,23 @@ class ListState(KeyedState):
     def add(self, value: Any) -> None:
         if value is None:
             raise ValueError(f"state {self.name!r}: list elements must not be null")
+        _check_value(value, self.descriptor.value_type, f"state {self.name!r}: list element")
         _, p = self._pending()
         p.appended.append((value, self._expire_at()))
 
     def add_all(self, values: list) -> None:
+        """Append every value, or none of them when one is invalid."""
+        values = list(values)
+        for v in values:
+            _check_value(v, self.descriptor.value_type, f"state {self.name!r}: list element")
         for v in values:
             self.add(v)
 
     def update(self, values: list) -> None:
-        """Replace the current key's list."""
+        """Replace the current key's list (unchanged when an element is invalid)."""
+        values = list(values)
+        for v in values:
+            _check_value(v, self.descriptor.value_type, f"state {self.name!r}: list element")
         self.clear()
         self.add_all(values)
 
@@ -380,7 +409,7 @@ class ListState(KeyedState):
         keys, kgs = self._store.prepare_keys(keys)
         names = self._store.key_names
         views = self._store.views(self.name, np.unique(kgs).tolist())
-        view = pl.concat(views, how="vertical", rechunk=False)
+        view = pl.concat(views, how="vertical", rechunk=False) if views else self._store.empty_view(self.descriptor)
         now = self._store.now_ms()
         live = view.filter(pl.col(EXPIRE_AT_MS).is_null() | (pl.col(EXPIRE_AT_MS) > now))
         lists = live.sort(ORD).group_by(names, maintain_order=True).agg(pl.col(self._v))
@@ -410,12 +439,14 @@ class ListState(KeyedState):
         keys, kgs = self._store.prepare_keys(keys)
         lists = _arrow(lists, pa.list_(self.descriptor.value_type), f"lists for state {self.name!r}")
         _check_len(lists, keys, self.name)
+        last = _last_rows(keys)
+        if len(last) < keys.num_rows:  # a key given twice: its last list replaces the earlier ones
+            keys, kgs, lists = keys.take(last), kgs[last], lists.take(last)
+        elems = _arrow(pc.list_flatten(lists), self.descriptor.value_type, f"elements for state {self.name!r}")
         self._write_batch(keys, kgs, OP_DELETE, None)
-        parents = pc.list_parent_indices(lists)
-        elems = pc.list_flatten(lists)
         if len(elems):
-            self._write_batch(keys.take(parents), kgs[parents.to_numpy()], OP_APPEND,
-                              _arrow(elems, self.descriptor.value_type, f"elements for state {self.name!r}"))
+            parents = pc.list_parent_indices(lists)
+            self._write_batch(keys.take(parents), kgs[parents.to_numpy()], OP_APPEND, elems)
 
 
 class MapState(KeyedState):
@@ -463,6 +494,8 @@ class MapState(KeyedState):
     def put(self, user_key: Any, value: Any) -> None:
         if user_key is None or value is None:
             raise ValueError(f"state {self.name!r}: map user keys and values must not be null")
+        _check_value(user_key, self.descriptor.user_key_type, f"map {self.name!r}: user key")
+        _check_value(value, self.descriptor.value_type, f"map {self.name!r}: value")
         _, p = self._pending()
         p.entries[_hashable(user_key)] = (user_key, value, True, self._expire_at())
 
@@ -471,6 +504,8 @@ class MapState(KeyedState):
             self.put(k, v)
 
     def remove(self, user_key: Any) -> None:
+        # A null user key would be stored as a whole-map tombstone (see layout.py).
+        _check_value(user_key, self.descriptor.user_key_type, f"map {self.name!r}: user key")
         _, p = self._pending()
         p.entries[_hashable(user_key)] = (user_key, None, False, None)
 
@@ -513,7 +548,7 @@ class MapState(KeyedState):
         keys, kgs = self._store.prepare_keys(keys)
         names = self._store.key_names
         views = self._store.views(self.name, np.unique(kgs).tolist())
-        view = pl.concat(views, how="vertical", rechunk=False)
+        view = pl.concat(views, how="vertical", rechunk=False) if views else self._store.empty_view(self.descriptor)
         live = view.filter(pl.col(EXPIRE_AT_MS).is_null() | (pl.col(EXPIRE_AT_MS) > self._store.now_ms()))
         left = pl.from_arrow(keys).with_row_index(ROW)
         res = left.join(live, on=names, how="inner", maintain_order="left")
