@@ -142,7 +142,9 @@ class DirectoryStateTable:
         return _info(record)
 
     def list_checkpoints(self) -> list[CheckpointInfo]:
-        return [_info(c) for c in self._line()]
+        """The restorable checkpoints: HEAD's line. After ``restore(n)`` the newer ones stay
+        listed (and restorable) until the next commit abandons them, as in Iceberg."""
+        return [_info(c) for c in self._line(self._head())]
 
     def restore(self, checkpoint_id: int | None = None) -> CheckpointInfo | None:
         if checkpoint_id is None:
