@@ -64,6 +64,8 @@ class AggregateFunction:
     """
 
     accumulator_type: pa.DataType = pa.null()
+    #: type of ``get_result``; None lets Arrow infer it from the results
+    result_type: pa.DataType | None = None
 
     def create_accumulator(self) -> Any:
         raise NotImplementedError("subclasses define create_accumulator")
@@ -173,6 +175,7 @@ class AverageAggregate(AggregateFunction):
     """Running mean of float64 values; the accumulator is (sum, count)."""
 
     accumulator_type = pa.struct([("sum", pa.float64()), ("count", pa.int64())])
+    result_type = pa.float64()
 
     def create_accumulator(self) -> dict:
         return {"sum": 0.0, "count": 0}

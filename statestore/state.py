@@ -41,6 +41,29 @@ def _hashable(value: Any) -> Any:
     return value
 
 
+def _type_family(t: pa.DataType) -> str:
+    if pa.types.is_integer(t):
+        return "integer"
+    if pa.types.is_floating(t) or pa.types.is_decimal(t):
+        return "number"
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return "string"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t) \
+            or pa.types.is_fixed_size_binary(t):
+        return "binary"
+    if pa.types.is_dictionary(t):
+        return _type_family(t.value_type)
+    return str(t.id)
+
+
+def _castable(source: pa.DataType, target: pa.DataType) -> bool:
+    """Arrow casts that keep meaning: widening within a family (int32 -> int64, string ->
+    large_string, nested types field by field). Parsing strings into numbers or
+    formatting numbers as strings is a schema mismatch, not a conversion."""
+    fs, ft = _type_family(source), _type_family(target)
+    return fs == ft or (fs == "integer" and ft == "number") or pa.types.is_null(source)
+
+
 def _arrow(values: Any, dtype: pa.DataType, what: str) -> pa.Array:
     """Values as an Arrow array of exactly ``dtype``; SchemaMismatchError otherwise."""
     try:
@@ -48,6 +71,8 @@ def _arrow(values: Any, dtype: pa.DataType, what: str) -> pa.Array:
             values = values.combine_chunks()
         arr = values if isinstance(values, pa.Array) else pa.array(values, type=dtype)
         if arr.type != dtype:
+            if not _castable(arr.type, dtype):
+                raise TypeError(f"an array of {arr.type} cannot stand for {dtype}")
             arr = arr.cast(dtype)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError) as e:
         raise SchemaMismatchError(f"{what} do not match the declared type {dtype}: {e}") from e
@@ -354,7 +379,7 @@ class AggregatingState(_ValueLike):
         """Result of each key's accumulator (null where absent)."""
         accs = super().get_batch(keys).to_pylist()
         fn = self.descriptor.agg_fn
-        return pa.array([None if a is None else fn.get_result(a) for a in accs])
+        return pa.array([None if a is None else fn.get_result(a) for a in accs], type=fn.result_type)
 
 
 class ListState(KeyedState):

@@ -664,3 +664,24 @@ def test_corrupt_segment_fails_its_key_groups_only(tmp_path, damage):
     reopened.set_current_key(other_key)
     assert reopened.get_state("l").get() == ["x"]
     assert reopened.table.list_checkpoints() == checkpoints
+
+
+def test_batched_write_does_not_parse_strings_into_numbers(tmp_path):
+    """An Arrow array of strings is a schema mismatch for an int64 state, as a Python list of
+    strings is; widening int32 to int64 is fine."""
+    layout = StateLayout.of(pa.schema([("k", pa.string())]), [ValueStateDescriptor("n", pa.int64())], 8)
+    store = StateStore(DirectoryStateTable(tmp_path, layout))
+    n = store.get_state("n")
+    keys = pa.table({"k": ["a"]})
+    with pytest.raises(SchemaMismatchError, match="string"):
+        n.update_batch(keys, pa.array(["12"]))
+    n.update_batch(keys, pa.array([12], pa.int32()))
+    assert n.get_batch(keys).to_pylist() == [12]
+
+
+def test_aggregating_get_batch_has_the_result_type_when_all_absent(tmp_path):
+    layout = StateLayout.of(pa.schema([("k", pa.string())]),
+                            [AggregatingStateDescriptor("avg", agg_fn=AverageAggregate())], 8)
+    store = StateStore(DirectoryStateTable(tmp_path, layout))
+    got = store.get_state("avg").get_batch(pa.table({"k": ["a", "b"]}))
+    assert got.type == pa.float64() and got.to_pylist() == [None, None]
