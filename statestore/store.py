@@ -25,7 +25,7 @@ from statestore.errors import KeyGroupOutOfRangeError, StateClosedError, StateSt
 from statestore.faults import crash_point
 from statestore.keygroups import KeyGroupRange, assign_key_groups, compute_key_group_range_for_task
 from statestore.layout import CHECKPOINT_ID, EXPIRE_AT_MS, KEY_GROUP, OP, SEQ, STATE
-from statestore.memtable import KG, Memtable
+from statestore.memtable import KG, MEMTABLE_CHECKPOINT_ID, Memtable
 from statestore.resolve import ORD, entry_columns, make_ord, merge, resolve, view_columns
 from statestore.segment import SegmentReader, write_segments
 from statestore.state import STATE_CLASSES, KeyedState
@@ -176,6 +176,9 @@ class StateStore:
         checkpoint writes it again and the files written here are garbage.
         """
         self._check_open()
+        if not isinstance(checkpoint_id, int) or not 1 <= checkpoint_id < MEMTABLE_CHECKPOINT_ID:
+            # Entries order by checkpoint_id * 2^32 + seq in an int64 (resolve.make_ord).
+            raise ValueError(f"checkpoint_id must be an int in [1, {MEMTABLE_CHECKPOINT_ID - 1}], got {checkpoint_id!r}")
         self.seal()
         crash_point("flush_started")
         entries = self._memtable_as_entries(checkpoint_id)
