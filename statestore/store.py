@@ -178,7 +178,8 @@ class StateStore:
         self._check_open()
         if not isinstance(checkpoint_id, int) or not 1 <= checkpoint_id < MEMTABLE_CHECKPOINT_ID:
             # Entries order by checkpoint_id * 2^32 + seq in an int64 (resolve.make_ord).
-            raise ValueError(f"checkpoint_id must be an int in [1, {MEMTABLE_CHECKPOINT_ID - 1}], got {checkpoint_id!r}")
+            raise ValueError(
+                f"checkpoint_id must be an int in [1, {MEMTABLE_CHECKPOINT_ID - 1}], got {checkpoint_id!r}")
         self.seal()
         crash_point("flush_started")
         entries = self._memtable_as_entries(checkpoint_id)

@@ -685,3 +685,14 @@ def test_aggregating_get_batch_has_the_result_type_when_all_absent(tmp_path):
     store = StateStore(DirectoryStateTable(tmp_path, layout))
     got = store.get_state("avg").get_batch(pa.table({"k": ["a", "b"]}))
     assert got.type == pa.float64() and got.to_pylist() == [None, None]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1 << 31, "3"])
+def test_flush_rejects_checkpoint_ids_that_cannot_order_entries(tmp_path, bad):
+    layout = StateLayout.of(pa.schema([("k", pa.string())]), [ValueStateDescriptor("n", pa.int64())], 8)
+    store = StateStore(DirectoryStateTable(tmp_path, layout))
+    store.get_state("n").update_batch(pa.table({"k": ["a"]}), [1])
+    with pytest.raises(ValueError, match="checkpoint_id must be an int"):
+        store.flush(bad)
+    assert store.checkpoint().checkpoint_id == 1  # the memtable is intact
+    assert store.get_state("n").get_batch(pa.table({"k": ["a"]})).to_pylist() == [1]
