@@ -8,7 +8,6 @@ Run: ``.venv/bin/python benchmarks/bench_keygroups.py [--n 1000000]``.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import typer
 import xxhash
 from rich.console import Console
 from rich.table import Table
+from timing import best_of
 
 from statestore.keygroups import SPARK_XXHASH64_SEED, assign_key_groups
 
@@ -40,15 +40,6 @@ def _loop_str(values: list[str]) -> list[int]:
     return out
 
 
-def _best(fn, repeat: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def main(n: int = typer.Option(1_000_000, help="keys per measurement")) -> None:
     rng = np.random.default_rng(0)
     longs = pa.array(rng.integers(-(1 << 62), 1 << 62, n))
@@ -59,9 +50,9 @@ def main(n: int = typer.Option(1_000_000, help="keys per measurement")) -> None:
         ref = loop(arr.to_pylist())
         if ours.tolist() != ref:
             raise AssertionError(f"{label}: vectorized key groups differ from the xxhash loop")
-        t_vec = _best(lambda a=arr: assign_key_groups([a], N))
+        t_vec = best_of(lambda a=arr: assign_key_groups([a], N))
         # The input is Arrow in both cases, so the loop pays for converting it to Python.
-        t_loop = _best(lambda a=arr, f=loop: f(a.to_pylist()))
+        t_loop = best_of(lambda a=arr, f=loop: f(a.to_pylist()))
         results[label] = {"keys": n, "vectorized_s": t_vec, "python_loop_s": t_loop,
                           "vectorized_keys_per_s": n / t_vec, "speedup": t_loop / t_vec}
     RESULTS.mkdir(exist_ok=True)

@@ -29,6 +29,7 @@ import typer
 from rich.console import Console
 from rich.progress import track
 from rich.table import Table
+from timing import best_of
 
 from catalog import IcebergStateTable
 from statestore import StateLayout, StateStore, StoreConfig, ValueStateDescriptor
@@ -62,15 +63,6 @@ def _build_state(warehouse: str, name: str, n_keys: int, checkpoints: int = 4) -
     return table
 
 
-def _timed(fn, repeat: int = 1) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def bench_lookup(warehouse: str, big: int, lookup: int, tmp: Path) -> dict:
     table = _build_state(warehouse, "lookup_state", big)
     rng = np.random.default_rng(1)
@@ -85,7 +77,7 @@ def bench_lookup(warehouse: str, big: int, lookup: int, tmp: Path) -> dict:
     cold = time.perf_counter() - t0
     if got.to_numpy().tolist() != ids.tolist():
         raise AssertionError("cold lookup returned wrong values")
-    warm = _timed(lambda: cold_store.get_state(COUNT).get_batch(keys), repeat=3)
+    warm = best_of(lambda: cold_store.get_state(COUNT).get_batch(keys), repeat=3)
 
     import rocksdict
 
@@ -97,8 +89,8 @@ def bench_lookup(warehouse: str, big: int, lookup: int, tmp: Path) -> dict:
         db[k] = v.to_bytes(8, "little", signed=True)
     db.flush()
     look = [f"user-{i}".encode() for i in ids]
-    multi = _timed(lambda: db.get(look), repeat=3)
-    loop = _timed(lambda: [db.get(k) for k in look], repeat=3)
+    multi = best_of(lambda: db.get(look), repeat=3)
+    loop = best_of(lambda: [db.get(k) for k in look], repeat=3)
     if int.from_bytes(db.get(look[0]), "little") != ids[0]:
         raise AssertionError("rocksdict returned a wrong value")
     db.close()

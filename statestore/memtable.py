@@ -39,10 +39,13 @@ class Memtable:
         """Append entries (in their row order, newest last) and return the key groups touched."""
         if entries.height == 0:
             return []
-        df = entries.with_columns(pl.Series(ORD, self.next_ords(entries.height)), pl.Series(KG, key_groups))
+        df = entries.with_columns(pl.Series(ORD, self.next_ords(entries.height)),
+                                  pl.Series(KG, key_groups, dtype=pl.Int32))
         touched = []
+        # Parts keep their key-group column, so that flush can stamp all parts of a variable
+        # in one vectorized pass instead of one small polars call per key group.
         for (kg,), part in df.partition_by(KG, as_dict=True, maintain_order=True).items():
-            self._parts[name][int(kg)].append(part.drop(KG))
+            self._parts[name][int(kg)].append(part)
             touched.append(int(kg))
         return touched
 
@@ -56,6 +59,10 @@ class Memtable:
             for kg, parts in by_kg.items():
                 for part in parts:
                     yield name, kg, part
+
+    def parts_by_state(self) -> dict[str, list[pl.DataFrame]]:
+        """Every part of each state variable (each with its ``_kg`` column)."""
+        return {name: [p for parts in by_kg.values() for p in parts] for name, by_kg in self._parts.items()}
 
     def is_empty(self) -> bool:
         return not any(by_kg for by_kg in self._parts.values())

@@ -316,8 +316,7 @@ class StateStore:
             seg = entries.filter(pl.col(STATE) == desc.name)
             frames.append(seg.select([pl.col(KEY_GROUP).cast(pl.Int32).alias(KG), *cols]).cast(schema))
         for kg in kgs:
-            frames += [p.with_columns(pl.lit(kg, dtype=pl.Int32).alias(KG)).select([KG, *cols])
-                       for p in self._memtable.parts(desc.name, kg)]
+            frames += [p.select([KG, *cols]) for p in self._memtable.parts(desc.name, kg)]
         keyed_schema = pl.Schema({KG: pl.Int32, **schema})
         frames = [f.cast(keyed_schema) for f in frames if f.height]
         empty = self.empty_view(desc)
@@ -329,19 +328,20 @@ class StateStore:
 
     def _memtable_as_entries(self, checkpoint_id: int) -> pa.Table | None:
         entry_schema = self.layout.entry_schema
-        parts = []
-        for name, kg, part in self._memtable.items():
+        tables = []
+        for name, parts in self._memtable.parts_by_state().items():
             desc = self.layout.descriptor(name)
-            df = part.select(entry_columns(desc, self.key_names)).with_columns(
-                pl.lit(kg, dtype=pl.Int32).alias(KEY_GROUP),
+            cols = entry_columns(desc, self.key_names)
+            df = pl.concat([p.select([KG, *cols]) for p in parts], how="vertical").with_columns(
+                pl.col(KG).alias(KEY_GROUP),
                 pl.lit(name).alias(STATE),
                 pl.lit(checkpoint_id, dtype=pl.Int64).alias(CHECKPOINT_ID),
                 (pl.col(ORD) & ((1 << 32) - 1)).alias(SEQ),
-            ).drop(ORD)
-            parts.append(df.to_arrow())
-        if not parts:
+            ).drop(ORD, KG)
+            tables.append(df.to_arrow())
+        if not tables:
             return None
-        table = pa.concat_tables(parts, promote_options="permissive")
+        table = pa.concat_tables(tables, promote_options="permissive")
         cols = [table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
                 for f in entry_schema]
         return pa.Table.from_arrays(cols, schema=entry_schema)

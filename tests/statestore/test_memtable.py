@@ -19,7 +19,7 @@ import pytest
 if importlib.util.find_spec("statestore") is None:  # not pip-installed: import from this checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from statestore.memtable import MEMTABLE_CHECKPOINT_ID, SEQ_MAX, SEQ_RESET_AT, Memtable
+from statestore.memtable import KG, MEMTABLE_CHECKPOINT_ID, SEQ_MAX, SEQ_RESET_AT, Memtable
 from statestore.resolve import ORD
 
 LOW_32 = (1 << 32) - 1
@@ -65,8 +65,10 @@ def test_add_partitions_by_key_group_keeping_row_order():
     # seq of each row is its position in the add call
     assert seqs(mt.parts("a", 3)[0].get_column(ORD)) == [0, 2]
     assert seqs(mt.parts("a", 1)[0].get_column(ORD)) == [1, 4]
-    # the key group is not left behind as a column, values travel with their rows
-    assert mt.parts("a", 3)[0].columns == ["k", "v_s", ORD]
+    # each part carries its key group as a column (flush stamps it in one pass); values
+    # travel with their rows
+    assert mt.parts("a", 3)[0].columns == ["k", "v_s", ORD, KG]
+    assert mt.parts("a", 3)[0].get_column(KG).to_list() == [3, 3]
     assert mt.parts("a", 3)[0].get_column("v_s").to_list() == [100, 120]
 
 
