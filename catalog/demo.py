@@ -73,7 +73,12 @@ def _process(store: StateStore, events: pa.Table) -> None:
 def _commit(table: IcebergStateTable, stores: list[StateStore], batch_id: int) -> int:
     checkpoint_id = table.next_checkpoint_id()
     segments = [s for store in stores for s in store.flush(checkpoint_id)]
-    table.commit_checkpoint(checkpoint_id, segments, parallelism=len(stores), batch_id=batch_id)
+    try:
+        table.commit_checkpoint(checkpoint_id, segments, parallelism=len(stores), batch_id=batch_id)
+    except BaseException:
+        for store in stores:
+            store.checkpoint_aborted(checkpoint_id)
+        raise
     for store in stores:
         store.checkpoint_complete(checkpoint_id)
     return checkpoint_id

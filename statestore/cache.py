@@ -27,7 +27,8 @@ class CachedKeyGroup:
     size_bytes: int = 0
 
     def measure(self) -> int:
-        self.size_bytes = sum(int(v.estimated_size()) for v in self.views.values())
+        self.size_bytes = sum(int(v.estimated_size()) for v in self.views.values()) + sum(
+            int(p.estimated_size()) for parts in self.pending.values() for p in parts)
         return self.size_bytes
 
 
@@ -54,6 +55,10 @@ class KeyGroupCache:
         if group is not None:
             self._groups.move_to_end(key_group)
         return group
+
+    def peek(self, key_group: int) -> CachedKeyGroup | None:
+        """The group, without making it the most recently used."""
+        return self._groups.get(key_group)
 
     def put(self, key_group: int, group: CachedKeyGroup) -> None:
         old = self._groups.pop(key_group, None)

@@ -62,7 +62,8 @@ class Memtable:
 
     def parts_by_state(self) -> dict[str, list[pl.DataFrame]]:
         """Every part of each state variable (each with its ``_kg`` column)."""
-        return {name: [p for parts in by_kg.values() for p in parts] for name, by_kg in self._parts.items()}
+        out = {name: [p for parts in by_kg.values() for p in parts] for name, by_kg in self._parts.items()}
+        return {name: parts for name, parts in out.items() if parts}
 
     def is_empty(self) -> bool:
         return not any(by_kg for by_kg in self._parts.values())
@@ -70,12 +71,38 @@ class Memtable:
     def entry_count(self) -> int:
         return sum(p.height for _, _, p in self.items())
 
+    def watermark(self) -> int:
+        """The ord the next entry will get: every entry now in the memtable is below it."""
+        return (MEMTABLE_CHECKPOINT_ID << 32) + self._seq
+
+    def drop_before(self, watermark: int) -> dict[tuple[str, int], list[pl.DataFrame]]:
+        """Remove the parts whose entries are all below ``watermark`` (a flushed and committed
+        prefix) and return them by (state name, key group). Parts never straddle a watermark:
+        one ``add`` call makes its parts, and a flush happens between calls."""
+        dropped: dict[tuple[str, int], list[pl.DataFrame]] = {}
+        for name, by_kg in self._parts.items():
+            for kg, parts in list(by_kg.items()):
+                n = 0
+                while n < len(parts) and parts[n].get_column(ORD)[-1] < watermark:
+                    n += 1
+                if n:
+                    dropped[(name, kg)] = parts[:n]
+                    if n == len(parts):
+                        del by_kg[kg]
+                    else:
+                        by_kg[kg] = parts[n:]
+        return dropped
+
     def clear(self) -> bool:
         """Drop every part. The ord sequence continues (entries applied lazily by cached views
         after a checkpoint must stay older than new ones) until it passes half its range;
         returns True when it was reset, and callers must then drop those lazy entries."""
         self._parts.clear()
-        if self._seq > SEQ_RESET_AT:
+        return self.maybe_reset_sequence()
+
+    def maybe_reset_sequence(self) -> bool:
+        """Restart the ord sequence when the memtable is empty and past half its range."""
+        if self.is_empty() and self._seq > SEQ_RESET_AT:
             self._seq = 0
             return True
         return False

@@ -53,6 +53,8 @@ class StateStore:
         self._reader = SegmentReader(table.filesystem, self.config.footer_cache_entries_max)
         self._entry_schemas = self._polars_entry_schemas()
         self._handles: dict[str, KeyedState] = {}
+        # checkpoint id -> memtable watermark of a flush whose commit is not settled yet
+        self._outstanding: dict[int, int] = {}
         self._current_key: tuple | None = None
         self._current_key_group: int | None = None
         self._closed = False
@@ -180,39 +182,68 @@ class StateStore:
             # Entries order by checkpoint_id * 2^32 + seq in an int64 (resolve.make_ord).
             raise ValueError(
                 f"checkpoint_id must be an int in [1, {MEMTABLE_CHECKPOINT_ID - 1}], got {checkpoint_id!r}")
+        if self._outstanding:
+            raise StateStoreError(
+                f"checkpoint {next(iter(self._outstanding))} was flushed but neither completed nor aborted; call "
+                "checkpoint_complete(id) after its commit, or checkpoint_aborted(id) when the commit failed"
+            )
         self.seal()
         crash_point("flush_started")
         entries = self._memtable_as_entries(checkpoint_id)
+        # Writes after this flush get ords at or above the watermark and stay in the memtable
+        # when the checkpoint completes.
+        self._outstanding[checkpoint_id] = self._memtable.watermark()
         if entries is None:
             return []
         return write_segments(self._table, entries, checkpoint_id, self.task_index,
                               self.config.row_group_rows_min, self.config.row_group_rows_max)
 
     def checkpoint_complete(self, checkpoint_id: int) -> None:
-        """The checkpoint that ``flush`` wrote is committed: drop the memtable.
+        """The checkpoint that ``flush(checkpoint_id)`` wrote is committed: drop the flushed
+        entries from the memtable (later writes stay).
 
-        Memtable entries that a cached view has not applied yet move to the view's
-        ``pending`` list, so a cached key group never has to be read again.
+        Flushed entries that a cached view has not applied yet move to the view's
+        ``pending`` list (counted in the cache's bound), so a cached key group never has to
+        be read again. A table object that did not commit the checkpoint itself (another
+        process's driver did) is moved forward to it, so later reads see its segments.
         """
-        for kg in self._iter_cached():
-            group = self._cache.get(kg)
-            for name in group.views:
-                unapplied = self._memtable.parts(name, kg)[group.applied.get(name, 0):]
-                if unapplied:
-                    group.pending.setdefault(name, []).extend(unapplied)
-                group.applied[name] = 0
-        if self._memtable.clear():
-            # The ord sequence wrapped: pending entries could sort after newer ones.
+        if checkpoint_id not in self._outstanding:
+            raise ValueError(f"checkpoint {checkpoint_id} was not flushed by this store (or already completed)")
+        dropped = self._memtable.drop_before(self._outstanding.pop(checkpoint_id))
+        current = self._table.current_checkpoint()
+        if current is None or current.checkpoint_id < checkpoint_id:
+            self._table.restore(checkpoint_id)
+        for (name, kg), parts in dropped.items():
+            group = self._cache.peek(kg)
+            if group is None or name not in group.views:
+                continue
+            applied = group.applied.get(name, 0)
+            if len(parts) > applied:
+                group.pending.setdefault(name, []).extend(parts[applied:])
+            group.applied[name] = max(0, applied - len(parts))
+            self._cache.resized(kg)
+        self._cache.trim()
+        if self._memtable.maybe_reset_sequence():
+            # The ord sequence restarted: pending entries could sort after newer ones.
             self._cache.clear()
+
+    def checkpoint_aborted(self, checkpoint_id: int) -> None:
+        """The commit of ``checkpoint_id`` failed: keep its entries for the next checkpoint.
+        The files ``flush`` wrote are garbage for the table's retention to delete."""
+        self._outstanding.pop(checkpoint_id, None)
 
     def checkpoint(self, batch_id: int | None = None, properties: dict[str, str] | None = None) -> CheckpointInfo:
         """Flush and commit a checkpoint of this store alone (single-task use)."""
         checkpoint_id = self._table.next_checkpoint_id()
         segments = self.flush(checkpoint_id)
         crash_point("segments_written")
-        info = self._table.commit_checkpoint(
-            checkpoint_id, segments, parallelism=self.parallelism, batch_id=batch_id, properties=properties
-        )
+        try:
+            info = self._table.commit_checkpoint(
+                checkpoint_id, segments, parallelism=self.parallelism, batch_id=batch_id, properties=properties
+            )
+        except BaseException:
+            self.checkpoint_aborted(checkpoint_id)
+            raise
         self.checkpoint_complete(checkpoint_id)
         return info
 
@@ -244,6 +275,7 @@ class StateStore:
 
     def _reset(self) -> None:
         self._memtable.reset()
+        self._outstanding.clear()
         self._cache.clear()
         for handle in self._handles.values():
             handle.seal_overlay()
@@ -261,9 +293,6 @@ class StateStore:
                 f"key group {int(bad[0])} is not owned by task {self.task_index} of {self.parallelism} "
                 f"(owns {r}); route keys with pmod(xxhash64(keys), {self.layout.max_parallelism}) to their task"
             )
-
-    def _iter_cached(self) -> list[int]:
-        return [kg for kg in range(self.key_group_range.start, self.key_group_range.end + 1) if kg in self._cache]
 
     def _polars_entry_schemas(self) -> dict[str, pl.Schema]:
         empty = pl.from_arrow(self.layout.entry_schema.empty_table())
@@ -291,6 +320,9 @@ class StateStore:
         """Read the segments of ``kgs`` and resolve every variable's view of each."""
         wanted = np.asarray(kgs, dtype=np.int64)
         segments = self._table.segments(KeyGroupRange.of(int(wanted[0]), int(wanted[-1])))
+        # Entries of a flushed checkpoint stay in the memtable until it completes: reading its
+        # segments as well would apply them twice (list appends would repeat).
+        segments = [s for s in segments if s.checkpoint_id not in self._outstanding]
         columns = [KEY_GROUP, *self.key_names, STATE, OP, CHECKPOINT_ID, SEQ, EXPIRE_AT_MS]
         columns += [c for c in self.layout.entry_schema.names if c.startswith(("mk_", "v_"))]
         tables = self._reader.read(segments, wanted, columns)

@@ -143,3 +143,16 @@ def test_reset_drops_parts_and_restarts_sequence():
     assert mt.is_empty()
     assert list(mt.items()) == []
     assert seqs(mt.next_ords(1)) == [0]
+
+
+def test_drop_before_removes_only_the_flushed_prefix():
+    mt = Memtable()
+    mt.add("a", np.array([1, 2]), entries([10, 11]))
+    mark = mt.watermark()
+    mt.add("a", np.array([1]), entries([12]))
+    dropped = mt.drop_before(mark)
+    assert {k: [p.get_column("k").to_list() for p in v] for k, v in dropped.items()} == {("a", 1): [[10]],
+                                                                                           ("a", 2): [[11]]}
+    assert [p.get_column("k").to_list() for p in mt.parts("a", 1)] == [[12]]
+    assert mt.parts("a", 2) == []
+    assert not mt.is_empty()
