@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
+# Approximate memory of one entry of a point-lookup index (a dict slot, a key tuple and
+# the boxed value), counted against the cache's bound.
+INDEX_ENTRY_BYTES = 160
+
 
 @dataclass
 class CachedKeyGroup:
@@ -24,11 +28,15 @@ class CachedKeyGroup:
     # Entries that were committed by a checkpoint while still unapplied to the view: the
     # memtable forgets them at the checkpoint, the view applies them on its next read.
     pending: dict[str, list[pl.DataFrame]] = field(default_factory=dict)
+    # Per-key point lookups of value-like state: {name: (the view indexed, {key: (value, expire)})},
+    # built on first use and rebuilt when the view object changes.
+    indexes: dict[str, tuple[pl.DataFrame, dict]] = field(default_factory=dict)
     size_bytes: int = 0
 
     def measure(self) -> int:
         self.size_bytes = sum(int(v.estimated_size()) for v in self.views.values()) + sum(
-            int(p.estimated_size()) for parts in self.pending.values() for p in parts)
+            int(p.estimated_size()) for parts in self.pending.values() for p in parts) + sum(
+            len(ix) * INDEX_ENTRY_BYTES for _, ix in self.indexes.values())
         return self.size_bytes
 
 

@@ -240,10 +240,12 @@ class _ValueLike(KeyedState):
                     p.expire_at_ms = self._expire_at()
                 return True, p.value
             return False, None
-        rows = self._stored_rows()
-        if rows.height == 0:
+        hit = self._store.point_get(self.name, key, self._store.current_key()[1])
+        if hit is None:
             return False, None
-        value = rows.get_column(self._v).to_list()[0]
+        value, expire_at_ms = hit
+        if not self._live(expire_at_ms):
+            return False, None
         if self._refresh_on_read():
             self._put(value)
         return True, value

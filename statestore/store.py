@@ -23,7 +23,12 @@ from statestore.config import StoreConfig
 from statestore.descriptors import StateDescriptor
 from statestore.errors import KeyGroupOutOfRangeError, StateClosedError, StateStoreError
 from statestore.faults import crash_point
-from statestore.keygroups import KeyGroupRange, assign_key_groups, compute_key_group_range_for_task
+from statestore.keygroups import (
+    KeyGroupRange,
+    assign_key_group,
+    assign_key_groups,
+    compute_key_group_range_for_task,
+)
 from statestore.layout import CHECKPOINT_ID, EXPIRE_AT_MS, KEY_GROUP, OP, SEQ, STATE
 from statestore.memtable import KG, MEMTABLE_CHECKPOINT_ID, Memtable
 from statestore.resolve import ORD, entry_columns, make_ord, merge, resolve, view_columns
@@ -52,6 +57,9 @@ class StateStore:
         self._cache = KeyGroupCache(self.config.cache_size_bytes_max)
         self._reader = SegmentReader(table.filesystem, self.config.footer_cache_entries_max)
         self._entry_schemas = self._polars_entry_schemas()
+        self._indexable = all(
+            pa.types.is_string(f.type) or pa.types.is_binary(f.type) or pa.types.is_integer(f.type)
+            or pa.types.is_boolean(f.type) or pa.types.is_date32(f.type) for f in self.layout.key_schema)
         self._handles: dict[str, KeyedState] = {}
         # checkpoint id -> memtable watermark of a flush whose commit is not settled yet
         self._outstanding: dict[int, int] = {}
@@ -92,10 +100,9 @@ class StateStore:
         if any(v is None for v in key):
             raise ValueError(f"key {key!r} has a null value: keys must not be null")
         try:
-            cols = [pa.array([v], type=f.type) for v, f in zip(key, self.layout.key_schema, strict=True)]
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as e:
+            kg = assign_key_group(key, self.layout.key_schema, self.layout.max_parallelism)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
             raise TypeError(f"key {key!r} does not fit the key schema {self.layout.key_schema}: {e}") from e
-        kg = int(assign_key_groups(cols, self.layout.max_parallelism)[0])
         self._check_owned(np.array([kg]))
         self._current_key, self._current_key_group = key, kg
 
@@ -151,6 +158,28 @@ class StateStore:
             desc = self.layout.descriptor(name)
             return left.join(self.empty_view(desc), on=on, how="left", maintain_order="left")
         return left.join(view, on=on, how="left", maintain_order="left")
+
+    def point_get(self, name: str, key: tuple, key_group: int) -> tuple[Any, int | None] | None:
+        """(value, expire_at_ms) of the view row of ``key`` in state ``name``, or None: the
+        per-key read of value-like state. Without sealing the handles' overlays (the caller
+        applies its own). Served from a dict built once per view when the key columns are
+        strings, binaries, integers, booleans or dates (plain Python values compare equal
+        to what polars returns); otherwise by a filter over the key group's view."""
+        view = self.views(name, [key_group], seal=False)[0]
+        desc = self.layout.descriptor(name)
+        if not self._indexable:
+            rows = view.filter(pl.all_horizontal([pl.col(k) == pl.lit(v, dtype=view.schema[k])
+                                                  for k, v in zip(self.key_names, key, strict=True)]))
+            return None if rows.height == 0 else (rows.get_column(desc.value_column)[0], rows[EXPIRE_AT_MS][0])
+        group = self._cache.peek(key_group)
+        index = group.indexes.get(name)
+        if index is None or index[0] is not view:
+            keys = zip(*[view.get_column(k).to_list() for k in self.key_names], strict=True)
+            values = zip(view.get_column(desc.value_column).to_list(), view.get_column(EXPIRE_AT_MS).to_list(),
+                         strict=True)
+            index = group.indexes[name] = (view, dict(zip(keys, values, strict=True)))
+            self._cache.resized(key_group)
+        return index[1].get(key)
 
     def now_ms(self) -> int:
         return int(self.config.clock_ms())

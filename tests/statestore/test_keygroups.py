@@ -698,3 +698,37 @@ def test_task_range_known_values():
 def test_task_range_bad_arguments(n, p, i):
     with pytest.raises(ValueError):
         compute_key_group_range_for_task(n, p, i)
+
+
+# --------------------------------------------------------------------------- scalar path
+
+SCALAR_CASES = [
+    (pa.string(), st.text(max_size=40)),
+    (pa.binary(), st.binary(max_size=40)),
+    (pa.bool_(), st.booleans()),
+    (pa.int8(), st.integers(-(1 << 7), (1 << 7) - 1)),
+    (pa.int16(), st.integers(-(1 << 15), (1 << 15) - 1)),
+    (pa.int32(), st.integers(-(1 << 31), (1 << 31) - 1)),
+    (pa.int64(), st.integers(-(1 << 63), (1 << 63) - 1)),
+    (pa.date32(), st.dates()),
+    (pa.timestamp("us"), st.datetimes()),
+    (pa.timestamp("us", tz="UTC"), st.datetimes(timezones=st.just(dt.UTC))),
+]
+
+
+@pytest.mark.parametrize(("dtype", "values"), SCALAR_CASES, ids=[str(c[0]) for c in SCALAR_CASES])
+def test_scalar_key_group_equals_vectorized(dtype, values):
+    """``assign_key_group`` (one plain Python key, through the xxhash binding) agrees with the
+    vectorized path for every supported type, also chained after a string column."""
+    schema = pa.schema([("k", dtype)])
+    pair = pa.schema([("s", pa.string()), ("k", dtype)])
+
+    @given(v=values, s=st.text(max_size=10), n=st.sampled_from([1, 7, 128, 4096]))
+    @settings(max_examples=60, deadline=None)
+    def check(v, s, n):
+        vec = assign_key_groups(pa.table({"k": pa.array([v], dtype)}), n)
+        assert kg.assign_key_group((v,), schema, n) == int(vec[0])
+        vec2 = assign_key_groups(pa.table({"s": [s], "k": pa.array([v], dtype)}), n)
+        assert kg.assign_key_group((s, v), pair, n) == int(vec2[0])
+
+    check()
