@@ -600,7 +600,8 @@ class IcebergStateTable:
             try:
                 self.filesystem.delete_file(self._locations.to_path(uri))
             except FileNotFoundError:
-                pass  # deleted by an earlier, interrupted collection
+                # Deleted by an earlier, interrupted collection: nothing left to do.
+                continue
             except OSError as e:
                 logger.warning("could not delete %s of state table %s (%s); the next sweep retries", uri, self._name, e)
         self._cache.forget(uris)

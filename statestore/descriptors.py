@@ -8,6 +8,7 @@ the user keys of a map). Descriptors are immutable and thread safe.
 
 from __future__ import annotations
 
+import abc
 import enum
 import re
 from collections.abc import Callable
@@ -56,7 +57,7 @@ def _as_type(t: pa.DataType | pa.Schema, what: str) -> pa.DataType:
     raise TypeError(f"{what} must be a pyarrow DataType or Schema, got {type(t).__name__}")
 
 
-class AggregateFunction:
+class AggregateFunction(abc.ABC):
     """Flink-style aggregate function for ``AggregatingStateDescriptor``.
 
     The batched API (``add_batch``) groups the values of each key in one vectorized step
@@ -67,17 +68,21 @@ class AggregateFunction:
     #: type of ``get_result``; None lets Arrow infer it from the results
     result_type: pa.DataType | None = None
 
+    @abc.abstractmethod
     def create_accumulator(self) -> Any:
-        raise NotImplementedError("subclasses define create_accumulator")
+        """Defined by each aggregate function."""
 
+    @abc.abstractmethod
     def add(self, value: Any, accumulator: Any) -> Any:
-        raise NotImplementedError("subclasses define add")
+        """Defined by each aggregate function."""
 
+    @abc.abstractmethod
     def merge(self, a: Any, b: Any) -> Any:
-        raise NotImplementedError("subclasses define merge")
+        """Defined by each aggregate function."""
 
+    @abc.abstractmethod
     def get_result(self, accumulator: Any) -> Any:
-        raise NotImplementedError("subclasses define get_result")
+        """Defined by each aggregate function."""
 
 
 @dataclass(frozen=True)
