@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from statestore.descriptors import StateDescriptor, StateKind
 from statestore.errors import SchemaMismatchError
-from statestore.keygroups import check_key_type, check_max_parallelism
+from statestore.keygroups import DEFAULT_MAX_PARALLELISM, check_key_type, check_max_parallelism
 
 # Stored on disk (column "op"): do not change.
 OP_PUT = 0
@@ -67,7 +67,8 @@ class StateLayout:
     max_parallelism: int
 
     @classmethod
-    def of(cls, key_schema: pa.Schema, descriptors: Sequence[StateDescriptor], max_parallelism: int) -> StateLayout:
+    def of(cls, key_schema: pa.Schema, descriptors: Sequence[StateDescriptor],
+           max_parallelism: int = DEFAULT_MAX_PARALLELISM) -> StateLayout:
         check_max_parallelism(max_parallelism)
         if not isinstance(key_schema, pa.Schema) or len(key_schema) == 0:
             raise TypeError("key_schema must be a non-empty pyarrow Schema")

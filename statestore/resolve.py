@@ -30,7 +30,8 @@ def make_ord(checkpoint_id: pl.Expr, seq: pl.Expr) -> pl.Expr:
     return (checkpoint_id.cast(pl.Int64) * (1 << 32) + seq.cast(pl.Int64)).alias(ORD)
 
 
-def _live(df: pl.DataFrame, now_ms: int) -> pl.DataFrame:
+def live_rows(df: pl.DataFrame, now_ms: int) -> pl.DataFrame:
+    """The rows not expired at ``now_ms``."""
     return df.filter(pl.col(EXPIRE_AT_MS).is_null() | (pl.col(EXPIRE_AT_MS) > now_ms))
 
 
@@ -55,14 +56,14 @@ def resolve(entries: pl.DataFrame, desc: StateDescriptor, keys: list[str], now_m
     if desc.kind is StateKind.LIST:
         live = _after_clear(entries, keys, pl.col(OP) == OP_DELETE)
         live = live.filter(pl.col(OP) == OP_APPEND).sort(ORD)
-        return _live(live.select([*keys, v, EXPIRE_AT_MS, ORD]), now_ms)
+        return live_rows(live.select([*keys, v, EXPIRE_AT_MS, ORD]), now_ms)
     if desc.kind is StateKind.MAP:
         mk = desc.user_key_column
         live = _after_clear(entries, keys, (pl.col(OP) == OP_DELETE) & pl.col(mk).is_null())
         newest = _newest(live, [*keys, mk]).filter(pl.col(OP) == OP_PUT)
-        return _live(newest.select([*keys, mk, v, EXPIRE_AT_MS]), now_ms)
+        return live_rows(newest.select([*keys, mk, v, EXPIRE_AT_MS]), now_ms)
     newest = _newest(entries, keys).filter(pl.col(OP) == OP_PUT)
-    return _live(newest.select([*keys, v, EXPIRE_AT_MS]), now_ms)
+    return live_rows(newest.select([*keys, v, EXPIRE_AT_MS]), now_ms)
 
 
 def view_as_entries(view: pl.DataFrame, desc: StateDescriptor) -> pl.DataFrame:

@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 from statestore.descriptors import StateDescriptor, StateKind, TtlUpdateType
 from statestore.errors import SchemaMismatchError
 from statestore.layout import EXPIRE_AT_MS, OP, OP_APPEND, OP_DELETE, OP_PUT
-from statestore.resolve import ORD
+from statestore.resolve import ORD, live_rows
 
 if TYPE_CHECKING:
     from statestore.store import StateStore
@@ -150,10 +150,7 @@ class KeyedState:
         view = self._store.views(self.name, [kg], seal=False)[0]
         cond = pl.all_horizontal([pl.col(k) == pl.lit(v, dtype=view.schema[k])
                                   for k, v in zip(self._store.key_names, key, strict=True)])
-        rows = view.filter(cond)
-        if rows.height:
-            rows = rows.filter(pl.col(EXPIRE_AT_MS).is_null() | (pl.col(EXPIRE_AT_MS) > self._store.now_ms()))
-        return rows
+        return live_rows(view.filter(cond), self._store.now_ms())
 
     def seal_overlay(self) -> tuple[np.ndarray, pl.DataFrame] | None:
         """Turn the overlay into (key groups, entries in write order) and empty it."""
@@ -205,9 +202,7 @@ class KeyedState:
 
     def _lookup_values(self, keys: pa.Table, kgs: np.ndarray) -> pl.DataFrame:
         """keys joined with live values (``v`` null where absent or expired), in order."""
-        res = self._store.lookup(self.name, keys, kgs)
-        dead = pl.col(EXPIRE_AT_MS).is_not_null() & (pl.col(EXPIRE_AT_MS) <= self._store.now_ms())
-        return res.with_columns(pl.when(dead).then(None).otherwise(pl.col(self._v)).alias(self._v))
+        return self._store.lookup(self.name, keys, kgs)
 
     def _to_arrow(self, series: pl.Series, dtype: pa.DataType) -> pa.Array:
         arr = series.to_arrow()
@@ -435,10 +430,7 @@ class ListState(KeyedState):
         """Each key's list (empty when none), aligned with ``keys``."""
         keys, kgs = self._store.prepare_keys(keys)
         names = self._store.key_names
-        views = self._store.views(self.name, np.unique(kgs).tolist())
-        view = pl.concat(views, how="vertical", rechunk=False) if views else self._store.empty_view(self.descriptor)
-        now = self._store.now_ms()
-        live = view.filter(pl.col(EXPIRE_AT_MS).is_null() | (pl.col(EXPIRE_AT_MS) > now))
+        live = self._store.live_view(self.name, np.unique(kgs).tolist())
         lists = live.sort(ORD).group_by(names, maintain_order=True).agg(pl.col(self._v))
         res = pl.from_arrow(keys).join(lists, on=names, how="left", maintain_order="left")
         out = res.get_column(self._v).to_arrow()
@@ -560,8 +552,6 @@ class MapState(KeyedState):
         _check_len(uks, keys, self.name)
         extra = pl.from_arrow(pa.table({self._user_key_col(): uks}))
         res = self._store.lookup(self.name, keys, kgs, on_extra=extra)
-        dead = pl.col(EXPIRE_AT_MS).is_not_null() & (pl.col(EXPIRE_AT_MS) <= self._store.now_ms())
-        res = res.with_columns(pl.when(dead).then(None).otherwise(pl.col(self._v)).alias(self._v))
         values = self._to_arrow(res.get_column(self._v), self.descriptor.value_type)
         if self._refresh_on_read():
             found = pc.is_valid(values)
@@ -574,9 +564,7 @@ class MapState(KeyedState):
         """Every live entry of the given keys: columns ``_row`` (index into ``keys``), user key, value."""
         keys, kgs = self._store.prepare_keys(keys)
         names = self._store.key_names
-        views = self._store.views(self.name, np.unique(kgs).tolist())
-        view = pl.concat(views, how="vertical", rechunk=False) if views else self._store.empty_view(self.descriptor)
-        live = view.filter(pl.col(EXPIRE_AT_MS).is_null() | (pl.col(EXPIRE_AT_MS) > self._store.now_ms()))
+        live = self._store.live_view(self.name, np.unique(kgs).tolist())
         left = pl.from_arrow(keys).with_row_index(ROW)
         res = left.join(live, on=names, how="inner", maintain_order="left")
         out = res.select([pl.col(ROW).cast(pl.Int64), self._user_key_col(), self._v]).to_arrow()

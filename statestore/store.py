@@ -31,7 +31,7 @@ from statestore.keygroups import (
 )
 from statestore.layout import CHECKPOINT_ID, EXPIRE_AT_MS, KEY_GROUP, OP, SEQ, STATE
 from statestore.memtable import KG, MEMTABLE_CHECKPOINT_ID, Memtable
-from statestore.resolve import ORD, entry_columns, make_ord, merge, resolve, view_columns
+from statestore.resolve import ORD, entry_columns, live_rows, make_ord, merge, resolve, view_columns
 from statestore.segment import SegmentReader, write_segments
 from statestore.state import STATE_CLASSES, KeyedState
 from statestore.table import CheckpointInfo, SegmentFile, StateTable
@@ -141,22 +141,27 @@ class StateStore:
         self._cache.trim(pinned=kgs)
         return out
 
+    def live_view(self, name: str, key_groups: Iterable[int]) -> pl.DataFrame:
+        """The view rows of ``name`` in ``key_groups`` that are live now, as one frame."""
+        views = self.views(name, key_groups)
+        view = pl.concat(views, how="vertical", rechunk=False) if views else None
+        if view is None or view.height == 0:
+            return self.empty_view(self.layout.descriptor(name))
+        return live_rows(view, self.now_ms())
+
     def lookup(self, name: str, keys: pa.Table, key_groups: np.ndarray, on_extra: pl.DataFrame | None = None,
                ) -> pl.DataFrame:
-        """Left join of ``keys`` (in order) with the live view rows of ``name``.
+        """Left join of ``keys`` (in order) with the live view rows of ``name``: the value
+        column is null where a key has no live value.
 
         ``on_extra`` adds join columns (a map's user keys), aligned with ``keys``.
         """
-        views = self.views(name, np.unique(key_groups).tolist())
-        view = pl.concat(views, how="vertical", rechunk=False) if views else None
+        view = self.live_view(name, np.unique(key_groups).tolist())
         left = pl.from_arrow(keys)
         on = list(self.key_names)
         if on_extra is not None:
             left = left.hstack(on_extra)
             on += on_extra.columns
-        if view is None or view.height == 0:
-            desc = self.layout.descriptor(name)
-            return left.join(self.empty_view(desc), on=on, how="left", maintain_order="left")
         return left.join(view, on=on, how="left", maintain_order="left")
 
     def point_get(self, name: str, key: tuple, key_group: int) -> tuple[Any, int | None] | None:
