@@ -108,6 +108,7 @@ class IcebergStateTable:
         cls, layout: StateLayout, *, warehouse: str | None = None, catalog: Catalog | None = None,
         namespace: str = DEFAULT_NAMESPACE, table_name: str, checkpoint_id: int | None = None,
         retain_checkpoints: int = DEFAULT_RETAIN_CHECKPOINTS, partition_width: int | None = None,
+        close_catalog: bool = False,
     ) -> IcebergStateTable:
         """Open (creating if needed) the state table ``namespace.table_name`` at a checkpoint.
 
@@ -117,7 +118,8 @@ class IcebergStateTable:
                 new state variables are added to it (metadata only).
             warehouse: local directory of the embedded SQLite catalog, used when
                 ``catalog`` is None (see ``catalog.defaults``).
-            catalog: any pyiceberg catalog; the caller keeps owning it.
+            catalog: any pyiceberg catalog; the caller keeps owning it unless ``close_catalog``
+                hands it to the table (closed with the table, also when opening fails).
             checkpoint_id: the retained checkpoint to open at; None for the newest.
             retain_checkpoints: how many checkpoints of the current line retention keeps.
             partition_width: key groups per partition (``truncate(key_group, W)``); None
@@ -129,6 +131,7 @@ class IcebergStateTable:
         """
         _check_open_args(layout, table_name, retain_checkpoints, partition_width)
         catalog, owns = _catalog_for(warehouse, catalog)
+        owns = owns or close_catalog
         try:
             catalog.create_namespace_if_not_exists(namespace)
             table = load_or_create(catalog, (namespace, table_name), layout, partition_width)

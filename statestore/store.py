@@ -92,19 +92,26 @@ class StateStore:
 
     # ---------------------------------------------------------------- current key
 
-    def set_current_key(self, key: Any) -> None:
-        """Select the key the per-key state API works on (a scalar, or a tuple for several columns)."""
+    def set_current_key(self, key: Any, key_group: int | None = None) -> None:
+        """Select the key the per-key state API works on (a scalar, or a tuple for several columns).
+
+        ``key_group`` may be passed when the caller already computed it with the same hash
+        (rows routed by Spark carry it); it is trusted, so it must be right.
+        """
         key = key if isinstance(key, tuple) else (key,)
         if len(key) != len(self.key_names):
             raise ValueError(f"key {key!r} has {len(key)} value(s); the key columns are {self.key_names}")
         if any(v is None for v in key):
             raise ValueError(f"key {key!r} has a null value: keys must not be null")
-        try:
-            kg = assign_key_group(key, self.layout.key_schema, self.layout.max_parallelism)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
-            raise TypeError(f"key {key!r} does not fit the key schema {self.layout.key_schema}: {e}") from e
-        self._check_owned(np.array([kg]))
-        self._current_key, self._current_key_group = key, kg
+        if key_group is None:
+            try:
+                key_group = assign_key_group(key, self.layout.key_schema, self.layout.max_parallelism)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
+                raise TypeError(f"key {key!r} does not fit the key schema {self.layout.key_schema}: {e}") from e
+        r = self.key_group_range
+        if not r.start <= key_group <= r.end:
+            self._check_owned(np.array([key_group]))
+        self._current_key, self._current_key_group = key, key_group
 
     def current_key(self) -> tuple[tuple, int]:
         if self._current_key is None:

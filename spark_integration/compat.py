@@ -1,0 +1,379 @@
+"""Spark's ``StatefulProcessor`` API on the disaggregated store.
+
+A processor written for Spark's own ``transformWithState`` (a subclass of
+``pyspark.sql.streaming.StatefulProcessor``) runs unchanged: its ``init`` receives a
+``StoreHandle`` instead of Spark's ``StatefulProcessorHandle``, with the same methods,
+and the state variables it gets back have the same methods as Spark's ``ValueState``,
+``ListState`` and ``MapState``. Every call is served in the Python worker from the task's
+store (memtable and cached key-group views), not by a socket round trip to the JVM; the
+key groups a task will touch are loaded in one batched read before the first key.
+
+Values cross the API as tuples in the order of the declared schema's fields, as in
+Spark; they are stored as Arrow structs (readable as such with SQL).
+
+Two handles exist: ``DeclaringHandle`` runs ``init`` on the driver to learn the state
+variables (names, schemas, TTLs) before any state is written, and ``StoreHandle`` serves
+the executors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql import Row
+from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, StatefulProcessor, TimerValues
+from pyspark.sql.types import DataType, StructField, StructType
+
+from spark_integration.timers import TIMERS_STATE, TimerService
+from statestore.descriptors import (
+    ListStateDescriptor,
+    MapStateDescriptor,
+    StateDescriptor,
+    StateKind,
+    TtlConfig,
+    ValueStateDescriptor,
+)
+from statestore.errors import StateStoreError
+from statestore.store import StateStore
+
+
+def spark_struct(schema: StructType | DataType | str, what: str) -> StructType:
+    """A state schema as a StructType: DDL strings are parsed (needs the driver's SparkContext);
+    a non-struct type becomes a struct of one field ``value``."""
+    if isinstance(schema, str):
+        from pyspark.sql.types import _parse_datatype_string
+
+        try:
+            schema = _parse_datatype_string(schema)
+        except Exception as e:
+            raise ValueError(f"{what}: cannot parse schema {schema!r}: {e}") from e
+    if not isinstance(schema, DataType):
+        raise TypeError(f"{what}: schema must be a StructType or a DDL string, got {type(schema).__name__}")
+    if not isinstance(schema, StructType):
+        schema = StructType([StructField("value", schema)])
+    return schema
+
+
+def arrow_type(schema: StructType) -> pa.DataType:
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    return to_arrow_type(schema, timezone="UTC")
+
+
+def _ttl(ttl_ms: int | None, name: str) -> TtlConfig | None:
+    if ttl_ms is None:
+        return None
+    if not isinstance(ttl_ms, int) or ttl_ms <= 0:
+        raise ValueError(f"state {name!r}: ttlDurationMs must be a positive int of milliseconds, got {ttl_ms!r}")
+    return TtlConfig(ttl_ms)
+
+
+class DeclaringHandle:
+    """Runs a processor's ``init`` on the driver and records the state variables it declares."""
+
+    def __init__(self) -> None:
+        self.descriptors: list[StateDescriptor] = []
+        self.deleted: list[str] = []
+
+    def _declare(self, desc: StateDescriptor) -> None:
+        if desc.name == TIMERS_STATE:
+            raise ValueError(f"state name {TIMERS_STATE!r} is reserved for timers; choose another name")
+        if any(d.name == desc.name for d in self.descriptors):
+            raise ValueError(f"state variable {desc.name!r} is declared twice in init()")
+        self.descriptors.append(desc)
+
+    def getValueState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> None:
+        t = arrow_type(spark_struct(schema, f"value state {stateName!r}"))
+        self._declare(ValueStateDescriptor(stateName, t, ttl=_ttl(ttlDurationMs, stateName)))
+
+    def getListState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> None:
+        t = arrow_type(spark_struct(schema, f"list state {stateName!r}"))
+        self._declare(ListStateDescriptor(stateName, t, ttl=_ttl(ttlDurationMs, stateName)))
+
+    def getMapState(self, stateName: str, userKeySchema: Any, valueSchema: Any,
+                    ttlDurationMs: int | None = None) -> None:
+        k = arrow_type(spark_struct(userKeySchema, f"map state {stateName!r} user key"))
+        v = arrow_type(spark_struct(valueSchema, f"map state {stateName!r} value"))
+        self._declare(MapStateDescriptor(stateName, key_type=k, value_type=v, ttl=_ttl(ttlDurationMs, stateName)))
+
+    def registerTimer(self, expiryTimestampMs: int) -> None:
+        raise StateStoreError("registerTimer needs a grouping key: call it from handleInputRows, not init()")
+
+    deleteTimer = registerTimer
+
+    def listTimers(self) -> Iterator[int]:
+        raise StateStoreError("listTimers needs a grouping key: call it from handleInputRows, not init()")
+
+    def deleteIfExists(self, stateName: str) -> None:
+        self.deleted.append(stateName)
+
+
+def declare(processor: StatefulProcessor) -> DeclaringHandle:
+    """Run ``processor.init`` against a recording handle (driver side) and close it again."""
+    handle = DeclaringHandle()
+    processor.init(handle)
+    processor.close()
+    return handle
+
+
+class _Struct:
+    """Tuple <-> stored struct conversion of one schema."""
+
+    __slots__ = ("names",)
+
+    def __init__(self, t: pa.DataType):
+        self.names = [f.name for f in t]
+
+    def to_store(self, value: Any, what: str) -> dict:
+        if isinstance(value, dict):
+            return value
+        if isinstance(value, Row) and hasattr(value, "__fields__"):
+            return value.asDict()
+        if not isinstance(value, (tuple, list)):
+            value = (value,)
+        if len(value) != len(self.names):
+            raise ValueError(f"{what}: expected a tuple of {len(self.names)} field(s) {self.names}, got {value!r}")
+        return dict(zip(self.names, value, strict=True))
+
+    @staticmethod
+    def from_store(value: dict | None) -> tuple | None:
+        return None if value is None else tuple(value.values())
+
+
+class ValueState:
+    """Spark's ``ValueState`` over the store's value state of the current key."""
+
+    def __init__(self, store: StateStore, desc: StateDescriptor):
+        self._state = store.get_state(desc.name)
+        self._struct = _Struct(desc.value_type)
+        self._what = f"value state {desc.name!r}"
+
+    def exists(self) -> bool:
+        return self._state.exists()
+
+    def get(self) -> tuple | None:
+        return self._struct.from_store(self._state.get())
+
+    def update(self, newValue: tuple) -> None:
+        self._state.update(self._struct.to_store(newValue, self._what))
+
+    def clear(self) -> None:
+        self._state.clear()
+
+
+class ListState:
+    """Spark's ``ListState`` over the store's list state of the current key."""
+
+    def __init__(self, store: StateStore, desc: StateDescriptor):
+        self._state = store.get_state(desc.name)
+        self._struct = _Struct(desc.value_type)
+        self._what = f"list state {desc.name!r}"
+
+    def exists(self) -> bool:
+        return self._state.exists()
+
+    def get(self) -> Iterator[tuple]:
+        return iter([self._struct.from_store(v) for v in self._state.get()])
+
+    def put(self, newState: list[tuple]) -> None:
+        self._state.update([self._struct.to_store(v, self._what) for v in newState])
+
+    def appendValue(self, newState: tuple) -> None:
+        self._state.add(self._struct.to_store(newState, self._what))
+
+    def appendList(self, newState: list[tuple]) -> None:
+        self._state.add_all([self._struct.to_store(v, self._what) for v in newState])
+
+    def clear(self) -> None:
+        self._state.clear()
+
+
+class MapState:
+    """Spark's ``MapState`` over the store's map state of the current key."""
+
+    def __init__(self, store: StateStore, desc: StateDescriptor):
+        self._state = store.get_state(desc.name)
+        self._keys = _Struct(desc.user_key_type)
+        self._values = _Struct(desc.value_type)
+        self._what = f"map state {desc.name!r}"
+
+    def exists(self) -> bool:
+        return self._state.exists()
+
+    def getValue(self, key: tuple) -> tuple | None:
+        return self._values.from_store(self._state.get(self._keys.to_store(key, self._what + " user key")))
+
+    def containsKey(self, key: tuple) -> bool:
+        return self._state.contains(self._keys.to_store(key, self._what + " user key"))
+
+    def updateValue(self, key: tuple, value: tuple) -> None:
+        self._state.put(self._keys.to_store(key, self._what + " user key"),
+                        self._values.to_store(value, self._what + " value"))
+
+    def iterator(self) -> Iterator[tuple[tuple, tuple]]:
+        return iter([(self._keys.from_store(k), self._values.from_store(v)) for k, v in self._state.items()])
+
+    def keys(self) -> Iterator[tuple]:
+        return iter([self._keys.from_store(k) for k in self._state])
+
+    def values(self) -> Iterator[tuple]:
+        return iter([self._values.from_store(v) for v in self._state.values()])
+
+    def removeKey(self, key: tuple) -> None:
+        self._state.remove(self._keys.to_store(key, self._what + " user key"))
+
+    def clear(self) -> None:
+        self._state.clear()
+
+
+_WRAPPERS = {StateKind.VALUE: ValueState, StateKind.LIST: ListState, StateKind.MAP: MapState}
+
+
+class StoreHandle:
+    """Spark's ``StatefulProcessorHandle`` over one task's store (executor side)."""
+
+    def __init__(self, store: StateStore, timers: TimerService | None, purged: set[str]):
+        self._store = store
+        self._timers = timers
+        self._purged = purged
+
+    def _get(self, name: str, kind: StateKind) -> Any:
+        try:
+            desc = self._store.layout.descriptor(name)
+        except KeyError:
+            raise StateStoreError(
+                f"state variable {name!r} was not declared when the query started; init() must declare the "
+                "same state variables on every call (it runs on the driver first to learn them)"
+            ) from None
+        if desc.kind is not kind:
+            raise StateStoreError(f"state variable {name!r} is a {desc.kind.value} state, requested as {kind.value}")
+        return _WRAPPERS[kind](self._store, desc)
+
+    def getValueState(self, stateName: str, schema: Any = None, ttlDurationMs: int | None = None) -> ValueState:
+        return self._get(stateName, StateKind.VALUE)
+
+    def getListState(self, stateName: str, schema: Any = None, ttlDurationMs: int | None = None) -> ListState:
+        return self._get(stateName, StateKind.LIST)
+
+    def getMapState(self, stateName: str, userKeySchema: Any = None, valueSchema: Any = None,
+                    ttlDurationMs: int | None = None) -> MapState:
+        return self._get(stateName, StateKind.MAP)
+
+    def _timer_service(self) -> TimerService:
+        if self._timers is None:
+            raise StateStoreError("timers need time_mode='ProcessingTime' or 'EventTime' when the query starts")
+        return self._timers
+
+    def registerTimer(self, expiryTimestampMs: int) -> None:
+        self._timer_service().register(expiryTimestampMs)
+
+    def deleteTimer(self, expiryTimestampMs: int) -> None:
+        self._timer_service().delete(expiryTimestampMs)
+
+    def listTimers(self) -> Iterator[int]:
+        return iter(self._timer_service().list())
+
+    def deleteIfExists(self, stateName: str) -> None:
+        """Purge a state variable for every key of this task (once per task store)."""
+        if stateName in self._purged:
+            return
+        self._purged.add(stateName)
+        try:
+            self._store.layout.descriptor(stateName)
+        except KeyError:
+            return  # never declared in this table: nothing to purge
+        store = self._store
+        r = store.key_group_range
+        live = store.live_view(stateName, range(r.start, r.end + 1))
+        if live.height:
+            keys = live.select(store.key_names).unique(maintain_order=True).to_arrow()
+            store.get_state(stateName).clear_batch(keys.cast(store.layout.key_schema))
+
+
+def _row_class(names: list[str]) -> Any:
+    return Row(*names)
+
+
+def run_processor(processor: StatefulProcessor, store: StateStore, timers: TimerService | None,
+                  purged: set[str], rows: pa.Table, key_groups: list[int], timer_values: TimerValues,
+                  fire_upto_ms: int | None, initial: pa.Table | None = None) -> list[tuple]:
+    """Run ``processor`` over one task's rows (and expired timers); return the output rows.
+
+    ``rows`` holds the input columns; ``key_groups`` the key group of each row (computed by
+    Spark's routing). Keys are processed in order of first appearance; each key's rows are
+    handed to ``handleInputRows`` as ``pyspark.sql.Row`` objects, as Spark does.
+    """
+    handle = StoreHandle(store, timers, purged)
+    processor.init(handle)
+    out: list[tuple] = []
+    try:
+        names = store.key_names
+        touched = sorted(set(key_groups))
+        if touched and store.layout.descriptors:
+            store.views(store.layout.descriptors[0].name, touched)  # one batched load of every touched key group
+        if initial is not None and initial.num_rows:
+            _feed_initial(processor, store, initial, timer_values)
+        columns = rows.column_names
+        key_idx = [columns.index(n) for n in names]
+        R = _row_class(columns)
+        groups: dict[tuple, tuple[int, list]] = {}
+        for kg, values in zip(key_groups, zip(*[c.to_pylist() for c in rows.columns], strict=True), strict=True):
+            key = tuple(values[i] for i in key_idx)
+            g = groups.get(key)
+            if g is None:
+                groups[key] = (kg, [R(*values)])
+            else:
+                g[1].append(R(*values))
+        for key, (kg, key_rows) in groups.items():
+            store.set_current_key(key, kg)
+            result = processor.handleInputRows(key, iter(key_rows), timer_values)
+            if result is not None:
+                out.extend(result)
+        if timers is not None and fire_upto_ms is not None:
+            for ts, key in timers.pop_expired(fire_upto_ms):
+                store.set_current_key(key)
+                result = processor.handleExpiredTimer(key, timer_values, ExpiredTimerInfo(ts))
+                if result is not None:
+                    out.extend(result)
+    finally:
+        processor.close()
+    return out
+
+
+def _feed_initial(processor: StatefulProcessor, store: StateStore, initial: pa.Table, timer_values: TimerValues,
+                  ) -> None:
+    columns = initial.column_names
+    key_idx = [columns.index(n) for n in store.key_names]
+    R = _row_class(columns)
+    for values in zip(*[c.to_pylist() for c in initial.columns], strict=True):
+        key = tuple(values[i] for i in key_idx)
+        store.set_current_key(key)
+        processor.handleInitialState(key, R(*values), timer_values)
+
+
+def rows_to_arrow(rows: list, schema: pa.Schema, what: str = "processor output") -> pa.Table:
+    """Output rows (Rows, tuples or dicts) as an Arrow table of ``schema``; a clear error when
+    a row does not match it."""
+    if not rows:
+        return schema.empty_table()
+    names = schema.names
+    tuples = []
+    for r in rows:
+        if isinstance(r, dict):
+            r = tuple(r.get(n) for n in names)
+        elif not isinstance(r, (tuple, list)):
+            raise TypeError(f"{what}: rows must be Row, tuple or dict, got {type(r).__name__} ({r!r})")
+        if len(r) != len(names):
+            raise ValueError(f"{what}: row {r!r} has {len(r)} field(s); the declared output schema has "
+                             f"{len(names)}: {names}")
+        tuples.append(r)
+    arrays = []
+    for i, f in enumerate(schema):
+        col = [t[i] for t in tuples]
+        try:
+            arrays.append(pa.array(col, type=f.type))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
+            raise TypeError(f"{what}: column {f.name!r} does not match the declared type {f.type}: {e}") from e
+    return pa.Table.from_arrays(arrays, schema=schema)

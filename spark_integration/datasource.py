@@ -1,0 +1,699 @@
+"""Reading state from Spark: the ``icestate`` Python data source.
+
+``spark.read.format("icestate")`` returns the resolved state of one state variable of a
+state table at its newest (or a given) checkpoint, resolved exactly like every other
+reader (``statestore.resolve``, DESIGN invariant 5: newest entry wins, tombstones and
+entries expired at ``now_ms`` are invisible)::
+
+    from spark_integration.datasource import register
+    register(spark)                      # registers the source, enables filter pushdown
+    df = (spark.read.format("icestate")
+          .option("warehouse", "/data/wh").option("table", "clicks").option("state", "count")
+          .load())
+    df.filter("user = 'u-7'").show()     # reads only the segments of u-7's key group
+
+Options (names are case-insensitive, like every Spark option):
+
+* ``table`` (required; ``load("name")`` works too): the state table's name;
+* ``namespace``: its Iceberg namespace, default ``state``;
+* ``warehouse``: local directory of the embedded SQLite catalog
+  (``catalog.defaults.default_catalog``), or instead options prefixed ``catalog.``: the
+  properties of any pyiceberg catalog, ``catalog.name`` its name (``load_catalog(name,
+  **props)``), e.g. ``catalog.type=rest``, ``catalog.uri=...``, ``catalog.warehouse=...``;
+* ``state``: the state variable; may be left out when the table declares exactly one;
+* ``checkpoint``: a retained checkpoint id, default the newest;
+* ``now_ms``: the processing time (epoch ms) at which TTL is evaluated, default now
+  (taken once, at planning, so every partition resolves at the same time);
+* ``partitions``: how many Spark partitions (contiguous key-group ranges, Flink's
+  ``compute_key_group_range_for_task``) to split the key-group space into, default
+  ``min(max_parallelism, 8)``; ranges left without data after pruning are dropped;
+* ``pushdown``: ``true`` (default) or ``false``, see "Spark requirements".
+
+Schema (the ``state_<name>`` tables of ``catalog.sql.connect`` plus ``key_group``):
+
+* value, reducing, aggregating: ``key_group int, <keys>, v_<name>, expire_at_ms long``
+  (one row per live key; for reducing and aggregating state ``v_<name>`` is the stored
+  accumulator);
+* map: ``key_group, <keys>, mk_<name>, v_<name>, expire_at_ms`` (one row per live entry);
+* list: ``key_group, <keys>, v_<name>, expire_at_ms, ord long`` (one row per live element;
+  ``ord`` orders the elements of a key).
+
+Arrow types become Spark types through pyspark's ``from_arrow_type`` (structs are Spark
+structs, naive timestamps ``TIMESTAMP_NTZ``). A user-given schema may select a subset of
+these columns by name.
+
+Filter pushdown (``pushFilters``): filters on ``key_group`` (=, <=>, IN, <, <=, >, >=, NOT
+=, NOT IN, IS [NOT] NULL) restrict the key groups read; equality or IN filters on *every*
+key column (string, binary, boolean, integer or date keys; timestamp keys are left to
+Spark) are hashed to their key groups (``assign_key_groups``, Spark's
+``pmod(xxhash64(keys), N)``) and the rows are filtered to those keys. Each partition reads
+only the segments (and, inside them, the row groups) whose key-group statistics cover its
+key groups. Every other filter is returned to Spark, which applies it after the scan.
+``plan_partitions`` is the pure planning function, so a test can check which files a
+filtered read opens.
+
+Spark requirements (pyspark 4.3, checked in its sources ``pyspark/sql/worker/*``):
+
+* Python data sources need Spark >= 4.0; ``pushFilters`` is called from 4.1 on, and only
+  when ``spark.sql.python.filterPushdown.enabled`` is true. It defaults to **false**, and a
+  reader that implements ``pushFilters`` then fails planning with
+  ``DATA_SOURCE_PUSHDOWN_DISABLED``. ``register(spark)`` sets the conf to true; with a
+  session where that is not wanted, pass ``.option("pushdown", "false")`` (a reader
+  without ``pushFilters``; Spark filters every row after a full scan).
+* ``spark.sql.execution.arrow.pyspark.enabled`` is **not** needed: a Python data source
+  always hands Arrow batches to the JVM. ``read()`` here yields ``pyarrow.RecordBatch``es,
+  whose schema Spark requires to equal ``to_arrow_schema(schema, timezone="UTC")`` exactly
+  (else ``DATA_SOURCE_RETURN_SCHEMA_MISMATCH``); the reader casts to it.
+  ``spark.sql.execution.arrow.maxRecordsPerBatch`` applies only to sources that yield
+  tuples; batches here hold at most ``BATCH_ROWS_MAX`` rows.
+* ``schema()``, ``reader()``, ``pushFilters()`` and ``partitions()`` run in Python workers
+  on the driver host at planning; ``read()`` runs in Python workers on the executors. Both
+  must import ``statestore``, ``catalog`` and ``spark_integration`` (the same environment,
+  ``PYSPARK_PYTHON``) and reach the table's files and catalog. Executors get only the
+  partition's segment paths and key-group bounds, the filesystem and the read spec: they
+  never open the catalog.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.fs as pafs
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    EqualNullSafe,
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    In,
+    InputPartition,
+    IsNotNull,
+    IsNull,
+    LessThan,
+    LessThanOrEqual,
+    Not,
+)
+from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
+from pyspark.sql.types import StructField, StructType
+
+from catalog.defaults import DEFAULT_CATALOG_NAME, DEFAULT_NAMESPACE
+from catalog.iceberg_table import IcebergStateTable
+from statestore.descriptors import (
+    ListStateDescriptor,
+    MapStateDescriptor,
+    StateDescriptor,
+    StateKind,
+    ValueStateDescriptor,
+)
+from statestore.errors import CheckpointNotFoundError
+from statestore.keygroups import KeyGroupRange, assign_key_groups, compute_key_group_range_for_task
+from statestore.layout import CHECKPOINT_ID, EXPIRE_AT_MS, KEY_GROUP, OP, SEQ, STATE, StateLayout
+from statestore.resolve import ORD, entry_columns, make_ord, resolve, view_columns
+from statestore.segment import SegmentReader
+from statestore.table import SegmentFile
+
+FORMAT_NAME = "icestate"
+FILTER_PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
+DEFAULT_PARTITIONS_MAX = 8
+# Equality filters on the keys expanding to more keys than this are left to Spark.
+KEY_CANDIDATES_MAX = 100_000
+BATCH_ROWS_MAX = 32_768
+# A partition resolves its key groups in chunks of about this many (compressed) segment bytes.
+RESOLVE_CHUNK_BYTES = 256 * 1024 * 1024
+
+OPT_TABLE = "table"
+OPT_PATH = "path"  # load("name")
+OPT_NAMESPACE = "namespace"
+OPT_WAREHOUSE = "warehouse"
+OPT_STATE = "state"
+OPT_CHECKPOINT = "checkpoint"
+OPT_NOW_MS = "now_ms"
+OPT_PARTITIONS = "partitions"
+OPT_PUSHDOWN = "pushdown"
+CATALOG_PREFIX = "catalog."
+CATALOG_NAME = "catalog.name"
+KNOWN_OPTIONS = (OPT_TABLE, OPT_PATH, OPT_NAMESPACE, OPT_WAREHOUSE, OPT_STATE, OPT_CHECKPOINT, OPT_NOW_MS,
+                 OPT_PARTITIONS, OPT_PUSHDOWN)
+
+# Key types whose pushed literals (str, bytes, int, bool, date) hash and compare exactly.
+_PUSHABLE_KEY = (pa.types.is_string, pa.types.is_binary, pa.types.is_integer, pa.types.is_boolean,
+                 pa.types.is_date32)
+
+
+# ------------------------------------------------------------------------------------ options
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """The data source's options, parsed and validated (see the module docstring)."""
+
+    table: str
+    namespace: str
+    warehouse: str | None
+    catalog_properties: dict[str, str]
+    catalog_name: str
+    state: str | None
+    checkpoint_id: int | None
+    now_ms: int | None
+    partitions: int | None
+    pushdown: bool
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> ReadOptions:
+        opts = {str(k).lower(): v for k, v in options.items()}
+        unknown = sorted(k for k in opts if k not in KNOWN_OPTIONS and not k.startswith(CATALOG_PREFIX))
+        if unknown:
+            raise ValueError(
+                f"icestate data source: unknown option(s) {unknown}; the options are {list(KNOWN_OPTIONS)} "
+                f"and catalog properties prefixed {CATALOG_PREFIX!r}"
+            )
+        table = opts.get(OPT_TABLE) or opts.get(OPT_PATH)
+        if not table:
+            raise ValueError(
+                "icestate data source: option 'table' is missing: name the state table, "
+                "e.g. .option('table', 'clicks') or .load('clicks')"
+            )
+        if opts.get(OPT_TABLE) and opts.get(OPT_PATH) and opts[OPT_TABLE] != opts[OPT_PATH]:
+            raise ValueError(
+                f"icestate data source: option table={opts[OPT_TABLE]!r} and load({opts[OPT_PATH]!r}) name "
+                "different tables: give the name once"
+            )
+        catalog_props = {k[len(CATALOG_PREFIX):]: v for k, v in opts.items()
+                         if k.startswith(CATALOG_PREFIX) and k != CATALOG_NAME}
+        warehouse = opts.get(OPT_WAREHOUSE) or None
+        has_catalog = bool(catalog_props) or CATALOG_NAME in opts
+        if warehouse and has_catalog:
+            raise ValueError(
+                "icestate data source: both option 'warehouse' (the embedded SQLite catalog) and 'catalog.*' "
+                "options are given: pass one of them"
+            )
+        if not warehouse and not has_catalog:
+            raise ValueError(
+                "icestate data source: no catalog: pass option 'warehouse' (the local directory of the embedded "
+                "SQLite catalog) or pyiceberg catalog properties as 'catalog.*' options "
+                "(e.g. catalog.type, catalog.uri, catalog.warehouse; catalog.name names the catalog)"
+            )
+        pushdown = str(opts.get(OPT_PUSHDOWN, "true")).strip().lower()
+        if pushdown not in ("true", "false"):
+            raise ValueError(f"icestate data source: option pushdown must be 'true' or 'false', got {pushdown!r}")
+        partitions = _int_option(opts, OPT_PARTITIONS, minimum=1)
+        return cls(
+            table=table, namespace=opts.get(OPT_NAMESPACE) or DEFAULT_NAMESPACE, warehouse=warehouse,
+            catalog_properties=catalog_props, catalog_name=opts.get(CATALOG_NAME) or DEFAULT_CATALOG_NAME,
+            state=opts.get(OPT_STATE) or None, checkpoint_id=_int_option(opts, OPT_CHECKPOINT, minimum=1),
+            now_ms=_int_option(opts, OPT_NOW_MS, minimum=None), partitions=partitions, pushdown=pushdown == "true",
+        )
+
+    @property
+    def identifier(self) -> str:
+        return f"{self.namespace}.{self.table}"
+
+    @contextlib.contextmanager
+    def opened_table(self) -> Iterator[IcebergStateTable]:
+        """The state table opened (read only) at option ``checkpoint``, closed (with the catalog
+        this opened) on exit."""
+        catalog = None
+        if not self.warehouse:
+            from pyiceberg.catalog import load_catalog
+
+            catalog = load_catalog(self.catalog_name, **self.catalog_properties)
+        try:
+            table = self._open(catalog)
+            try:
+                yield table
+            finally:
+                table.close()
+        finally:
+            if catalog is not None:
+                _close_quietly(catalog)
+
+    def _open(self, catalog: Any) -> IcebergStateTable:
+        try:
+            return IcebergStateTable.open_existing(
+                warehouse=self.warehouse, catalog=catalog, namespace=self.namespace, table_name=self.table,
+                checkpoint_id=self.checkpoint_id)
+        except CheckpointNotFoundError as e:
+            raise CheckpointNotFoundError(
+                f"icestate data source: option checkpoint={self.checkpoint_id}: {e}; or leave the option out to "
+                "read the newest checkpoint"
+            ) from e
+        except ValueError as e:
+            where = f"warehouse {self.warehouse!r}" if self.warehouse else f"catalog {self.catalog_name!r}"
+            raise ValueError(
+                f"icestate data source: cannot read state table {self.identifier} in {where}: {e} "
+                "(check the options table, namespace and warehouse/catalog.*)"
+            ) from e
+
+    def descriptor(self, layout: StateLayout) -> StateDescriptor:
+        """The state variable to read: option ``state``, or the table's only one."""
+        declared = [d.name for d in layout.descriptors]
+        if self.state is None:
+            if len(declared) == 1:
+                return layout.descriptors[0]
+            raise ValueError(
+                f"icestate data source: state table {self.identifier} declares {len(declared)} state variables "
+                f"{declared}: choose one with .option('state', name)"
+            )
+        try:
+            return layout.descriptor(self.state)
+        except KeyError:
+            raise ValueError(
+                f"icestate data source: state table {self.identifier} has no state variable {self.state!r}; "
+                f"declared: {declared}"
+            ) from None
+
+
+def _int_option(opts: Mapping[str, str], name: str, minimum: int | None) -> int | None:
+    raw = opts.get(name)
+    if raw is None or str(raw).strip() == "":
+        return None
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise ValueError(f"icestate data source: option {name} must be an integer, got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"icestate data source: option {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _close_quietly(catalog: Any) -> None:
+    close = getattr(catalog, "close", None)
+    if close is not None:
+        close()
+
+
+# ------------------------------------------------------------------------------------ schema
+
+
+def state_arrow_schema(layout: StateLayout, desc: StateDescriptor) -> pa.Schema:
+    """The Arrow schema of the resolved state of ``desc`` (key_group, keys, view columns)."""
+    keys = layout.key_names
+    types = {f.name: f.type for f in layout.entry_schema}
+    types[ORD] = pa.int64()
+    fields = [pa.field(KEY_GROUP, pa.int32(), nullable=False)]
+    fields += [pa.field(f.name, f.type, nullable=False) for f in layout.key_schema]
+    fields += [pa.field(c, types[c]) for c in view_columns(desc, keys)[len(keys):]]
+    return pa.schema(fields)
+
+
+def state_spark_schema(layout: StateLayout, desc: StateDescriptor) -> StructType:
+    """``state_arrow_schema`` as Spark types (pyspark's Arrow conversion)."""
+    fields = []
+    for f in state_arrow_schema(layout, desc):
+        try:
+            spark_type = from_arrow_type(f.type)
+        except Exception as e:  # pyspark raises PySparkTypeError for types Spark has no equivalent of
+            raise TypeError(
+                f"icestate data source: column {f.name!r} of state {desc.name!r} has Arrow type {f.type}, which "
+                f"Spark cannot represent ({e})"
+            ) from e
+        fields.append(StructField(f.name, spark_type, nullable=f.nullable))
+    return StructType(fields)
+
+
+# ------------------------------------------------------------------------------------ planning
+
+
+@dataclass(frozen=True)
+class KeyGroupPartition(InputPartition):
+    """One Spark partition: the key groups ``[start, end]`` (only ``key_groups`` of them when
+    filters pruned the range) and the segments holding entries of those key groups."""
+
+    index: int
+    start: int
+    end: int
+    key_groups: tuple[int, ...] | None
+    segments: tuple[SegmentFile, ...]
+
+    def wanted(self) -> np.ndarray:
+        """The sorted key groups this partition reads."""
+        if self.key_groups is not None:
+            return np.asarray(self.key_groups, dtype=np.int64)
+        return np.arange(self.start, self.end + 1, dtype=np.int64)
+
+    @property
+    def files(self) -> list[str]:
+        return [s.path for s in self.segments]
+
+    @property
+    def bytes_planned(self) -> int:
+        """Total size of the partition's segment files (an upper bound of what it reads)."""
+        return sum(s.size_bytes for s in self.segments)
+
+
+def plan_partitions(segments: Sequence[SegmentFile], max_parallelism: int, partitions: int,
+                    key_groups: Collection[int] | None = None) -> list[KeyGroupPartition]:
+    """Split ``[0, max_parallelism)`` into ``partitions`` contiguous key-group ranges (the task
+    ranges of ``compute_key_group_range_for_task``), restricted to ``key_groups`` when given;
+    each keeps the ``segments`` whose key-group bounds cover one of its key groups. Ranges
+    with no key group or no segment are dropped."""
+    n = max_parallelism
+    partitions = max(1, min(partitions, n))
+    allowed = None if key_groups is None else np.unique(np.asarray(sorted(key_groups), dtype=np.int64))
+    out: list[KeyGroupPartition] = []
+    for i in range(partitions):
+        r = compute_key_group_range_for_task(n, partitions, i)
+        if allowed is None:
+            picked, wanted = None, None
+        else:
+            wanted = allowed[(allowed >= r.start) & (allowed <= r.end)]
+            if not len(wanted):
+                continue
+            picked = tuple(int(k) for k in wanted)
+        segs = tuple(s for s in segments if _covers(s, r, wanted))
+        if segs:
+            out.append(KeyGroupPartition(len(out), r.start, r.end, picked, segs))
+    return out
+
+
+def _covers(segment: SegmentFile, r: KeyGroupRange, wanted: np.ndarray | None) -> bool:
+    if segment.key_group_max < r.start or segment.key_group_min > r.end:
+        return False
+    if wanted is None:
+        return True
+    lo = np.searchsorted(wanted, segment.key_group_min, side="left")
+    hi = np.searchsorted(wanted, segment.key_group_max, side="right")
+    return bool(hi > lo)
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+@dataclass(frozen=True)
+class ReadSpec:
+    """Everything an executor needs to read and resolve partitions (picklable, small)."""
+
+    filesystem: pafs.FileSystem
+    key_schema: pa.Schema
+    descriptor: StateDescriptor  # a plain descriptor of the variable's kind and types
+    source_schema: pa.Schema  # the entry columns read from segments
+    output_schema: pa.Schema  # exactly what Spark expects
+    now_ms: int
+    checkpoint_id: int | None
+
+    @property
+    def key_names(self) -> list[str]:
+        return self.key_schema.names
+
+
+def _plain_descriptor(desc: StateDescriptor) -> StateDescriptor:
+    """A descriptor resolving like ``desc`` without its functions (reducing and aggregating
+    state resolve like value state), so it pickles to executors."""
+    if desc.kind is StateKind.MAP:
+        return MapStateDescriptor(desc.name, desc.value_type, key_type=desc.user_key_type)
+    if desc.kind is StateKind.LIST:
+        return ListStateDescriptor(desc.name, desc.value_type)
+    return ValueStateDescriptor(desc.name, desc.value_type)
+
+
+def _source_schema(layout: StateLayout, desc: StateDescriptor) -> pa.Schema:
+    by_name = {f.name: f for f in layout.entry_schema}
+    names = [KEY_GROUP, *layout.key_names, STATE, OP, CHECKPOINT_ID, SEQ, EXPIRE_AT_MS]
+    if desc.kind is StateKind.MAP:
+        names.append(desc.user_key_column)
+    names.append(desc.value_column)
+    return pa.schema([by_name[n] for n in names])
+
+
+def read_partition(spec: ReadSpec, partition: KeyGroupPartition, key_filter: pa.Table | None = None,
+                   stats: dict[str, int] | None = None) -> Iterator[pa.RecordBatch]:
+    """The resolved rows of ``partition``'s key groups, as batches of ``spec.output_schema``.
+
+    ``key_filter`` keeps only rows whose keys are among its rows. ``stats``, when given,
+    gets the segment files opened and the bytes read (``SegmentReader`` counters).
+    """
+    reader = SegmentReader(spec.filesystem)
+    wanted = partition.wanted()
+    try:
+        for chunk in _chunks(partition, wanted):
+            out = _resolve_chunk(spec, reader, partition.segments, chunk, key_filter)
+            if out is not None and out.num_rows:
+                yield from out.to_batches(max_chunksize=BATCH_ROWS_MAX)
+    finally:
+        if stats is not None:
+            stats["segment_files_opened"] = stats.get("segment_files_opened", 0) + reader.files_opened
+            stats["segment_bytes_read"] = stats.get("segment_bytes_read", 0) + reader.bytes_read
+
+
+def _chunks(partition: KeyGroupPartition, wanted: np.ndarray) -> list[np.ndarray]:
+    """Key groups split so that each chunk resolves about ``RESOLVE_CHUNK_BYTES`` of segments
+    (estimated from each segment's share of key groups), bounding an executor's memory."""
+    estimate = 0.0
+    for s in partition.segments:
+        span = s.key_group_max - s.key_group_min + 1
+        inside = np.count_nonzero((wanted >= s.key_group_min) & (wanted <= s.key_group_max))
+        estimate += s.size_bytes * inside / span
+    n = max(1, min(len(wanted), int(np.ceil(estimate / RESOLVE_CHUNK_BYTES))))
+    return [c for c in np.array_split(wanted, n) if len(c)]
+
+
+def _resolve_chunk(spec: ReadSpec, reader: SegmentReader, segments: Sequence[SegmentFile], key_groups: np.ndarray,
+                   key_filter: pa.Table | None) -> pa.Table | None:
+    desc = spec.descriptor
+    tables = reader.read(segments, key_groups, spec.source_schema.names)
+    if not tables:
+        return None
+    polars_schema = pl.from_arrow(spec.source_schema.empty_table()).schema
+    frames = []
+    for t in tables:
+        df = pl.from_arrow(t)
+        if isinstance(df, pl.Series):  # pragma: no cover - one-column tables only
+            df = df.to_frame()
+        frames.append(df.filter(pl.col(STATE) == desc.name).cast(dict(polars_schema)))
+    entries = pl.concat(frames, how="vertical").with_columns(make_ord(pl.col(CHECKPOINT_ID), pl.col(SEQ)))
+    keys = [KEY_GROUP, *spec.key_names]
+    view = resolve(entries.select(entry_columns(desc, keys)), desc, keys, spec.now_ms)
+    if key_filter is not None:
+        wanted = pl.from_arrow(key_filter).cast({k: view.schema[k] for k in spec.key_names})
+        view = view.join(wanted, on=spec.key_names, how="semi")
+    return _to_output(view.to_arrow(), spec.output_schema)
+
+
+def _to_output(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    cols = [table.column(f.name).cast(f.type) for f in schema]
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+# ------------------------------------------------------------------------------------ filters
+
+
+@dataclass
+class _Pushed:
+    """What the pushed filters restrict: key groups, and the values of each key column."""
+
+    key_groups: set[int] | None = None
+    key_values: dict[str, set] | None = None
+
+    def restrict_key_groups(self, allowed: set[int]) -> None:
+        self.key_groups = allowed if self.key_groups is None else self.key_groups & allowed
+
+    def restrict_key(self, name: str, values: set) -> None:
+        self.key_values = self.key_values if self.key_values is not None else {}
+        current = self.key_values.get(name)
+        self.key_values[name] = values if current is None else current & values
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def _key_group_set(f: Filter, n: int) -> set[int] | None:
+    """Key groups a filter on ``key_group`` admits; None when it is not one we understand."""
+    everything = range(n)
+    if isinstance(f, IsNotNull):
+        return set(everything)
+    if isinstance(f, IsNull):
+        return set()
+    if isinstance(f, Not):
+        inner = _key_group_set(f.child, n) if isinstance(f.child, EqualTo | In) else None
+        return None if inner is None else set(everything) - inner
+    if isinstance(f, EqualTo | EqualNullSafe):
+        return ({int(f.value)} & set(everything)) if _is_int(f.value) else None
+    if isinstance(f, In):
+        if not all(_is_int(v) or v is None for v in f.value):
+            return None
+        return {int(v) for v in f.value if v is not None} & set(everything)
+    bounds = {GreaterThan: lambda v: range(v + 1, n), GreaterThanOrEqual: lambda v: range(v, n),
+              LessThan: lambda v: range(0, v), LessThanOrEqual: lambda v: range(0, v + 1)}
+    for cls, admitted in bounds.items():
+        if isinstance(f, cls):
+            if not _is_int(f.value):
+                return None
+            return set(admitted(max(-1, min(int(f.value), n)))) & set(everything)
+    return None
+
+
+def _key_values(f: Filter) -> set | None:
+    """Values an equality or IN filter on a key column admits (None: not such a filter)."""
+    if isinstance(f, EqualTo | EqualNullSafe):
+        return None if f.value is None else {f.value}
+    if isinstance(f, In):
+        return {v for v in f.value if v is not None}
+    return None
+
+
+def _candidate_keys(key_schema: pa.Schema, values: dict[str, set]) -> pa.Table | None:
+    """Every combination of the admitted values as a table of ``key_schema``, or None when a
+    value does not convert exactly or there are too many combinations."""
+    sizes = [len(values[f.name]) for f in key_schema]
+    if int(np.prod(sizes, dtype=np.float64)) > KEY_CANDIDATES_MAX:
+        return None
+    columns = [sorted(values[f.name], key=repr) for f in key_schema]
+    rows = list(itertools.product(*columns))
+    try:
+        arrays = [pa.array([r[i] for r in rows], type=f.type) for i, f in enumerate(key_schema)]
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return None
+    table = pa.Table.from_arrays(arrays, schema=key_schema)
+    # Converting must not change a value (e.g. a float to an int column): compare back.
+    if any(a.to_pylist() != [r[i] for r in rows] for i, a in enumerate(arrays)):
+        return None
+    return table
+
+
+# ------------------------------------------------------------------------------------ Spark API
+
+
+class IcestateReader(DataSourceReader):
+    """Reads the resolved state of one variable at one checkpoint (no filter pushdown).
+
+    Pickled to the executors: it holds only the read spec and the pushed restrictions;
+    the segment list of the checkpoint lives in a field that is not pickled, and each
+    partition carries its own segments.
+    """
+
+    def __init__(self, options: ReadOptions, schema: StructType):
+        with options.opened_table() as table:
+            layout = table.layout
+            desc = options.descriptor(layout)
+            current = table.current_checkpoint()
+            self._segments: list[SegmentFile] | None = table.segments(KeyGroupRange.of(0, layout.max_parallelism - 1))
+            filesystem = table.filesystem
+        self.max_parallelism = layout.max_parallelism
+        self.partition_count = options.partitions or min(layout.max_parallelism, DEFAULT_PARTITIONS_MAX)
+        full = state_arrow_schema(layout, desc)
+        self.spec = ReadSpec(
+            filesystem=filesystem, key_schema=layout.key_schema, descriptor=_plain_descriptor(desc),
+            source_schema=_source_schema(layout, desc), output_schema=_requested_schema(schema, full, desc),
+            now_ms=options.now_ms if options.now_ms is not None else time.time_ns() // 1_000_000,
+            checkpoint_id=None if current is None else current.checkpoint_id,
+        )
+        self.pushed = _Pushed()
+        self.key_filter: pa.Table | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_segments"] = None  # planning only: partitions carry their own segments
+        return state
+
+    def partitions(self) -> list[KeyGroupPartition]:
+        if self._segments is None:
+            raise RuntimeError("icestate reader: partitions() is planned on the driver, not after unpickling")
+        return plan_partitions(self._segments, self.max_parallelism, self.partition_count, self.pushed.key_groups)
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        if not isinstance(partition, KeyGroupPartition):
+            return iter(())  # Spark's stand-in InputPartition(None) when nothing is left to read
+        return read_partition(self.spec, partition, self.key_filter)
+
+
+class IcestateFilteringReader(IcestateReader):
+    """``IcestateReader`` with filter pushdown (needs ``spark.sql.python.filterPushdown.enabled``)."""
+
+    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
+        keys = self.spec.key_names
+        pushable_keys = {f.name for f in self.spec.key_schema if any(ok(f.type) for ok in _PUSHABLE_KEY)}
+        key_filters: list[Filter] = []
+        for f in filters:
+            column = _column_of(f)
+            if column == KEY_GROUP:
+                allowed = _key_group_set(f, self.max_parallelism)
+                if allowed is not None:
+                    self.pushed.restrict_key_groups(allowed)
+                    continue
+            elif column in keys and isinstance(f, IsNotNull):
+                continue  # keys are never null
+            elif column in keys and isinstance(f, IsNull):
+                self.pushed.restrict_key_groups(set())
+                continue
+            elif column in pushable_keys:
+                values = _key_values(f)
+                if values is not None:
+                    key_filters.append(f)
+                    continue
+            yield f
+        if not key_filters:
+            return
+        values: dict[str, set] = {}
+        for f in key_filters:
+            admitted = _key_values(f)
+            name = _column_of(f)
+            values[name] = admitted if name not in values else values[name] & admitted
+        candidates = _candidate_keys(self.spec.key_schema, values) if set(values) == set(keys) else None
+        if candidates is None:
+            yield from key_filters  # no pruning: Spark filters these rows itself
+            return
+        for name, admitted in values.items():
+            self.pushed.restrict_key(name, admitted)
+        self.key_filter = candidates
+        kgs = assign_key_groups(candidates, self.max_parallelism) if candidates.num_rows else np.empty(0, np.int32)
+        self.pushed.restrict_key_groups({int(k) for k in kgs})
+
+
+def _column_of(f: Filter) -> str | None:
+    attribute = getattr(f, "attribute", None)
+    if attribute is None and isinstance(f, Not):
+        attribute = getattr(f.child, "attribute", None)
+    if attribute is None or len(attribute) != 1:
+        return None
+    return attribute[0]
+
+
+def _requested_schema(schema: StructType | None, full: pa.Schema, desc: StateDescriptor) -> pa.Schema:
+    """The Arrow schema Spark checks batches against: ``schema`` (the source's own or a subset
+    the user gave by name) converted as Spark does."""
+    if schema is None:
+        schema = StructType([StructField(f.name, from_arrow_type(f.type), f.nullable) for f in full])
+    missing = [n for n in schema.fieldNames() if n not in full.names]
+    if missing:
+        raise ValueError(
+            f"icestate data source: the given schema has column(s) {missing} that state {desc.name!r} does not "
+            f"have; its columns are {full.names}"
+        )
+    return to_arrow_schema(schema, timezone="UTC")
+
+
+class IcestateDataSource(DataSource):
+    """``spark.read.format("icestate")``: the resolved state of a state table (module docstring)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT_NAME
+
+    def schema(self) -> StructType:
+        options = ReadOptions.parse(self.options)
+        with options.opened_table() as table:
+            return state_spark_schema(table.layout, options.descriptor(table.layout))
+
+    def reader(self, schema: StructType) -> IcestateReader:
+        options = ReadOptions.parse(self.options)
+        cls = IcestateFilteringReader if options.pushdown else IcestateReader
+        return cls(options, schema)
+
+
+def register(spark: Any, filter_pushdown: bool = True) -> None:
+    """Register the ``icestate`` format with ``spark``; with ``filter_pushdown`` also set
+    ``spark.sql.python.filterPushdown.enabled`` to true (needed for the default reader)."""
+    spark.dataSource.register(IcestateDataSource)
+    if filter_pushdown:
+        spark.conf.set(FILTER_PUSHDOWN_CONF, "true")

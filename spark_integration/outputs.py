@@ -1,0 +1,95 @@
+"""The Iceberg output table of a stateful query, committed idempotently by batch id.
+
+Tasks write their output rows as Parquet files in the table's data directory; the driver
+adds them in one snapshot whose summary records the batch id (``icestate.batch-id``). A
+batch that is replayed after a failure finds its id already committed and adds nothing,
+so the table holds every batch's output exactly once.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import NoSuchTableError
+from pyiceberg.table import Table
+
+from statestore.errors import SchemaMismatchError
+
+BATCH_ID_PROPERTY = "icestate.batch-id"
+
+
+class OutputTable:
+    """An Iceberg table receiving a query's output rows, one snapshot per batch."""
+
+    def __init__(self, catalog: Catalog, table: Table):
+        self._catalog = catalog
+        self._table = table
+
+    @classmethod
+    def open(cls, catalog: Catalog, identifier: str, schema: pa.Schema) -> OutputTable:
+        """Open the table ``namespace.name``, creating it with ``schema`` when missing.
+
+        Raises SchemaMismatchError when an existing table has other columns or types.
+        """
+        if "." not in identifier:
+            raise ValueError(f"output table {identifier!r} must be 'namespace.name'")
+        namespace = identifier.rsplit(".", 1)[0]
+        catalog.create_namespace_if_not_exists(namespace)
+        try:
+            table = catalog.load_table(identifier)
+        except NoSuchTableError:
+            table = catalog.create_table_if_not_exists(identifier, schema=schema)
+        existing = table.schema().as_arrow()
+        want = [(f.name, f.type) for f in schema]
+        have = [(f.name, f.type) for f in existing]
+        if [n for n, _ in want] != [n for n, _ in have] or not all(
+                _compatible(a, b) for (_, a), (_, b) in zip(want, have, strict=True)):
+            raise SchemaMismatchError(
+                f"output table {identifier} has schema {existing}, the query's output schema is {schema}; "
+                "write to another table or migrate this one"
+            )
+        return cls(catalog, table)
+
+    @property
+    def table(self) -> Table:
+        return self._table
+
+    @property
+    def data_location(self) -> str:
+        return f"{self._table.location().rstrip('/')}/data"
+
+    def committed_batch_id(self) -> int | None:
+        """The newest batch id committed to the table (None when none)."""
+        self._table = self._catalog.load_table(self._table.name())
+        snapshot = self._table.current_snapshot()
+        while snapshot is not None:
+            value = snapshot.summary.additional_properties.get(BATCH_ID_PROPERTY) if snapshot.summary else None
+            if value is not None:
+                return int(value)
+            parent = snapshot.parent_snapshot_id
+            snapshot = self._table.snapshot_by_id(parent) if parent is not None else None
+        return None
+
+    def commit(self, batch_id: int, uris: list[str]) -> bool:
+        """Add ``uris`` as batch ``batch_id``'s rows; False (nothing done) when already committed."""
+        committed = self.committed_batch_id()
+        if committed is not None and batch_id <= committed:
+            return False
+        if not uris:
+            return False  # an empty batch adds nothing, replayed or not
+        self._table.add_files(uris, snapshot_properties={BATCH_ID_PROPERTY: str(batch_id)})
+        return True
+
+    def close(self) -> None:
+        close = getattr(self._catalog, "close", None)
+        if close is not None:
+            close()
+
+
+def _compatible(want: pa.DataType, have: pa.DataType) -> bool:
+    if want == have:
+        return True
+    for kind in (pa.types.is_string, pa.types.is_binary):
+        if kind(want) and (kind(have) or pa.types.is_large_string(have) or pa.types.is_large_binary(have)):
+            return True
+    return pa.types.is_timestamp(want) and pa.types.is_timestamp(have)

@@ -1,0 +1,382 @@
+"""Running a stateful processor as a PySpark streaming query on the disaggregated store.
+
+``start_stateful_query`` validates everything it can before any state is written (key
+columns and types, the output schema, the state table's layout), then starts a
+``foreachBatch`` query whose batch function (``StatefulRunner``) does, per micro-batch:
+
+1. Skip the batch when the state table already holds a checkpoint of this batch id or a
+   later one (a batch replayed after a driver crash): exactly-once state.
+2. Route rows to tasks inside the JVM: ``pmod(xxhash64(keys), N)`` is the key group,
+   ``key_group * p div N`` its task (Flink's ranges); no Python UDF routes.
+3. ``groupBy(task).applyInArrow(run_task)``: each task runs the processor over its rows
+   against its store and flushes new segments (``spark_integration.tasks``).
+4. Commit the tasks' output files to the Iceberg output table (idempotent by batch id),
+   call the user's ``foreach_batch(df, batch_id)``, then commit every task's segments as
+   one state checkpoint stamped with the batch id.
+
+The batch's processing time and watermark come from Spark's offset log, so a replayed
+batch sees the same times (and the same TTL expiries) as its first run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+from pyspark.sql.types import StructType
+
+from spark_integration.compat import declare, spark_struct
+from spark_integration.location import StateLocation
+from spark_integration.outputs import OutputTable
+from spark_integration.tasks import HEARTBEAT, KG, RESULT_SCHEMA, TASK, BatchPlan, run_task, segment_of
+from spark_integration.timers import normalize_time_mode, timers_descriptor
+from spark_integration.vectorized import VectorizedProcessor
+from statestore.config import StoreConfig
+from statestore.errors import SchemaMismatchError, StateStoreError
+from statestore.keygroups import check_key_type
+from statestore.layout import StateLayout
+
+log = logging.getLogger(__name__)
+
+# SIGKILL the driver at a step of a given batch: "<step>:<batch_id>" (failure tests).
+KILL_ENV = "ICESTATE_KILL_AT"
+KILL_STEPS = ("tasks_done", "outputs_committed", "state_committed")
+
+WATERMARK_PROPERTY = "icestate.watermark-ms"
+MAX_EVENT_PROPERTY = "icestate.max-event-time-ms"
+RUN_PROPERTY = "icestate.run-id"
+
+
+@dataclass
+class BatchReport:
+    """What one micro-batch did (``StatefulRunner.reports``)."""
+
+    batch_id: int
+    skipped: bool
+    checkpoint_id: int | None = None
+    tasks: dict[int, dict] = field(default_factory=dict)
+    segments: int = 0
+    output_rows: int = 0
+    duration_ms: float = 0.0
+    commit_ms: float = 0.0
+
+
+def _to_arrow_schema(schema: Any, what: str) -> pa.Schema:
+    if isinstance(schema, pa.Schema):
+        return schema
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    struct = spark_struct(schema, what)
+    return to_arrow_schema(struct, timezone="UTC")
+
+
+def _struct_of(schema: pa.Schema) -> StructType:
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    return from_arrow_schema(schema)
+
+
+def _kill_if_asked(step: str, batch_id: int) -> None:
+    spec = os.environ.get(KILL_ENV)
+    if spec and spec == f"{step}:{batch_id}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _read_offset_metadata(checkpoint_location: str, batch_id: int) -> dict:
+    """Spark's offset-log entry of a batch: batchTimestampMs and batchWatermarkMs."""
+    uri = f"{checkpoint_location.rstrip('/')}/offsets/{batch_id}"
+    try:
+        fs, path = pafs.FileSystem.from_uri(uri if "://" in uri else os.path.abspath(uri))
+        with fs.open_input_stream(path) as f:
+            lines = f.read().decode("utf-8").splitlines()
+        return json.loads(lines[1])
+    except (OSError, IndexError, ValueError):
+        return {}
+
+
+class StatefulRunner:
+    """The ``foreachBatch`` function of a stateful query (driver side)."""
+
+    def __init__(self, spark: SparkSession, *, keys: list[str], processor: Any, input_schema: pa.Schema,
+                 output_schema: pa.Schema, layout: StateLayout, location: StateLocation, checkpoint_location: str,
+                 foreach_batch: Callable[[DataFrame, int], None] | None, output: OutputTable | None,
+                 time_mode: str, event_time_column: str | None, initial_state: DataFrame | None,
+                 store_config: StoreConfig):
+        self.spark = spark
+        self.keys = keys
+        self.processor = processor
+        self.input_schema = input_schema
+        self.output_schema = output_schema
+        self.layout = layout
+        self.location = location
+        self.checkpoint_location = checkpoint_location
+        self.foreach_batch = foreach_batch
+        self.output = output
+        self.time_mode = time_mode
+        self.event_time_column = event_time_column
+        self.initial_state = initial_state
+        self.store_config = store_config
+        self.run_id = uuid.uuid4().hex
+        self.table = location.open(layout)
+        self.task_tokens: dict[int, tuple[int, str]] = {}
+        self.reports: list[BatchReport] = []
+
+    # ------------------------------------------------------------------ the batch function
+
+    def __call__(self, batch_df: DataFrame, batch_id: int) -> None:
+        started = time.perf_counter()
+        info = self.table.current_checkpoint()
+        if info is not None and info.batch_id is not None and batch_id <= info.batch_id:
+            log.info("batch %d is already in state checkpoint %d: skipped", batch_id, info.checkpoint_id)
+            self.reports.append(BatchReport(batch_id, skipped=True, checkpoint_id=info.checkpoint_id))
+            return
+        plan = self._plan(batch_id, info)
+        results = self._run_tasks(batch_df, plan)
+        report = BatchReport(batch_id, skipped=False, checkpoint_id=plan.checkpoint_id)
+        segments, uris = [], []
+        for row in results:
+            if row.kind == "task":
+                if row.task in report.tasks:
+                    raise StateStoreError(f"task {row.task} reported twice in batch {batch_id}; nothing committed")
+                report.tasks[row.task] = json.loads(row.payload)
+            elif row.kind == "segment":
+                segments.append(segment_of(row.payload))
+            else:
+                out = json.loads(row.payload)
+                uris.append(out["uri"])
+                report.output_rows += out["rows"]
+        report.segments = len(segments)
+        _kill_if_asked("tasks_done", batch_id)
+        commit_started = time.perf_counter()
+        if self.output is not None:
+            self.output.commit(batch_id, uris)
+        _kill_if_asked("outputs_committed", batch_id)
+        if self.foreach_batch is not None:
+            self.foreach_batch(self._output_frame(uris), batch_id)
+        self.table.commit_checkpoint(plan.checkpoint_id, segments, parallelism=self.location.parallelism,
+                                     batch_id=batch_id, properties=self._properties(plan, report))
+        for task, stats in report.tasks.items():
+            self.task_tokens[task] = (plan.checkpoint_id, stats["token"])
+        _kill_if_asked("state_committed", batch_id)
+        if self.output is None and plan.output_dir is not None:
+            self._remove_staging(plan.output_dir)
+        report.commit_ms = (time.perf_counter() - commit_started) * 1000
+        report.duration_ms = (time.perf_counter() - started) * 1000
+        self.reports.append(report)
+
+    # ------------------------------------------------------------------ steps
+
+    def _plan(self, batch_id: int, info: Any) -> BatchPlan:
+        meta = _read_offset_metadata(self.checkpoint_location, batch_id)
+        processing_time = int(meta.get("batchTimestampMs") or time.time() * 1000)
+        watermark = int(meta.get("batchWatermarkMs") or 0) if self.time_mode == "eventtime" else -1
+        if self.output is not None:
+            output_dir = self.output.data_location
+        elif self.foreach_batch is not None:
+            output_dir = f"{self.table.location.rstrip('/')}/outputs/{self.run_id}/batch-{batch_id:012d}"
+        else:
+            output_dir = None
+        return BatchPlan(
+            run_id=self.run_id, location=self.location, layout=self.layout, processor=self.processor,
+            input_columns=tuple(self.input_schema.names), output_schema=self.output_schema, batch_id=batch_id,
+            checkpoint_id=self.table.next_checkpoint_id(),
+            base_checkpoint_id=None if info is None else info.checkpoint_id,
+            task_tokens=dict(self.task_tokens), processing_time_ms=processing_time, watermark_ms=watermark,
+            time_mode=self.time_mode, event_time_column=self.event_time_column, output_dir=output_dir,
+            store_config=self.store_config,
+        )
+
+    def _routed(self, df: DataFrame) -> DataFrame:
+        n, p = self.layout.max_parallelism, self.location.parallelism
+        kg = F.pmod(F.xxhash64(*[F.col(k) for k in self.keys]), F.lit(n)).cast("int")
+        routed = df.select(*[F.col(c) for c in self.input_schema.names], kg.alias(KG))
+        return routed.withColumn(TASK, F.expr(f"cast(({KG} * {p}) div {n} as int)"))
+
+    def _run_tasks(self, batch_df: DataFrame, plan: BatchPlan) -> list:
+        routed = self._routed(batch_df)
+        if self.time_mode != "none":
+            # Every task runs in every batch, with or without rows, so its timers fire.
+            beats = self.spark.range(self.location.parallelism).select(
+                *[F.lit(None).cast(f.dataType).alias(f.name) for f in routed.schema.fields if f.name != TASK],
+                F.col("id").cast("int").alias(TASK), F.lit(True).alias(HEARTBEAT))
+            routed = routed.withColumn(HEARTBEAT, F.lit(False)).unionByName(beats)
+        # Plain closures, not functools.partial: pyspark's eval-type inference fails on partials.
+        initial = self.initial_state if plan.base_checkpoint_id is None else None
+        if initial is not None:
+            from spark_integration.tasks import run_task_with_initial
+
+            def with_initial(key, rows, initial_rows):
+                return run_task_with_initial(plan, key, rows, initial_rows)
+
+            grouped = routed.groupBy(TASK).cogroup(self._routed_initial(initial).groupBy(TASK))
+            return grouped.applyInArrow(with_initial, RESULT_SCHEMA).collect()
+
+        def task(key, rows):
+            return run_task(plan, key, rows)
+
+        return routed.groupBy(TASK).applyInArrow(task, RESULT_SCHEMA).collect()
+
+    def _routed_initial(self, initial: DataFrame) -> DataFrame:
+        n, p = self.layout.max_parallelism, self.location.parallelism
+        kg = F.pmod(F.xxhash64(*[F.col(k) for k in self.keys]), F.lit(n)).cast("int")
+        return initial.withColumn(KG, kg).withColumn(TASK, F.expr(f"cast(({KG} * {p}) div {n} as int)"))
+
+    def _output_frame(self, uris: Sequence[str]) -> DataFrame:
+        struct = _struct_of(self.output_schema)
+        if not uris:
+            return self.spark.createDataFrame([], struct)
+        return self.spark.read.schema(struct).parquet(*uris)
+
+    def _properties(self, plan: BatchPlan, report: BatchReport) -> dict[str, str]:
+        props = {RUN_PROPERTY: self.run_id}
+        if plan.watermark_ms >= 0:
+            props[WATERMARK_PROPERTY] = str(plan.watermark_ms)
+        events = [t["max_event_ms"] for t in report.tasks.values() if t.get("max_event_ms") is not None]
+        if events:
+            props[MAX_EVENT_PROPERTY] = str(max(events))
+        return props
+
+    def _remove_staging(self, uri: str) -> None:
+        fs, path = pafs.FileSystem.from_uri(uri)
+        with contextlib.suppress(FileNotFoundError):
+            fs.delete_dir(path)
+        if isinstance(fs, pafs.LocalFileSystem):
+            shutil.rmtree(path, ignore_errors=True)
+
+    def close(self) -> None:
+        self.table.close()
+        if self.output is not None:
+            self.output.close()
+
+
+_RUNNERS: dict[str, StatefulRunner] = {}
+
+
+def runner_of(query: StreamingQuery) -> StatefulRunner:
+    """The runner (batch reports, state table) of a query started by ``start_stateful_query``."""
+    return _RUNNERS[query.id]
+
+
+def _check_keys(df: DataFrame, keys: Sequence[str]) -> list[str]:
+    if isinstance(keys, str):
+        keys = [keys]
+    keys = list(keys)
+    if not keys:
+        raise ValueError("keys must name at least one column of the input")
+    columns = df.columns
+    missing = [k for k in keys if k not in columns]
+    if missing:
+        raise SchemaMismatchError(f"key column(s) {missing} are not in the input; its columns are {columns}")
+    reserved = [c for c in columns if c.startswith("__icestate")]
+    if reserved:
+        raise ValueError(f"input column(s) {reserved} use the reserved prefix '__icestate'; rename them")
+    return keys
+
+
+def start_stateful_query(
+    df: DataFrame, keys: Sequence[str] | str, processor: StatefulProcessor | VectorizedProcessor,
+    output_schema: StructType | str | pa.Schema | None = None, *, location: StateLocation,
+    checkpoint_location: str, trigger: dict[str, Any] | None = None,
+    foreach_batch: Callable[[DataFrame, int], None] | None = None, output_table: str | None = None,
+    time_mode: str = "None", event_time_column: str | None = None, initial_state: DataFrame | None = None,
+    query_name: str | None = None, store_config: StoreConfig | None = None,
+) -> StreamingQuery:
+    """Start a streaming query that runs ``processor`` per key with state in an Iceberg table.
+
+    Args:
+        df: the streaming input.
+        keys: the grouping key column(s).
+        processor: a ``pyspark.sql.streaming.StatefulProcessor`` subclass instance (Spark's
+            row API, run unchanged) or a ``VectorizedProcessor`` (Arrow batches).
+        output_schema: schema of the processor's output rows (StructType, DDL string or
+            Arrow schema); optional for ready-made vectorized operators.
+        location: the state table (catalog, name, max parallelism, this run's parallelism).
+        checkpoint_location: Spark's streaming checkpoint directory (source offsets).
+        trigger: ``DataStreamWriter.trigger`` keyword arguments, e.g. ``{"availableNow": True}``.
+        foreach_batch: called with each batch's output rows as a DataFrame and the batch id,
+            before that batch's state is committed (at least once; use the batch id to dedupe).
+        output_table: ``namespace.name`` of an Iceberg table in the state table's catalog that
+            receives the output rows exactly once (created when missing).
+        time_mode: "None", "ProcessingTime" or "EventTime" (timers fire on the batch's
+            processing time or on the query's watermark, from ``withWatermark``).
+        event_time_column: the event-time column; in EventTime mode, rows older than the
+            watermark are dropped as late, as Spark's stateful operators do.
+        initial_state: rows to seed state in the first batch: for a StatefulProcessor, fed
+            to ``handleInitialState`` per row; for a vectorized one, key columns plus one
+            column per value state.
+
+    Raises (before any state is written): SchemaMismatchError for missing key columns or
+    an output that does not fit, UnsupportedKeyTypeError, StateTableMismatchError when the
+    table holds state of another key schema or max parallelism.
+    """
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    if not df.isStreaming:
+        raise ValueError("start_stateful_query needs a streaming DataFrame (spark.readStream...)")
+    if not isinstance(location, StateLocation):
+        raise TypeError(f"location must be a StateLocation, got {type(location).__name__}")
+    keys = _check_keys(df, keys)
+    input_schema = to_arrow_schema(df.schema, timezone="UTC")
+    key_schema = pa.schema([input_schema.field(k) for k in keys])
+    for f in key_schema:
+        check_key_type(f.name, f.type)
+    mode = normalize_time_mode(time_mode)
+    if event_time_column is not None and event_time_column not in df.columns:
+        raise SchemaMismatchError(f"event_time_column {event_time_column!r} is not an input column {df.columns}")
+    if isinstance(processor, VectorizedProcessor):
+        descriptors = list(processor.state_variables(input_schema, keys))
+        if output_schema is None:
+            output_schema = processor.output_schema(input_schema, keys)
+    elif isinstance(processor, StatefulProcessor):
+        descriptors = list(declare(processor).descriptors)
+    else:
+        raise TypeError("processor must be a pyspark StatefulProcessor or a spark_integration VectorizedProcessor, "
+                        f"got {type(processor).__name__}")
+    if output_schema is None:
+        raise ValueError("output_schema is required for this processor")
+    out_schema = _to_arrow_schema(output_schema, "output_schema")
+    if mode != "none":
+        descriptors.append(timers_descriptor())
+    layout = StateLayout.of(key_schema, descriptors, location.max_parallelism)
+    spark = df.sparkSession
+    output = None
+    if output_table is not None:
+        from catalog.defaults import default_catalog
+
+        if location.warehouse is None:
+            from pyiceberg.catalog import load_catalog
+
+            out_catalog = load_catalog(location.catalog_name, **location.catalog_properties)
+        else:
+            out_catalog = default_catalog(location.warehouse)
+        output = OutputTable.open(out_catalog, output_table, out_schema)
+    runner = StatefulRunner(
+        spark, keys=keys, processor=processor, input_schema=input_schema, output_schema=out_schema, layout=layout,
+        location=location, checkpoint_location=checkpoint_location, foreach_batch=foreach_batch, output=output,
+        time_mode=mode, event_time_column=event_time_column, initial_state=initial_state,
+        store_config=store_config or StoreConfig(),
+    )
+    writer = df.writeStream.foreachBatch(runner).option("checkpointLocation", checkpoint_location)
+    if query_name:
+        writer = writer.queryName(query_name)
+    if trigger:
+        writer = writer.trigger(**trigger)
+    query = writer.start()
+    _RUNNERS[query.id] = runner
+    return query

@@ -1,0 +1,302 @@
+"""The executor side of a stateful micro-batch: one task's key-group range against its store.
+
+Spark calls ``run_task`` once per task of a batch (a group of the routed rows, inside a
+Python worker). The task brings its store to the batch's base checkpoint, runs the
+processor, flushes the memtable as new segments of the batch's checkpoint, writes its
+output rows as Parquet, and returns only metadata (segment and output file descriptions,
+statistics) to the driver: state never passes through the driver.
+
+Stores live across batches in the Python worker (``_STORES``, keyed by run and task), so
+their caches stay warm. Each batch's plan says which flush of each task the driver
+committed (a token per attempt): a store whose last flush was committed completes it and
+keeps its cache; any other store (a failed or superseded attempt, a batch replayed after
+a driver crash, a task that ran in another worker meanwhile) drops what it holds and
+restores the base checkpoint, which reads only metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from spark_integration.location import StateLocation
+from spark_integration.timers import TimerService
+from statestore.config import StoreConfig
+from statestore.layout import StateLayout
+from statestore.store import StateStore
+from statestore.table import SegmentFile
+
+KG = "__icestate_kg"
+TASK = "__icestate_task"
+HEARTBEAT = "__icestate_hb"
+RESULT_SCHEMA = "task int, kind string, payload string"
+RESULT_ARROW = pa.schema([("task", pa.int32()), ("kind", pa.string()), ("payload", pa.string())])
+
+# env var naming a file: when it exists, every task attempt 0 raises after flushing (failure tests)
+FAIL_FIRST_ATTEMPT_ENV = "ICESTATE_FAIL_FIRST_ATTEMPT"
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Everything a task needs for one micro-batch; pickled into the task closure."""
+
+    run_id: str
+    location: StateLocation
+    layout: StateLayout
+    processor: Any
+    input_columns: tuple[str, ...]
+    output_schema: pa.Schema
+    batch_id: int
+    checkpoint_id: int
+    base_checkpoint_id: int | None
+    task_tokens: dict[int, tuple[int, str]]
+    processing_time_ms: int
+    watermark_ms: int
+    time_mode: str
+    event_time_column: str | None
+    output_dir: str | None
+    store_config: StoreConfig = field(default_factory=StoreConfig)
+
+    @property
+    def compat(self) -> bool:
+        from spark_integration.vectorized import VectorizedProcessor
+
+        return not isinstance(self.processor, VectorizedProcessor)
+
+    @property
+    def fire_upto_ms(self) -> int | None:
+        if self.time_mode == "processingtime":
+            return self.processing_time_ms
+        if self.time_mode == "eventtime":
+            return self.watermark_ms
+        return None
+
+
+class _Clock:
+    """The store's processing-time clock: the batch's timestamp, so TTLs replay identically."""
+
+    def __init__(self) -> None:
+        self.now_ms = 0
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+
+@dataclass
+class _TaskStore:
+    store: StateStore
+    clock: _Clock
+    timers: TimerService | None
+    token: tuple[int, str] | None          # the committed flush the store's content includes
+    pending: tuple[int, str] | None = None  # flushed, not known to be committed
+    dirty: bool = False                     # an attempt started and did not finish
+    purged: set[str] = field(default_factory=set)
+
+
+_STORES: dict[tuple[str, int], _TaskStore] = {}
+
+
+def _open(plan: BatchPlan, task: int) -> _TaskStore:
+    clock = _Clock()
+    config = dataclasses.replace(plan.store_config, clock_ms=clock)
+    table = plan.location.open(plan.layout, checkpoint_id=plan.base_checkpoint_id)
+    store = StateStore(table, task_index=task, parallelism=plan.location.parallelism, config=config)
+    timers = TimerService(store) if plan.time_mode != "none" else None
+    return _TaskStore(store, clock, timers, plan.task_tokens.get(task))
+
+
+def _reset(ts: _TaskStore, plan: BatchPlan, task: int) -> None:
+    ts.store.restore(plan.base_checkpoint_id)
+    ts.token = plan.task_tokens.get(task)
+    ts.timers = TimerService(ts.store) if ts.timers is not None else None
+    ts.purged = set()
+
+
+def task_store(plan: BatchPlan, task: int) -> _TaskStore:
+    """The task's store, holding exactly the state of the plan's base checkpoint."""
+    key = (plan.run_id, task)
+    ts = _STORES.get(key)
+    if ts is not None and ts.dirty:
+        ts.store.table.close()
+        ts = None
+    if ts is None:
+        ts = _STORES[key] = _open(plan, task)
+        return ts
+    committed = plan.task_tokens.get(task)
+    current = ts.token
+    if ts.pending is not None:
+        cp, _ = ts.pending
+        if committed == ts.pending:
+            ts.store.checkpoint_complete(cp)
+            current = ts.token = ts.pending
+        else:
+            ts.store.checkpoint_aborted(cp)
+            current = None  # its memtable holds a batch that was not committed
+        ts.pending = None
+    if current is None or current != committed:
+        _reset(ts, plan, task)
+    else:
+        table = ts.store.table
+        info = table.current_checkpoint()
+        if (info.checkpoint_id if info else None) != plan.base_checkpoint_id:
+            # Only this task writes its key groups during a run: later checkpoints hold other
+            # tasks' segments, so moving the table forward keeps every cached view valid.
+            table.restore(plan.base_checkpoint_id)
+    return ts
+
+
+def run_task(plan: BatchPlan, group_key: tuple, rows: pa.Table) -> pa.Table:
+    """``applyInArrow`` entry point: process task ``group_key[0]``'s rows of the batch."""
+    return _run(plan, _task_of(group_key), rows, None)
+
+
+def run_task_with_initial(plan: BatchPlan, group_key: tuple, rows: pa.Table, initial: pa.Table) -> pa.Table:
+    """Cogrouped ``applyInArrow`` entry point of a first batch with initial state."""
+    return _run(plan, _task_of(group_key), rows, initial.drop_columns([c for c in (KG, TASK)
+                                                                        if c in initial.column_names]))
+
+
+def _task_of(group_key: tuple) -> int:
+    return int(group_key[0].as_py() if hasattr(group_key[0], "as_py") else group_key[0])
+
+
+def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None) -> pa.Table:
+    started = time.perf_counter()
+    ts = task_store(plan, task)
+    ts.dirty = True
+    store = ts.store
+    ts.clock.now_ms = plan.processing_time_ms
+    token = uuid.uuid4().hex
+    before = store.stats()
+
+    if HEARTBEAT in rows.column_names:
+        rows = rows.filter(pc.invert(rows.column(HEARTBEAT)))
+    rows_in = rows.num_rows
+    max_event_ms, late = _event_time(plan, rows)
+    if late is not None:
+        rows = rows.filter(pc.invert(late))
+    kgs = rows.column(KG).to_numpy().astype(np.int64, copy=False) if rows.num_rows else np.empty(0, np.int64)
+    data = rows.select(list(plan.input_columns))
+
+    if plan.compat:
+        output = _run_compat(plan, ts, data, kgs, initial)
+    else:
+        from spark_integration.vectorized import apply_updates, run_vectorized
+
+        if initial is not None and initial.num_rows:
+            apply_updates(store, initial)
+        output = run_vectorized(plan.processor, store, data, plan.processing_time_ms, plan.watermark_ms) \
+            if data.num_rows else None
+        if output is not None:
+            output = _conform(output, plan.output_schema)
+
+    segments = store.flush(plan.checkpoint_id)
+    ts.pending = (plan.checkpoint_id, token)
+    _maybe_fail_first_attempt()
+    outputs = _write_output(plan, task, token, output)
+    after = store.stats()
+    ts.dirty = False
+    stats = {
+        "token": token, "checkpoint_id": plan.checkpoint_id, "rows_in": rows_in,
+        "rows_late": rows_in - rows.num_rows, "rows_out": 0 if output is None else output.num_rows,
+        "max_event_ms": max_event_ms, "pid": os.getpid(),
+        "bytes_read": after["segment_bytes_read"] - before["segment_bytes_read"],
+        "files_opened": after["segment_files_opened"] - before["segment_files_opened"],
+        "segments": len(segments), "segment_bytes": sum(s.size_bytes for s in segments),
+        "timers": ts.timers.count() if ts.timers is not None else 0,
+        "elapsed_ms": round((time.perf_counter() - started) * 1000, 1),
+    }
+    result = [(task, "task", json.dumps(stats))]
+    result += [(task, "segment", json.dumps(dataclasses.asdict(s))) for s in segments]
+    result += [(task, "output", json.dumps(o)) for o in outputs]
+    cols = list(zip(*result, strict=True))
+    return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(cols, RESULT_ARROW, strict=True)],
+                                schema=RESULT_ARROW)
+
+
+def _run_compat(plan: BatchPlan, ts: _TaskStore, data: pa.Table, kgs: np.ndarray,
+                initial: pa.Table | None) -> pa.Table:
+    from pyspark.sql.streaming.stateful_processor import TimerValues
+
+    from spark_integration.compat import rows_to_arrow, run_processor
+
+    timer_values = TimerValues(*((-1, -1) if plan.time_mode == "none" else
+                                 (plan.processing_time_ms, plan.watermark_ms)))
+    out = run_processor(plan.processor, ts.store, ts.timers, ts.purged, data, kgs.tolist(), timer_values,
+                        plan.fire_upto_ms, initial)
+    return rows_to_arrow(out, plan.output_schema)
+
+
+def _event_time(plan: BatchPlan, rows: pa.Table) -> tuple[int | None, pa.Array | None]:
+    """The batch's max event time (ms) and the mask of late rows (older than the watermark)."""
+    col = plan.event_time_column
+    if not col or rows.num_rows == 0:
+        return None, None
+    ms = pc.cast(rows.column(col).cast(pa.timestamp("ms", tz="UTC")), pa.int64())
+    top = pc.max(ms).as_py()
+    late = None
+    if plan.time_mode == "eventtime" and plan.watermark_ms > 0:
+        late = pc.fill_null(pc.less(ms, plan.watermark_ms), False)
+    return top, late
+
+
+def _conform(output: pa.Table, schema: pa.Schema) -> pa.Table:
+    from statestore.errors import SchemaMismatchError
+
+    missing = [n for n in schema.names if n not in output.column_names]
+    if missing:
+        raise SchemaMismatchError(f"processor output lacks column(s) {missing} of the declared output schema "
+                                  f"{schema}; it has {output.column_names}")
+    try:
+        return output.select(schema.names).cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as e:
+        raise SchemaMismatchError(f"processor output {output.schema} does not match the declared output schema "
+                                  f"{schema}: {e}") from e
+
+
+def _write_output(plan: BatchPlan, task: int, token: str, output: pa.Table | None) -> list[dict]:
+    if plan.output_dir is None or output is None or output.num_rows == 0:
+        return []
+    fs, root = pafs.FileSystem.from_uri(plan.output_dir)
+    fs.create_dir(root, recursive=True)
+    name = f"batch-{plan.batch_id:012d}-task-{task:05d}-{token[:12]}.parquet"
+    path = f"{root}/{name}"
+    pq.write_table(output, path, filesystem=fs, compression="zstd")
+    return [{"uri": f"{plan.output_dir.rstrip('/')}/{name}", "rows": output.num_rows}]
+
+
+def _maybe_fail_first_attempt() -> None:
+    flag = os.environ.get(FAIL_FIRST_ATTEMPT_ENV)
+    if not flag or not os.path.exists(flag):
+        return
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    if ctx is not None and ctx.attemptNumber() == 0:
+        raise RuntimeError("injected failure of a task's first attempt (after its flush)")
+
+
+def segment_of(payload: str) -> SegmentFile:
+    return SegmentFile(**json.loads(payload))
+
+
+def forget_run(run_id: str) -> None:
+    """Drop this worker's stores of a finished run (tests, or a query that stopped)."""
+    for key in [k for k in _STORES if k[0] == run_id]:
+        ts = _STORES.pop(key)
+        ts.store.table.close()
+
+
+__all__ = ["HEARTBEAT", "KG", "RESULT_SCHEMA", "TASK", "BatchPlan", "run_task", "run_task_with_initial",
+           "segment_of"]
