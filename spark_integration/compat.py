@@ -216,7 +216,7 @@ class MapState:
         return iter([(self._keys.from_store(k), self._values.from_store(v)) for k, v in self._state.items()])
 
     def keys(self) -> Iterator[tuple]:
-        return iter([self._keys.from_store(k) for k in self._state])
+        return iter([self._keys.from_store(k) for k in self._state.keys()])  # noqa: SIM118 (MapState, not dict)
 
     def values(self) -> Iterator[tuple]:
         return iter([self._values.from_store(v) for v in self._state.values()])

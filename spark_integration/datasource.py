@@ -54,12 +54,12 @@ filtered read opens.
 
 Spark requirements (pyspark 4.3, checked in its sources ``pyspark/sql/worker/*``):
 
-* Python data sources need Spark >= 4.0; ``pushFilters`` is called from 4.1 on, and only
-  when ``spark.sql.python.filterPushdown.enabled`` is true. It defaults to **false**, and a
-  reader that implements ``pushFilters`` then fails planning with
-  ``DATA_SOURCE_PUSHDOWN_DISABLED``. ``register(spark)`` sets the conf to true; with a
-  session where that is not wanted, pass ``.option("pushdown", "false")`` (a reader
-  without ``pushFilters``; Spark filters every row after a full scan).
+* Python data sources need Spark >= 4.0; ``pushFilters`` exists from 4.1 on (on 4.0 the
+  reader has no pushdown) and is called only when ``spark.sql.python.filterPushdown.enabled``
+  is true. That conf defaults to **false**, and a reader that implements ``pushFilters``
+  then fails planning with ``DATA_SOURCE_PUSHDOWN_DISABLED``. ``register(spark)`` sets the
+  conf to true; in a session where that is not wanted, pass ``.option("pushdown", "false")``
+  (a reader without ``pushFilters``: a full scan, Spark filters every row).
 * ``spark.sql.execution.arrow.pyspark.enabled`` is **not** needed: a Python data source
   always hands Arrow batches to the JVM. ``read()`` here yields ``pyarrow.RecordBatch``es,
   whose schema Spark requires to equal ``to_arrow_schema(schema, timezone="UTC")`` exactly
@@ -81,33 +81,35 @@ import itertools
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.fs as pafs
-from pyspark.sql.datasource import (
-    DataSource,
-    DataSourceReader,
-    EqualNullSafe,
-    EqualTo,
-    Filter,
-    GreaterThan,
-    GreaterThanOrEqual,
-    In,
-    InputPartition,
-    IsNotNull,
-    IsNull,
-    LessThan,
-    LessThanOrEqual,
-    Not,
-)
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+try:  # the filter classes of pushFilters exist from pyspark 4.1 on
+    from pyspark.sql.datasource import (
+        EqualNullSafe,
+        EqualTo,
+        Filter,
+        GreaterThan,
+        GreaterThanOrEqual,
+        In,
+        IsNotNull,
+        IsNull,
+        LessThan,
+        LessThanOrEqual,
+        Not,
+    )
+
+    FILTER_PUSHDOWN_AVAILABLE = True
+except ImportError:  # pragma: no cover - pyspark 4.0: readers without pushdown only
+    FILTER_PUSHDOWN_AVAILABLE = False
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import StructField, StructType
 
-from catalog.defaults import DEFAULT_CATALOG_NAME, DEFAULT_NAMESPACE
-from catalog.iceberg_table import IcebergStateTable
 from statestore.descriptors import (
     ListStateDescriptor,
     MapStateDescriptor,
@@ -121,6 +123,12 @@ from statestore.layout import CHECKPOINT_ID, EXPIRE_AT_MS, KEY_GROUP, OP, SEQ, S
 from statestore.resolve import ORD, entry_columns, make_ord, resolve, view_columns
 from statestore.segment import SegmentReader
 from statestore.table import SegmentFile
+
+if TYPE_CHECKING:
+    from catalog.iceberg_table import IcebergStateTable
+
+# ``catalog`` (pyiceberg, SQLAlchemy) is imported where a table is opened, at planning only:
+# executors unpickling the reader need statestore, polars and pyarrow alone.
 
 FORMAT_NAME = "icestate"
 FILTER_PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
@@ -170,6 +178,8 @@ class ReadOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReadOptions:
+        from catalog.defaults import DEFAULT_CATALOG_NAME, DEFAULT_NAMESPACE
+
         opts = {str(k).lower(): v for k, v in options.items()}
         unknown = sorted(k for k in opts if k not in KNOWN_OPTIONS and not k.startswith(CATALOG_PREFIX))
         if unknown:
@@ -226,7 +236,13 @@ class ReadOptions:
         if not self.warehouse:
             from pyiceberg.catalog import load_catalog
 
-            catalog = load_catalog(self.catalog_name, **self.catalog_properties)
+            try:
+                catalog = load_catalog(self.catalog_name, **self.catalog_properties)
+            except Exception as e:  # pyiceberg raises many types for bad or unreachable catalogs
+                raise ValueError(
+                    f"icestate data source: cannot load pyiceberg catalog {self.catalog_name!r} from the catalog.* "
+                    f"options {sorted(self.catalog_properties)} ({type(e).__name__}: {e}): check them"
+                ) from e
         try:
             table = self._open(catalog)
             try:
@@ -238,6 +254,8 @@ class ReadOptions:
                 _close_quietly(catalog)
 
     def _open(self, catalog: Any) -> IcebergStateTable:
+        from catalog.iceberg_table import IcebergStateTable
+
         try:
             return IcebergStateTable.open_existing(
                 warehouse=self.warehouse, catalog=catalog, namespace=self.namespace, table_name=self.table,
@@ -536,10 +554,15 @@ def _key_group_set(f: Filter, n: int) -> set[int] | None:
 def _key_values(f: Filter) -> set | None:
     """Values an equality or IN filter on a key column admits (None: not such a filter)."""
     if isinstance(f, EqualTo | EqualNullSafe):
-        return None if f.value is None else {f.value}
-    if isinstance(f, In):
-        return {v for v in f.value if v is not None}
-    return None
+        values = [] if f.value is None else [f.value]
+    elif isinstance(f, In):
+        values = [v for v in f.value if v is not None]
+    else:
+        return None
+    try:
+        return {bytes(v) if isinstance(v, bytearray | memoryview) else v for v in values}
+    except TypeError:  # an unhashable literal (not a key type)
+        return None
 
 
 def _candidate_keys(key_schema: pa.Schema, values: dict[str, set]) -> pa.Table | None:
@@ -610,10 +633,13 @@ class IcestateReader(DataSourceReader):
 class IcestateFilteringReader(IcestateReader):
     """``IcestateReader`` with filter pushdown (needs ``spark.sql.python.filterPushdown.enabled``)."""
 
-    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
+    def pushFilters(self, filters: list[Filter]) -> list[Filter]:
+        """Take the filters on ``key_group`` and the equality/IN filters on all key columns;
+        return the others (the very objects Spark passed) for Spark to apply."""
         keys = self.spec.key_names
         pushable_keys = {f.name for f in self.spec.key_schema if any(ok(f.type) for ok in _PUSHABLE_KEY)}
-        key_filters: list[Filter] = []
+        returned: list[Filter] = []
+        key_filters: list[tuple[Filter, str, set]] = []
         for f in filters:
             column = _column_of(f)
             if column == KEY_GROUP:
@@ -629,25 +655,23 @@ class IcestateFilteringReader(IcestateReader):
             elif column in pushable_keys:
                 values = _key_values(f)
                 if values is not None:
-                    key_filters.append(f)
+                    key_filters.append((f, column, values))
                     continue
-            yield f
-        if not key_filters:
-            return
-        values: dict[str, set] = {}
-        for f in key_filters:
-            admitted = _key_values(f)
-            name = _column_of(f)
-            values[name] = admitted if name not in values else values[name] & admitted
-        candidates = _candidate_keys(self.spec.key_schema, values) if set(values) == set(keys) else None
-        if candidates is None:
-            yield from key_filters  # no pruning: Spark filters these rows itself
-            return
-        for name, admitted in values.items():
-            self.pushed.restrict_key(name, admitted)
-        self.key_filter = candidates
-        kgs = assign_key_groups(candidates, self.max_parallelism) if candidates.num_rows else np.empty(0, np.int32)
-        self.pushed.restrict_key_groups({int(k) for k in kgs})
+            returned.append(f)
+        if key_filters:
+            values_of: dict[str, set] = {}
+            for _, column, values in key_filters:
+                values_of[column] = values if column not in values_of else values_of[column] & values
+            candidates = _candidate_keys(self.spec.key_schema, values_of) if set(values_of) == set(keys) else None
+            if candidates is None:
+                returned += [f for f, _, _ in key_filters]  # no pruning: Spark filters these rows itself
+            else:
+                for column, values in values_of.items():
+                    self.pushed.restrict_key(column, values)
+                self.key_filter = candidates
+                kgs = assign_key_groups(candidates, self.max_parallelism) if candidates.num_rows else []
+                self.pushed.restrict_key_groups({int(k) for k in kgs})
+        return returned
 
 
 def _column_of(f: Filter) -> str | None:
@@ -659,11 +683,9 @@ def _column_of(f: Filter) -> str | None:
     return attribute[0]
 
 
-def _requested_schema(schema: StructType | None, full: pa.Schema, desc: StateDescriptor) -> pa.Schema:
+def _requested_schema(schema: StructType, full: pa.Schema, desc: StateDescriptor) -> pa.Schema:
     """The Arrow schema Spark checks batches against: ``schema`` (the source's own or a subset
     the user gave by name) converted as Spark does."""
-    if schema is None:
-        schema = StructType([StructField(f.name, from_arrow_type(f.type), f.nullable) for f in full])
     missing = [n for n in schema.fieldNames() if n not in full.names]
     if missing:
         raise ValueError(
@@ -687,7 +709,7 @@ class IcestateDataSource(DataSource):
 
     def reader(self, schema: StructType) -> IcestateReader:
         options = ReadOptions.parse(self.options)
-        cls = IcestateFilteringReader if options.pushdown else IcestateReader
+        cls = IcestateFilteringReader if options.pushdown and FILTER_PUSHDOWN_AVAILABLE else IcestateReader
         return cls(options, schema)
 
 

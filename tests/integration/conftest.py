@@ -42,14 +42,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """A local[2] SparkSession, started once and stopped at the end of the test session."""
+    """A local[2,2] SparkSession, started once and stopped at the end of the test session."""
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         pytest.skip("Spark tests need Java (java on PATH or JAVA_HOME)")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
-    builder = SparkSession.builder.master("local[2]").appName("statestore-integration-tests")
+    from spark_integration.tasks import FAIL_FIRST_ATTEMPT_ENV
+
+    # Python workers inherit the environment of the JVM: set before it starts. Tests create
+    # the file to make every task's first attempt fail after its flush.
+    os.environ[FAIL_FIRST_ATTEMPT_ENV] = str(tmp_path_factory.mktemp("faults") / "fail-first-attempt")
+    # local[2,2]: two cores, and a failed task is retried once (as on a cluster).
+    builder = SparkSession.builder.master("local[2,2]").appName("statestore-integration-tests")
     for key, value in SPARK_CONF.items():
         builder = builder.config(key, value)
     builder = builder.config("spark.sql.warehouse.dir", str(tmp_path_factory.mktemp("spark-warehouse")))

@@ -1,0 +1,197 @@
+"""Shared pieces of the streaming tests: input files, test processors, running a query to its end.
+
+The processors live in this module, which is registered with cloudpickle by value so the
+Python workers (which do not see the tests directory) can unpickle them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyspark import cloudpickle
+from pyspark.sql import Row, SparkSession
+from pyspark.sql.streaming import StatefulProcessor
+
+from spark_integration import StateLocation, runner_of, start_stateful_query
+
+INPUT_SCHEMA = "key string, v long"
+ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+PROVIDER_CONF = "spark.sql.streaming.stateStore.providerClass"
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def write_batches(directory: Path, batches: list[pa.Table]) -> str:
+    """One Parquet file per micro-batch (read with maxFilesPerTrigger=1, in name order)."""
+    os.makedirs(directory, exist_ok=True)
+    for i, t in enumerate(batches):
+        pq.write_table(t, directory / f"part-{i:04d}.parquet")
+    return str(directory)
+
+
+def key_batches(n_batches: int, rows: int, keys: int, offset: int = 0) -> list[pa.Table]:
+    """Deterministic batches: row r of batch b has key k<(b*rows + r)*7 % keys> and v = b*rows + r."""
+    out = []
+    for b in range(n_batches):
+        ids = range(offset + b * rows, offset + (b + 1) * rows)
+        out.append(pa.table({"key": [f"k{(i * 7) % keys:04d}" for i in ids], "v": pa.array(list(ids), pa.int64())}))
+    return out
+
+
+def counts(batches: list[pa.Table]) -> dict[str, int]:
+    c: Counter = Counter()
+    for t in batches:
+        c.update(t.column("key").to_pylist())
+    return dict(c)
+
+
+def stream(spark: SparkSession, input_dir: str, schema: str = INPUT_SCHEMA):
+    return spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(input_dir)
+
+
+def run_to_end(spark: SparkSession, input_dir: str, processor, output_schema, *, location: StateLocation,
+               checkpoint: str, keys=("key",), schema: str = INPUT_SCHEMA, df=None, **kwargs):
+    """Start a stateful query over ``input_dir``, process every file, return its runner."""
+    df = stream(spark, input_dir, schema) if df is None else df
+    query = start_stateful_query(df, list(keys), processor, output_schema, location=location,
+                                 checkpoint_location=checkpoint, trigger={"availableNow": True}, **kwargs)
+    try:
+        query.awaitTermination(300)
+        if query.exception() is not None:
+            raise query.exception()
+    finally:
+        query.stop()
+    return runner_of(query)
+
+
+class CountProcessor(StatefulProcessor):
+    """The keyed running count of the benchmark: emit (key, new count) per updated key."""
+
+    def init(self, handle) -> None:
+        self.count = handle.getValueState("count", "n long")
+
+    def handleInputRows(self, key, rows, timerValues):
+        n = sum(1 for _ in rows)
+        old = self.count.get()
+        new = (old[0] if old else 0) + n
+        self.count.update((new,))
+        yield Row(key=key[0], count=new)
+
+    def close(self) -> None:
+        pass
+
+
+PROFILE_OUTPUT = "key string, n long, recent string, evens long, odds long, parities int, cleared boolean"
+
+
+class ProfileProcessor(StatefulProcessor):
+    """Value, list and map state together; deterministic whatever the order of a key's rows."""
+
+    def init(self, handle) -> None:
+        self.count = handle.getValueState("count", "n long")
+        self.recent = handle.getListState("recent", "v long")
+        self.totals = handle.getMapState("totals", "parity int", "total long")
+
+    def handleInputRows(self, key, rows, timerValues):
+        values = sorted(r.v for r in rows)
+        old = self.count.get()
+        n = (old[0] if old else 0) + len(values)
+        self.count.update((n,))
+        self.recent.appendList([(v,) for v in values])
+        kept = list(self.recent.get())[-3:]
+        self.recent.put(kept)
+        for v in values:
+            p = v % 2
+            cur = self.totals.getValue((p,))
+            self.totals.updateValue((p,), ((cur[0] if cur else 0) + v,))
+        cleared = n % 5 == 0
+        if cleared:  # exercise removeKey and the map's iteration after it
+            self.totals.removeKey((1,))
+        evens, odds = self.totals.getValue((0,)), self.totals.getValue((1,))
+        yield Row(key=key[0], n=n, recent=",".join(str(t[0]) for t in kept),
+                  evens=evens[0] if evens else None, odds=odds[0] if odds else None,
+                  parities=len(list(self.totals.keys())), cleared=cleared)
+
+    def close(self) -> None:
+        pass
+
+
+class SessionTimeoutProcessor(StatefulProcessor):
+    """Counts per key and emits the count when no row came for ``gap_ms`` (processing-time timer)."""
+
+    def __init__(self, gap_ms: int):
+        self.gap_ms = gap_ms
+
+    def init(self, handle) -> None:
+        self.handle = handle
+        self.count = handle.getValueState("count", "n long")
+
+    def handleInputRows(self, key, rows, timerValues):
+        n = sum(1 for _ in rows)
+        old = self.count.get()
+        self.count.update(((old[0] if old else 0) + n,))
+        for t in self.handle.listTimers():
+            self.handle.deleteTimer(t)
+        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + self.gap_ms)
+        return iter([])
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
+        n = self.count.get()[0]
+        self.count.clear()
+        yield Row(key=key[0], count=n, fired_at=expiredTimerInfo.getExpiryTimeInMs())
+
+    def close(self) -> None:
+        pass
+
+
+class EventTimeWindowProcessor(StatefulProcessor):
+    """Sums values per key and emits the sum once the watermark passes the key's first event + 10 s."""
+
+    def init(self, handle) -> None:
+        self.handle = handle
+        self.total = handle.getValueState("total", "total long")
+
+    def handleInputRows(self, key, rows, timerValues):
+        rows = list(rows)
+        old = self.total.get()
+        if old is None:
+            first = min(r.ts for r in rows)
+            self.handle.registerTimer(int(first.timestamp() * 1000) + 10_000)
+        self.total.update(((old[0] if old else 0) + sum(r.v for r in rows),))
+        return iter([])
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
+        total = self.total.get()[0]
+        self.total.clear()
+        yield Row(key=key[0], total=total)
+
+    def close(self) -> None:
+        pass
+
+
+class InitialCountProcessor(CountProcessor):
+    """A count seeded from an initial state (key, n)."""
+
+    def handleInitialState(self, key, initialState, timerValues) -> None:
+        self.count.update((initialState.n,))
+
+
+class TtlCountProcessor(CountProcessor):
+    def __init__(self, ttl_ms: int):
+        self.ttl_ms = ttl_ms
+
+    def init(self, handle) -> None:
+        self.count = handle.getValueState("count", "n long", self.ttl_ms)
+
+
+class BadOutputProcessor(CountProcessor):
+    """Emits a string where the declared output has a long."""
+
+    def handleInputRows(self, key, rows, timerValues):
+        list(CountProcessor.handleInputRows(self, key, rows, timerValues))
+        yield Row(key=key[0], count="not a number")

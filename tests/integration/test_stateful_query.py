@@ -1,0 +1,359 @@
+"""Stateful streaming queries on the Iceberg state table, with a real local Spark session.
+
+Spark's own transformWithState is the reference for the processor API: the same
+processor class runs on both and must emit the same rows.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pytest
+from pyspark.sql import functions as F
+from streaming_helpers import (
+    PROFILE_OUTPUT,
+    PROVIDER_CONF,
+    ROCKSDB,
+    BadOutputProcessor,
+    CountProcessor,
+    EventTimeWindowProcessor,
+    InitialCountProcessor,
+    ProfileProcessor,
+    SessionTimeoutProcessor,
+    TtlCountProcessor,
+    counts,
+    key_batches,
+    run_to_end,
+    stream,
+    write_batches,
+)
+
+from catalog import IcebergStateTable, connect
+from catalog.defaults import default_catalog
+from spark_integration import Deduplicate, RunningAggregate, StateLocation
+from statestore.errors import SchemaMismatchError, StateTableMismatchError, UnsupportedKeyTypeError
+
+
+@pytest.fixture
+def where(tmp_path: Path):
+    def location(table: str = "state", parallelism: int = 2, max_parallelism: int = 16) -> StateLocation:
+        return StateLocation(table=table, warehouse=str(tmp_path / "wh"), parallelism=parallelism,
+                             max_parallelism=max_parallelism)
+    return location
+
+
+def live_state(location: StateLocation, name: str) -> pl.DataFrame:
+    table = IcebergStateTable.open_existing(warehouse=location.warehouse, table_name=location.table)
+    try:
+        return pl.from_arrow(connect(table).sql(f"SELECT * FROM state_{name}").to_arrow_table())
+    finally:
+        table.close()
+
+
+def state_counts(location: StateLocation, name: str = "count") -> dict[str, int]:
+    live = live_state(location, name)
+    return {k: v["n"] for k, v in zip(live["key"].to_list(), live[f"v_{name}"].to_list(), strict=True)}
+
+
+def output_rows(location: StateLocation, identifier: str) -> pa.Table:
+    catalog = default_catalog(location.warehouse)
+    try:
+        return catalog.load_table(identifier).scan().to_arrow()
+    finally:
+        catalog.close()
+
+
+def collector():
+    rows: list[tuple] = []
+
+    def collect(df, batch_id):
+        rows.extend((batch_id, *r) for r in df.collect())
+    return rows, collect
+
+
+def test_same_processor_same_output_as_spark_transform_with_state(spark, tmp_path, where):
+    input_dir = write_batches(tmp_path / "in", key_batches(3, 60, 23))
+    spark_rows: list[tuple] = []
+    spark.conf.set(PROVIDER_CONF, ROCKSDB)
+    try:
+        out = stream(spark, input_dir).groupBy("key").transformWithState(ProfileProcessor(), PROFILE_OUTPUT,
+                                                                          "Update", "None")
+        q = (out.writeStream.foreachBatch(lambda df, b: spark_rows.extend((b, *r) for r in df.collect()))
+             .option("checkpointLocation", str(tmp_path / "cp-spark")).trigger(availableNow=True).start())
+        q.awaitTermination(300)
+        assert q.exception() is None
+    finally:
+        spark.conf.unset(PROVIDER_CONF)
+    ours, collect = collector()
+    run_to_end(spark, input_dir, ProfileProcessor(), PROFILE_OUTPUT, location=where(),
+               checkpoint=str(tmp_path / "cp-ours"), foreach_batch=collect)
+    assert len(spark_rows) > 50
+    assert sorted(ours) == sorted(spark_rows)
+
+
+def test_state_and_outputs_after_several_batches(spark, tmp_path, where):
+    batches = key_batches(3, 80, 31)
+    loc = where()
+    runner = run_to_end(spark, write_batches(tmp_path / "in", batches), CountProcessor(), "key string, count long",
+                        location=loc, checkpoint=str(tmp_path / "cp"), output_table="out.counts")
+    assert state_counts(loc) == counts(batches)
+    out = output_rows(loc, "out.counts")
+    finals = out.group_by("key").aggregate([("count", "max")])
+    assert dict(zip(finals["key"].to_pylist(), finals["count_max"].to_pylist(), strict=True)) == counts(batches)
+    assert out.num_rows == sum(len(set(b["key"].to_pylist())) for b in batches)
+    reports = [r for r in runner.reports if not r.skipped]
+    assert [r.batch_id for r in reports] == [0, 1, 2]
+    assert [r.checkpoint_id for r in reports] == [1, 2, 3]
+    table = IcebergStateTable.open_existing(warehouse=loc.warehouse, table_name=loc.table)
+    try:
+        assert [(c.batch_id, c.parallelism) for c in table.list_checkpoints()] == [(0, 2), (1, 2), (2, 2)]
+    finally:
+        table.close()
+
+
+@pytest.mark.parametrize("agg", ["count", "sum", "min", "max"])
+def test_vectorized_running_aggregates(spark, tmp_path, where, agg):
+    batches = key_batches(3, 90, 17)
+    rows, collect = collector()
+    processor = RunningAggregate(agg, None if agg == "count" else "v")
+    run_to_end(spark, write_batches(tmp_path / "in", batches), processor, None, location=where(),
+               checkpoint=str(tmp_path / "cp"), foreach_batch=collect)
+    expected = []
+    seen = pl.DataFrame()
+    for b, t in enumerate(batches):
+        seen = pl.concat([seen, pl.from_arrow(t)]) if seen.height else pl.from_arrow(t)
+        touched = set(t["key"].to_pylist())
+        fn = {"count": pl.len(), "sum": pl.col("v").sum(), "min": pl.col("v").min(), "max": pl.col("v").max()}[agg]
+        now = seen.group_by("key").agg(fn.alias("x")).filter(pl.col("key").is_in(touched))
+        expected += [(b, k, x) for k, x in now.iter_rows()]
+    assert sorted(rows) == sorted(expected)
+
+
+def test_vectorized_deduplicate(spark, tmp_path, where):
+    batches = key_batches(3, 50, 40)
+    rows, collect = collector()
+    run_to_end(spark, write_batches(tmp_path / "in", batches), Deduplicate(), None, location=where(),
+               checkpoint=str(tmp_path / "cp"), foreach_batch=collect)
+    first: dict[str, tuple] = {}
+    for b, t in enumerate(batches):
+        for k, v in zip(t["key"].to_pylist(), t["v"].to_pylist(), strict=True):
+            first.setdefault(k, (b, k, v))
+    assert sorted(rows) == sorted(first.values())
+
+
+def test_replayed_batch_is_not_applied_twice(spark, tmp_path, where):
+    batches = key_batches(3, 70, 19)
+    input_dir = write_batches(tmp_path / "in", batches)
+    loc, cp = where(), tmp_path / "cp"
+    run_to_end(spark, input_dir, ProfileProcessor(), PROFILE_OUTPUT, location=loc, checkpoint=str(cp),
+               output_table="out.profile")
+    before = output_rows(loc, "out.profile")
+    # Spark replays a batch whose commit marker is missing: as after a driver crash.
+    os.remove(cp / "commits" / "2")
+    (cp / "commits" / ".2.crc").unlink(missing_ok=True)
+    runner = run_to_end(spark, input_dir, ProfileProcessor(), PROFILE_OUTPUT, location=loc, checkpoint=str(cp),
+                        output_table="out.profile")
+    assert [(r.batch_id, r.skipped) for r in runner.reports] == [(2, True)]
+    assert state_counts(loc) == counts(batches)
+    after = output_rows(loc, "out.profile")
+    assert sorted(after.to_pylist(), key=str) == sorted(before.to_pylist(), key=str)
+
+
+def test_failed_task_attempts_leave_no_duplicate_state(spark, tmp_path, where):
+    batches = key_batches(2, 60, 13)
+    input_dir = write_batches(tmp_path / "in", batches)
+    clean = where("clean")
+    run_to_end(spark, input_dir, ProfileProcessor(), PROFILE_OUTPUT, location=clean,
+               checkpoint=str(tmp_path / "cp-clean"), output_table="out.clean")
+    flag = Path(os.environ["ICESTATE_FAIL_FIRST_ATTEMPT"])
+    flag.touch()
+    try:
+        failing = where("failing")
+        run_to_end(spark, input_dir, ProfileProcessor(), PROFILE_OUTPUT, location=failing,
+                   checkpoint=str(tmp_path / "cp-failing"), output_table="out.failing")
+    finally:
+        flag.unlink()
+    for name in ("count", "recent", "totals"):
+        got = live_state(failing, name).drop("expire_at_ms", "ord", strict=False).sort(pl.all())
+        want = live_state(clean, name).drop("expire_at_ms", "ord", strict=False).sort(pl.all())
+        assert got.equals(want), name
+    key = lambda r: str(sorted(r.items()))  # noqa: E731
+    assert sorted(output_rows(failing, "out.failing").to_pylist(), key=key) == \
+        sorted(output_rows(clean, "out.clean").to_pylist(), key=key)
+
+
+def test_rescale_at_restart_keeps_every_key(spark, tmp_path, where):
+    batches = key_batches(4, 60, 29)
+    input_dir = tmp_path / "in"
+    cp = str(tmp_path / "cp")
+    seen = []
+    for parallelism, files in ((2, batches[:2]), (4, batches[2:3]), (1, batches[3:])):
+        write_batches(input_dir, seen + files)
+        seen += files
+        loc = where(parallelism=parallelism)
+        runner = run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=loc,
+                            checkpoint=cp)
+        assert state_counts(loc) == counts(seen)
+        ran = {t for r in runner.reports for t in r.tasks}
+        assert ran <= set(range(parallelism))
+    table = IcebergStateTable.open_existing(warehouse=loc.warehouse, table_name=loc.table)
+    try:
+        assert [c.parallelism for c in table.list_checkpoints()] == [2, 2, 4, 1]
+    finally:
+        table.close()
+
+
+def test_processing_time_timers_fire_and_survive_rescale(spark, tmp_path, where):
+    batches = key_batches(4, 12, 9)
+    input_dir = tmp_path / "in"
+    cp = str(tmp_path / "cp")
+    fired: list[tuple] = []
+
+    def collect(df, batch_id):
+        fired.extend((batch_id, r.key, r["count"]) for r in df.collect())
+
+    write_batches(input_dir, batches[:2])
+    run_to_end(spark, str(input_dir), SessionTimeoutProcessor(1), "key string, count long, fired_at long",
+               location=where(parallelism=2), checkpoint=cp, foreach_batch=collect, time_mode="ProcessingTime")
+    write_batches(input_dir, batches)
+    run_to_end(spark, str(input_dir), SessionTimeoutProcessor(1), "key string, count long, fired_at long",
+               location=where(parallelism=3), checkpoint=cp, foreach_batch=collect, time_mode="ProcessingTime")
+    # Model: a key's timer is reset by every batch with its rows and fires in the first later
+    # batch without them, emitting the rows counted since the last firing.
+    expected, pending = [], Counter()
+    for b, t in enumerate(batches):
+        present = Counter(t["key"].to_pylist())
+        for k in sorted(set(pending) - set(present)):
+            expected.append((b, k, pending.pop(k)))
+        pending.update(present)
+    assert sorted(fired) == sorted(expected)
+
+
+def test_event_time_timers_follow_the_watermark(spark, tmp_path, where):
+    def at(seconds):
+        return dt.datetime(2026, 1, 1, tzinfo=dt.UTC) + dt.timedelta(seconds=seconds)
+    rows = [
+        [("a", 1, at(1)), ("b", 2, at(2))],
+        [("a", 10, at(21)), ("c", 100, at(25))],
+        [("a", 1000, at(3)), ("d", 5, at(40))],  # a's row is late (watermark 20 s) and dropped
+        [("e", 7, at(41))],
+    ]
+    schema = pa.schema([("key", pa.string()), ("v", pa.int64()), ("ts", pa.timestamp("us", tz="UTC"))])
+    input_dir = write_batches(tmp_path / "in", [pa.Table.from_pylist(
+        [dict(zip(schema.names, r, strict=True)) for r in b], schema=schema) for b in rows])
+    df = stream(spark, input_dir, "key string, v long, ts timestamp").withWatermark("ts", "5 seconds")
+    out, collect = collector()
+    run_to_end(spark, input_dir, EventTimeWindowProcessor(), "key string, total long", location=where(),
+               checkpoint=str(tmp_path / "cp"), df=df, foreach_batch=collect, time_mode="EventTime",
+               event_time_column="ts")
+    assert sorted(out) == [(2, "a", 11), (2, "b", 2), (3, "c", 100)]
+
+
+def test_ttl_expires_state_between_batches(spark, tmp_path, where):
+    batches = key_batches(3, 40, 7)
+    input_dir = write_batches(tmp_path / "in", batches)
+    short, collect = collector()
+    run_to_end(spark, input_dir, TtlCountProcessor(1), "key string, count long", location=where("short"),
+               checkpoint=str(tmp_path / "cp-short"), foreach_batch=collect)
+    per_batch = {(b, k): n for b, t in enumerate(batches) for k, n in Counter(t["key"].to_pylist()).items()}
+    assert {(b, k): n for b, k, n in short} == per_batch
+    long_rows, collect = collector()
+    run_to_end(spark, input_dir, TtlCountProcessor(3_600_000), "key string, count long", location=where("long"),
+               checkpoint=str(tmp_path / "cp-long"), foreach_batch=collect)
+    assert {k: n for b, k, n in long_rows if b == 2} == {k: counts(batches)[k] for k in per_batch_keys(batches[2])}
+
+
+def per_batch_keys(t: pa.Table) -> set:
+    return set(t["key"].to_pylist())
+
+
+def test_initial_state_seeds_the_first_batch(spark, tmp_path, where):
+    batches = key_batches(2, 30, 6)
+    input_dir = write_batches(tmp_path / "in", batches)
+    seed = {"k0000": 100, "k0001": 200, "zzz": 5}
+    initial = spark.createDataFrame(list(seed.items()), "key string, n long")
+    loc = where("compat")
+    run_to_end(spark, input_dir, InitialCountProcessor(), "key string, count long", location=loc,
+               checkpoint=str(tmp_path / "cp"), initial_state=initial)
+    expected = defaultdict(int, seed)
+    for k, n in counts(batches).items():
+        expected[k] += n
+    assert state_counts(loc) == dict(expected)
+    vec = where("vec")
+    initial = spark.createDataFrame(list(seed.items()), "key string, count long")
+    run_to_end(spark, input_dir, RunningAggregate("count"), None, location=vec, checkpoint=str(tmp_path / "cp-v"),
+               initial_state=initial)
+    live = live_state(vec, "count")
+    assert dict(zip(live["key"].to_list(), live["v_count"].to_list(), strict=True)) == dict(expected)
+
+
+def test_foreach_batch_gets_each_batch_output_once(spark, tmp_path, where):
+    batches = key_batches(3, 20, 5)
+    seen: dict[int, int] = {}
+    loc = where()
+
+    def callback(df, batch_id):
+        assert batch_id not in seen
+        seen[batch_id] = df.count()
+    run_to_end(spark, write_batches(tmp_path / "in", batches), CountProcessor(), "key string, count long",
+               location=loc, checkpoint=str(tmp_path / "cp"), foreach_batch=callback)
+    assert seen == {b: len(set(t["key"].to_pylist())) for b, t in enumerate(batches)}
+    staging = Path(loc.warehouse) / "state" / "state" / "outputs"
+    assert not any(p.is_file() for p in staging.rglob("*")) if staging.exists() else True
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+def test_missing_key_column_fails_before_any_state(spark, tmp_path, where):
+    df = stream(spark, write_batches(tmp_path / "in", key_batches(1, 5, 3)))
+    with pytest.raises(SchemaMismatchError, match="nokey"):
+        from spark_integration import start_stateful_query
+
+        start_stateful_query(df, ["nokey"], CountProcessor(), "key string, count long", location=where(),
+                             checkpoint_location=str(tmp_path / "cp"))
+    assert not (tmp_path / "wh").exists() or not any((tmp_path / "wh").rglob("*.parquet"))
+
+
+def test_unsupported_key_type_fails_before_any_state(spark, tmp_path, where):
+    from spark_integration import start_stateful_query
+
+    df = stream(spark, write_batches(tmp_path / "in", key_batches(1, 5, 3))).withColumn("tags", F.array("key"))
+    with pytest.raises(UnsupportedKeyTypeError, match="tags"):
+        start_stateful_query(df, ["tags"], CountProcessor(), "key string, count long", location=where(),
+                             checkpoint_location=str(tmp_path / "cp"))
+
+
+def test_state_table_of_another_key_schema_is_refused(spark, tmp_path, where):
+    from spark_integration import start_stateful_query
+
+    batches = key_batches(1, 10, 3)
+    loc = where()
+    run_to_end(spark, write_batches(tmp_path / "in", batches), CountProcessor(), "key string, count long",
+               location=loc, checkpoint=str(tmp_path / "cp"))
+    df = stream(spark, str(tmp_path / "in")).withColumn("key", F.col("v"))
+    with pytest.raises(StateTableMismatchError):
+        start_stateful_query(df, ["key"], CountProcessor(), "key long, count long", location=loc,
+                             checkpoint_location=str(tmp_path / "cp2"))
+    assert state_counts(loc) == counts(batches)
+
+
+def test_output_not_matching_the_schema_fails_the_batch_and_keeps_state(spark, tmp_path, where):
+    batches = key_batches(2, 10, 3)
+    input_dir = tmp_path / "in"
+    write_batches(input_dir, batches[:1])
+    loc = where()
+    cp = str(tmp_path / "cp")
+    run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=loc, checkpoint=cp)
+    write_batches(input_dir, batches)
+    with pytest.raises(Exception, match="count"):
+        run_to_end(spark, str(input_dir), BadOutputProcessor(), "key string, count long", location=loc,
+                   checkpoint=cp)
+    assert state_counts(loc) == counts(batches[:1])
+    run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=loc, checkpoint=cp)
+    assert state_counts(loc) == counts(batches)
