@@ -6,32 +6,42 @@ Public surface:
   Iceberg state table (``StateLocation``), exactly-once, rescalable at every restart;
 * processors: any ``pyspark.sql.streaming.StatefulProcessor`` (Spark's row API, unchanged),
   or a ``VectorizedProcessor`` (Arrow batches) such as ``RunningAggregate`` and ``Deduplicate``;
-* ``runner_of(query)``: batch reports and the state table of a running query.
+* ``runner_of(query)``: batch reports and the state table of a running query;
+* ``IcestateDataSource`` / ``register(spark)``: ``spark.read.format("icestate")`` over the
+  resolved state of a variable at any retained checkpoint, with key and key-group pushdown.
 
 Module guide: ``query`` (driver: routing, commits), ``tasks`` (executors: one task's key
 groups), ``compat`` (Spark's handle and state variables), ``vectorized``, ``timers``,
-``outputs`` (the exactly-once output table), ``location``.
+``outputs`` (the exactly-once output table), ``location``, ``datasource``.
 """
 
-from spark_integration.location import StateLocation
-from spark_integration.query import BatchReport, StatefulRunner, runner_of, start_stateful_query
-from spark_integration.vectorized import (
-    Deduplicate,
-    RunningAggregate,
-    VectorizedBatch,
-    VectorizedProcessor,
-    VectorizedResult,
-)
+import importlib
+from typing import Any
 
-__all__ = [
-    "BatchReport",
-    "Deduplicate",
-    "RunningAggregate",
-    "StateLocation",
-    "StatefulRunner",
-    "VectorizedBatch",
-    "VectorizedProcessor",
-    "VectorizedResult",
-    "runner_of",
-    "start_stateful_query",
-]
+# Exports load lazily: a Python worker that only reads state (the data source) or runs a
+# task should not import the driver side (pyspark DataFrame APIs, catalogs) it never uses.
+_EXPORTS = {
+    "StateLocation": "spark_integration.location",
+    "BatchReport": "spark_integration.query",
+    "StatefulRunner": "spark_integration.query",
+    "runner_of": "spark_integration.query",
+    "start_stateful_query": "spark_integration.query",
+    "Deduplicate": "spark_integration.vectorized",
+    "RunningAggregate": "spark_integration.vectorized",
+    "VectorizedBatch": "spark_integration.vectorized",
+    "VectorizedProcessor": "spark_integration.vectorized",
+    "VectorizedResult": "spark_integration.vectorized",
+    "IcestateDataSource": "spark_integration.datasource",
+    "register": "spark_integration.datasource",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'spark_integration' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -42,7 +42,7 @@ from pyspark.sql.types import StructType
 from spark_integration.compat import declare, spark_struct
 from spark_integration.location import StateLocation
 from spark_integration.outputs import OutputTable
-from spark_integration.tasks import HEARTBEAT, KG, RESULT_SCHEMA, TASK, BatchPlan, run_task, segment_of
+from spark_integration.tasks import HEARTBEAT, KG, PART, RESULT_SCHEMA, TASK, BatchPlan, run_task, segment_of
 from spark_integration.timers import normalize_time_mode, timers_descriptor
 from spark_integration.vectorized import VectorizedProcessor
 from statestore.config import StoreConfig
@@ -135,6 +135,7 @@ class StatefulRunner:
         self.run_id = uuid.uuid4().hex
         self.table = location.open(layout)
         self.task_tokens: dict[int, tuple[int, str]] = {}
+        self._part_values: list[int] | None = None
         self.reports: list[BatchReport] = []
 
     # ------------------------------------------------------------------ the batch function
@@ -202,20 +203,44 @@ class StatefulRunner:
             store_config=self.store_config,
         )
 
-    def _routed(self, df: DataFrame) -> DataFrame:
+    def _routed(self, df: DataFrame, columns: Sequence[str]) -> DataFrame:
+        """``df`` with each row's key group and task, partitioned so Spark task i holds our task i."""
         n, p = self.layout.max_parallelism, self.location.parallelism
         kg = F.pmod(F.xxhash64(*[F.col(k) for k in self.keys]), F.lit(n)).cast("int")
-        routed = df.select(*[F.col(c) for c in self.input_schema.names], kg.alias(KG))
+        routed = df.select(*[F.col(c) for c in columns], kg.alias(KG))
         return routed.withColumn(TASK, F.expr(f"cast(({KG} * {p}) div {n} as int)"))
 
+    def _partitioned(self, routed: DataFrame) -> DataFrame:
+        # repartition(p, PART) hashes PART into p partitions; PART is a value chosen per task so
+        # that task i lands in partition i: p Spark tasks with one of ours each, never merged
+        # by adaptive execution (it keeps a repartition's explicit number), and the groupBy on
+        # PART needs no second shuffle.
+        values = F.array(*[F.lit(v) for v in self._partition_values()])
+        routed = routed.withColumn(PART, F.element_at(values, F.col(TASK) + 1))
+        return routed.repartition(self.location.parallelism, F.col(PART))
+
+    def _partition_values(self) -> list[int]:
+        p = self.location.parallelism
+        if self._part_values is None or len(self._part_values) != p:
+            ids = self.spark.range(64 * p).select(F.col("id").cast("int").alias("v"))
+            pairs = ids.select("v", F.pmod(F.hash("v"), F.lit(p)).alias("part")).collect()
+            first: dict[int, int] = {}
+            for r in pairs:
+                first.setdefault(r.part, r.v)
+            if len(first) != p:
+                raise StateStoreError(f"could not find a routing value for each of {p} partitions")
+            self._part_values = [first[i] for i in range(p)]
+        return self._part_values
+
     def _run_tasks(self, batch_df: DataFrame, plan: BatchPlan) -> list:
-        routed = self._routed(batch_df)
+        routed = self._routed(batch_df, self.input_schema.names)
         if self.time_mode != "none":
             # Every task runs in every batch, with or without rows, so its timers fire.
             beats = self.spark.range(self.location.parallelism).select(
                 *[F.lit(None).cast(f.dataType).alias(f.name) for f in routed.schema.fields if f.name != TASK],
                 F.col("id").cast("int").alias(TASK), F.lit(True).alias(HEARTBEAT))
             routed = routed.withColumn(HEARTBEAT, F.lit(False)).unionByName(beats)
+        routed = self._partitioned(routed)
         # Plain closures, not functools.partial: pyspark's eval-type inference fails on partials.
         initial = self.initial_state if plan.base_checkpoint_id is None else None
         if initial is not None:
@@ -224,18 +249,14 @@ class StatefulRunner:
             def with_initial(key, rows, initial_rows):
                 return run_task_with_initial(plan, key, rows, initial_rows)
 
-            grouped = routed.groupBy(TASK).cogroup(self._routed_initial(initial).groupBy(TASK))
+            seeded = self._partitioned(self._routed(initial, initial.columns))
+            grouped = routed.groupBy(PART).cogroup(seeded.groupBy(PART))
             return grouped.applyInArrow(with_initial, RESULT_SCHEMA).collect()
 
         def task(key, rows):
             return run_task(plan, key, rows)
 
-        return routed.groupBy(TASK).applyInArrow(task, RESULT_SCHEMA).collect()
-
-    def _routed_initial(self, initial: DataFrame) -> DataFrame:
-        n, p = self.layout.max_parallelism, self.location.parallelism
-        kg = F.pmod(F.xxhash64(*[F.col(k) for k in self.keys]), F.lit(n)).cast("int")
-        return initial.withColumn(KG, kg).withColumn(TASK, F.expr(f"cast(({KG} * {p}) div {n} as int)"))
+        return routed.groupBy(PART).applyInArrow(task, RESULT_SCHEMA).collect()
 
     def _output_frame(self, uris: Sequence[str]) -> DataFrame:
         struct = _struct_of(self.output_schema)

@@ -40,6 +40,7 @@ from statestore.table import SegmentFile
 KG = "__icestate_kg"
 TASK = "__icestate_task"
 HEARTBEAT = "__icestate_hb"
+PART = "__icestate_part"
 RESULT_SCHEMA = "task int, kind string, payload string"
 RESULT_ARROW = pa.schema([("task", pa.int32()), ("kind", pa.string()), ("payload", pa.string())])
 
@@ -157,18 +158,21 @@ def task_store(plan: BatchPlan, task: int) -> _TaskStore:
 
 
 def run_task(plan: BatchPlan, group_key: tuple, rows: pa.Table) -> pa.Table:
-    """``applyInArrow`` entry point: process task ``group_key[0]``'s rows of the batch."""
-    return _run(plan, _task_of(group_key), rows, None)
+    """``applyInArrow`` entry point: process one task's rows of the batch (a group of one task)."""
+    return _run(plan, _task_of(rows), rows, None)
 
 
 def run_task_with_initial(plan: BatchPlan, group_key: tuple, rows: pa.Table, initial: pa.Table) -> pa.Table:
     """Cogrouped ``applyInArrow`` entry point of a first batch with initial state."""
-    return _run(plan, _task_of(group_key), rows, initial.drop_columns([c for c in (KG, TASK)
-                                                                        if c in initial.column_names]))
+    task = _task_of(rows if rows.num_rows else initial)
+    return _run(plan, task, rows, initial.drop_columns([c for c in (KG, TASK, PART) if c in initial.column_names]))
 
 
-def _task_of(group_key: tuple) -> int:
-    return int(group_key[0].as_py() if hasattr(group_key[0], "as_py") else group_key[0])
+def _task_of(rows: pa.Table) -> int:
+    tasks = pc.unique(rows.column(TASK))
+    if len(tasks) != 1:
+        raise RuntimeError(f"a task group holds rows of tasks {tasks.to_pylist()}: routing is broken")
+    return int(tasks[0].as_py())
 
 
 def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None) -> pa.Table:
