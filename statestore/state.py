@@ -81,11 +81,37 @@ def _arrow(values: Any, dtype: pa.DataType, what: str) -> pa.Array:
     return arr
 
 
+def _plainly_fits(value: Any, dtype: pa.DataType) -> bool:
+    """True when ``value`` certainly converts to ``dtype`` (plain Python scalars and dicts
+    of them); False means "ask Arrow". Saves ~10 us per per-key write."""
+    if value is None:
+        return True  # a null field of a struct; top-level nulls are refused before
+    if pa.types.is_int64(dtype) or pa.types.is_int32(dtype):
+        bound = 1 << (dtype.bit_width - 1)
+        return type(value) is int and -bound <= value < bound
+    if pa.types.is_float64(dtype):
+        return type(value) in (float, int)
+    if pa.types.is_string(dtype):
+        return type(value) is str
+    if pa.types.is_boolean(dtype):
+        return type(value) is bool
+    if pa.types.is_struct(dtype):
+        if type(value) is not dict or len(value) != dtype.num_fields:
+            return False
+        for f in dtype:  # noqa: SIM110 (a loop: all() over a generator costs ~2x here)
+            if f.name not in value or not _plainly_fits(value[f.name], f.type):
+                return False
+        return True
+    return False
+
+
 def _check_value(value: Any, dtype: pa.DataType, what: str) -> None:
     """Per-key writes are checked when made, as batched ones are: a value that cannot be
     stored would otherwise fail later, at the seal, and take the whole overlay with it."""
     if value is None:
         raise ValueError(f"{what} must not be null")
+    if _plainly_fits(value, dtype):
+        return
     try:
         pa.scalar(value, type=dtype)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError) as e:

@@ -177,7 +177,12 @@ class StateStore:
         applies its own). Served from a dict built once per view when the key columns are
         strings, binaries, integers, booleans or dates (plain Python values compare equal
         to what polars returns); otherwise by a filter over the key group's view."""
-        view = self.views(name, [key_group], seal=False)[0]
+        group = self._cache.get(key_group)
+        if (group is None or name not in group.views or group.pending.get(name)
+                or len(self._memtable.parts(name, key_group)) > group.applied.get(name, 0)):
+            view = self.views(name, [key_group], seal=False)[0]
+        else:
+            view = group.views[name]  # cached and current: skip the general path
         desc = self.layout.descriptor(name)
         if not self._indexable:
             rows = view.filter(pl.all_horizontal([pl.col(k) == pl.lit(v, dtype=view.schema[k])
