@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/icestate demo --warehouse "${WAREHOUSE:-./warehouse}" "$@"
+.venv/bin/icestate stream --warehouse "${WAREHOUSE:-./warehouse}" "$@"
