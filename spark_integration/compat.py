@@ -234,10 +234,9 @@ _WRAPPERS = {StateKind.VALUE: ValueState, StateKind.LIST: ListState, StateKind.M
 class StoreHandle:
     """Spark's ``StatefulProcessorHandle`` over one task's store (executor side)."""
 
-    def __init__(self, store: StateStore, timers: TimerService | None, purged: set[str]):
+    def __init__(self, store: StateStore, timers: TimerService | None):
         self._store = store
         self._timers = timers
-        self._purged = purged
 
     def _get(self, name: str, kind: StateKind) -> Any:
         try:
@@ -276,17 +275,14 @@ class StoreHandle:
         return iter(self._timer_service().list())
 
     def deleteIfExists(self, stateName: str) -> None:
-        """Purge a state variable for every key of this task (once per task store)."""
-        if stateName in self._purged:
-            return
-        self._purged.add(stateName)
+        """Purge a state variable for every key of this task, as Spark does on every call
+        (processors call it from ``init``, so at every batch). Reads the whole variable."""
         try:
             self._store.layout.descriptor(stateName)
         except KeyError:
             return  # never declared in this table: nothing to purge
         store = self._store
-        r = store.key_group_range
-        live = store.live_view(stateName, range(r.start, r.end + 1))
+        live = store.scan(stateName)
         if live.height:
             keys = live.select(store.key_names).unique(maintain_order=True).to_arrow()
             store.get_state(stateName).clear_batch(keys.cast(store.layout.key_schema))
@@ -297,7 +293,7 @@ def _row_class(names: list[str]) -> Any:
 
 
 def run_processor(processor: StatefulProcessor, store: StateStore, timers: TimerService | None,
-                  purged: set[str], rows: pa.Table, key_groups: list[int], timer_values: TimerValues,
+                  rows: pa.Table, key_groups: list[int], timer_values: TimerValues,
                   fire_upto_ms: int | None, initial: pa.Table | None = None) -> list[tuple]:
     """Run ``processor`` over one task's rows (and expired timers); return the output rows.
 
@@ -305,7 +301,7 @@ def run_processor(processor: StatefulProcessor, store: StateStore, timers: Timer
     Spark's routing). Keys are processed in order of first appearance; each key's rows are
     handed to ``handleInputRows`` as ``pyspark.sql.Row`` objects, as Spark does.
     """
-    handle = StoreHandle(store, timers, purged)
+    handle = StoreHandle(store, timers)
     processor.init(handle)
     out: list[tuple] = []
     try:
@@ -332,11 +328,17 @@ def run_processor(processor: StatefulProcessor, store: StateStore, timers: Timer
             if result is not None:
                 out.extend(result)
         if timers is not None and fire_upto_ms is not None:
-            for ts, key in timers.pop_expired(fire_upto_ms):
+            # As Spark: timers expired when the batch started, in time order; each is deleted
+            # after its handler ran (a handler sees it in listTimers, and re-registering the
+            # same time does not make it fire again).
+            for ts, key in timers.expired(fire_upto_ms):
                 store.set_current_key(key)
+                if ts not in timers.list():
+                    continue  # deleted by an earlier handler of this batch
                 result = processor.handleExpiredTimer(key, timer_values, ExpiredTimerInfo(ts))
                 if result is not None:
                     out.extend(result)
+                timers.delete(ts)
     finally:
         processor.close()
     return out

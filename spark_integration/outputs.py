@@ -13,9 +13,10 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.table import Table
 
-from statestore.errors import SchemaMismatchError
+from statestore.errors import SchemaMismatchError, StateStoreError
 
 BATCH_ID_PROPERTY = "icestate.batch-id"
+QUERY_ID_PROPERTY = "icestate.query-id"
 
 
 class OutputTable:
@@ -58,26 +59,38 @@ class OutputTable:
     def data_location(self) -> str:
         return f"{self._table.location().rstrip('/')}/data"
 
-    def committed_batch_id(self) -> int | None:
-        """The newest batch id committed to the table (None when none)."""
+    def committed_batch(self) -> tuple[int, str | None] | None:
+        """(batch id, query id) of the newest batch committed to the table (None when none)."""
         self._table = self._catalog.load_table(self._table.name())
         snapshot = self._table.current_snapshot()
         while snapshot is not None:
-            value = snapshot.summary.additional_properties.get(BATCH_ID_PROPERTY) if snapshot.summary else None
-            if value is not None:
-                return int(value)
+            props = snapshot.summary.additional_properties if snapshot.summary else {}
+            if BATCH_ID_PROPERTY in props:
+                return int(props[BATCH_ID_PROPERTY]), props.get(QUERY_ID_PROPERTY)
             parent = snapshot.parent_snapshot_id
             snapshot = self._table.snapshot_by_id(parent) if parent is not None else None
         return None
 
-    def commit(self, batch_id: int, uris: list[str]) -> bool:
-        """Add ``uris`` as batch ``batch_id``'s rows; False (nothing done) when already committed."""
-        committed = self.committed_batch_id()
-        if committed is not None and batch_id <= committed:
-            return False
+    def commit(self, batch_id: int, uris: list[str], query_id: str | None = None) -> bool:
+        """Add ``uris`` as batch ``batch_id``'s rows; False (nothing done) when already committed.
+
+        Raises StateStoreError when the table's batches come from another streaming query.
+        """
+        committed = self.committed_batch()
+        if committed is not None:
+            if query_id is not None and committed[1] is not None and committed[1] != query_id:
+                raise StateStoreError(
+                    f"output table {'.'.join(self._table.name())} receives the output of streaming query "
+                    f"{committed[1]}, not of this query {query_id}: batch ids would not line up; use another "
+                    "output table or the original checkpointLocation")
+            if batch_id <= committed[0]:
+                return False
         if not uris:
             return False  # an empty batch adds nothing, replayed or not
-        self._table.add_files(uris, snapshot_properties={BATCH_ID_PROPERTY: str(batch_id)})
+        props = {BATCH_ID_PROPERTY: str(batch_id)}
+        if query_id is not None:
+            props[QUERY_ID_PROPERTY] = query_id
+        self._table.add_files(uris, snapshot_properties=props)
         return True
 
     def close(self) -> None:

@@ -59,6 +59,7 @@ KILL_STEPS = ("tasks_done", "outputs_committed", "state_committed")
 WATERMARK_PROPERTY = "icestate.watermark-ms"
 MAX_EVENT_PROPERTY = "icestate.max-event-time-ms"
 RUN_PROPERTY = "icestate.run-id"
+QUERY_PROPERTY = "icestate.query-id"
 
 
 @dataclass
@@ -98,16 +99,38 @@ def _kill_if_asked(step: str, batch_id: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _read_offset_metadata(checkpoint_location: str, batch_id: int) -> dict:
-    """Spark's offset-log entry of a batch: batchTimestampMs and batchWatermarkMs."""
-    uri = f"{checkpoint_location.rstrip('/')}/offsets/{batch_id}"
+def _read_checkpoint_file(spark: SparkSession, checkpoint_location: str, name: str) -> str:
+    """A file of Spark's streaming checkpoint, read through Spark's own Hadoop filesystem (so
+    any scheme Spark can use works: file, hdfs, s3a, abfss, dbfs...)."""
+    jvm = spark._jvm
+    path = jvm.org.apache.hadoop.fs.Path(f"{checkpoint_location.rstrip('/')}/{name}")
+    fs = path.getFileSystem(spark._jsc.hadoopConfiguration())
+    stream = fs.open(path)
     try:
-        fs, path = pafs.FileSystem.from_uri(uri if "://" in uri else os.path.abspath(uri))
-        with fs.open_input_stream(path) as f:
-            lines = f.read().decode("utf-8").splitlines()
+        return jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
+    finally:
+        stream.close()
+
+
+def _offset_metadata(spark: SparkSession, checkpoint_location: str, batch_id: int) -> dict:
+    """Spark's offset-log entry of a batch: batchTimestampMs and batchWatermarkMs. Spark
+    writes it before running the batch and reuses it when it replays the batch."""
+    try:
+        lines = _read_checkpoint_file(spark, checkpoint_location, f"offsets/{batch_id}").splitlines()
         return json.loads(lines[1])
-    except (OSError, IndexError, ValueError):
-        return {}
+    except Exception as e:
+        raise StateStoreError(
+            f"cannot read Spark's offset log entry {checkpoint_location}/offsets/{batch_id} for batch {batch_id}'s "
+            f"timestamp and watermark ({e}); is {checkpoint_location!r} the query's checkpointLocation?"
+        ) from e
+
+
+def _query_id(spark: SparkSession, checkpoint_location: str) -> str:
+    """The persistent id of the streaming query (``<checkpointLocation>/metadata``)."""
+    try:
+        return json.loads(_read_checkpoint_file(spark, checkpoint_location, "metadata"))["id"]
+    except Exception as e:
+        raise StateStoreError(f"cannot read the query id in {checkpoint_location}/metadata: {e}") from e
 
 
 class StatefulRunner:
@@ -133,6 +156,7 @@ class StatefulRunner:
         self.initial_state = initial_state
         self.store_config = store_config
         self.run_id = uuid.uuid4().hex
+        self.query_id: str | None = None  # Spark's persistent query id, read at the first batch
         self.table = location.open(layout)
         self.task_tokens: dict[int, tuple[int, str]] = {}
         self._part_values: list[int] | None = None
@@ -143,6 +167,7 @@ class StatefulRunner:
     def __call__(self, batch_df: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
         info = self.table.current_checkpoint()
+        self._check_same_query(info)
         if info is not None and info.batch_id is not None and batch_id <= info.batch_id:
             log.info("batch %d is already in state checkpoint %d: skipped", batch_id, info.checkpoint_id)
             self.reports.append(BatchReport(batch_id, skipped=True, checkpoint_id=info.checkpoint_id))
@@ -166,7 +191,7 @@ class StatefulRunner:
         _kill_if_asked("tasks_done", batch_id)
         commit_started = time.perf_counter()
         if self.output is not None:
-            self.output.commit(batch_id, uris)
+            self.output.commit(batch_id, uris, self.query_id)
         _kill_if_asked("outputs_committed", batch_id)
         if self.foreach_batch is not None:
             self.foreach_batch(self._output_frame(uris), batch_id)
@@ -183,9 +208,22 @@ class StatefulRunner:
 
     # ------------------------------------------------------------------ steps
 
+    def _check_same_query(self, info: Any) -> None:
+        """Batch ids only mean something within one streaming query: refuse to continue a state
+        table that another query (another checkpointLocation) wrote, which would skip its batches."""
+        if self.query_id is None:
+            self.query_id = _query_id(self.spark, self.checkpoint_location)
+        owner = None if info is None else info.properties.get(QUERY_PROPERTY)
+        if owner is not None and owner != self.query_id:
+            raise StateStoreError(
+                f"state table {self.table.identifier} holds the state of streaming query {owner}, but this query "
+                f"({self.checkpoint_location}) is {self.query_id}: its batch ids would not line up with the "
+                "checkpoints. Restart with the original checkpointLocation, or give this query its own state table"
+            )
+
     def _plan(self, batch_id: int, info: Any) -> BatchPlan:
-        meta = _read_offset_metadata(self.checkpoint_location, batch_id)
-        processing_time = int(meta.get("batchTimestampMs") or time.time() * 1000)
+        meta = _offset_metadata(self.spark, self.checkpoint_location, batch_id)
+        processing_time = int(meta["batchTimestampMs"])
         watermark = int(meta.get("batchWatermarkMs") or 0) if self.time_mode == "eventtime" else -1
         if self.output is not None:
             output_dir = self.output.data_location
@@ -265,7 +303,7 @@ class StatefulRunner:
         return self.spark.read.schema(struct).parquet(*uris)
 
     def _properties(self, plan: BatchPlan, report: BatchReport) -> dict[str, str]:
-        props = {RUN_PROPERTY: self.run_id}
+        props = {RUN_PROPERTY: self.run_id, QUERY_PROPERTY: self.query_id}
         if plan.watermark_ms >= 0:
             props[WATERMARK_PROPERTY] = str(plan.watermark_ms)
         events = [t["max_event_ms"] for t in report.tasks.values() if t.get("max_event_ms") is not None]
@@ -308,6 +346,19 @@ def _check_keys(df: DataFrame, keys: Sequence[str]) -> list[str]:
     if reserved:
         raise ValueError(f"input column(s) {reserved} use the reserved prefix '__icestate'; rename them")
     return keys
+
+
+def _conform_initial(initial: DataFrame, df: DataFrame, keys: list[str]) -> DataFrame:
+    """The initial state's key columns cast to the stream's key types: Spark hashes an int and
+    a long differently, so an uncast key would be routed to another key group."""
+    missing = [k for k in keys if k not in initial.columns]
+    if missing:
+        raise SchemaMismatchError(f"initial_state lacks key column(s) {missing}; its columns are {initial.columns}")
+    types = {f.name: f.dataType for f in df.schema.fields}
+    for k in keys:
+        if initial.schema[k].dataType != types[k]:
+            initial = initial.withColumn(k, F.col(k).cast(types[k]))
+    return initial
 
 
 def start_stateful_query(
@@ -375,6 +426,8 @@ def start_stateful_query(
     if mode != "none":
         descriptors.append(timers_descriptor())
     layout = StateLayout.of(key_schema, descriptors, location.max_parallelism)
+    if initial_state is not None:
+        initial_state = _conform_initial(initial_state, df, keys)
     spark = df.sparkSession
     output = None
     if output_table is not None:

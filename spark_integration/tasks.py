@@ -102,7 +102,6 @@ class _TaskStore:
     token: tuple[int, str] | None          # the committed flush the store's content includes
     pending: tuple[int, str] | None = None  # flushed, not known to be committed
     dirty: bool = False                     # an attempt started and did not finish
-    purged: set[str] = field(default_factory=set)
 
 
 _STORES: dict[tuple[str, int], _TaskStore] = {}
@@ -121,40 +120,68 @@ def _reset(ts: _TaskStore, plan: BatchPlan, task: int) -> None:
     ts.store.restore(plan.base_checkpoint_id)
     ts.token = plan.task_tokens.get(task)
     ts.timers = TimerService(ts.store) if ts.timers is not None else None
-    ts.purged = set()
 
 
 def task_store(plan: BatchPlan, task: int) -> _TaskStore:
     """The task's store, holding exactly the state of the plan's base checkpoint."""
+    _evict(plan)
     key = (plan.run_id, task)
     ts = _STORES.get(key)
     if ts is not None and ts.dirty:
-        ts.store.table.close()
+        _drop(key)
         ts = None
     if ts is None:
         ts = _STORES[key] = _open(plan, task)
         return ts
+    try:
+        _reconcile(ts, plan, task)
+    except BaseException:
+        _drop(key)  # never reuse a store whose reconciliation failed half-way
+        raise
+    return ts
+
+
+def _reconcile(ts: _TaskStore, plan: BatchPlan, task: int) -> None:
     committed = plan.task_tokens.get(task)
     current = ts.token
-    if ts.pending is not None:
-        cp, _ = ts.pending
-        if committed == ts.pending:
-            ts.store.checkpoint_complete(cp)
-            current = ts.token = ts.pending
+    pending, ts.pending = ts.pending, None
+    if pending is not None:
+        if committed == pending:
+            # Move the table to the base first: the flush's own checkpoint may have been
+            # expired by retention since (a task without rows for many batches).
+            ts.store.table.restore(plan.base_checkpoint_id)
+            ts.store.checkpoint_complete(pending[0])
+            current = ts.token = pending
         else:
-            ts.store.checkpoint_aborted(cp)
+            ts.store.checkpoint_aborted(pending[0])
             current = None  # its memtable holds a batch that was not committed
-        ts.pending = None
     if current is None or current != committed:
         _reset(ts, plan, task)
-    else:
-        table = ts.store.table
-        info = table.current_checkpoint()
-        if (info.checkpoint_id if info else None) != plan.base_checkpoint_id:
-            # Only this task writes its key groups during a run: later checkpoints hold other
-            # tasks' segments, so moving the table forward keeps every cached view valid.
-            table.restore(plan.base_checkpoint_id)
-    return ts
+        return
+    table = ts.store.table
+    info = table.current_checkpoint()
+    if (info.checkpoint_id if info else None) != plan.base_checkpoint_id:
+        # Only this task writes its key groups during a run: later checkpoints hold other
+        # tasks' segments, so moving the table forward keeps every cached view valid.
+        table.restore(plan.base_checkpoint_id)
+
+
+def _evict(plan: BatchPlan) -> None:
+    """Close stores this worker no longer needs: those of other runs (a restarted query) and
+    those of this run that are known stale (another worker ran their task since)."""
+    for key, ts in list(_STORES.items()):
+        run, task = key
+        if run != plan.run_id or (ts.pending is None and not ts.dirty and ts.token != plan.task_tokens.get(task)):
+            _drop(key)
+
+
+def _drop(key: tuple[str, int]) -> None:
+    ts = _STORES.pop(key, None)
+    if ts is not None:
+        try:
+            ts.store.close()
+        finally:
+            ts.store.table.close()
 
 
 def run_task(plan: BatchPlan, group_key: tuple, rows: pa.Table) -> pa.Table:
@@ -237,7 +264,7 @@ def _run_compat(plan: BatchPlan, ts: _TaskStore, data: pa.Table, kgs: np.ndarray
 
     timer_values = TimerValues(*((-1, -1) if plan.time_mode == "none" else
                                  (plan.processing_time_ms, plan.watermark_ms)))
-    out = run_processor(plan.processor, ts.store, ts.timers, ts.purged, data, kgs.tolist(), timer_values,
+    out = run_processor(plan.processor, ts.store, ts.timers, data, kgs.tolist(), timer_values,
                         plan.fire_upto_ms, initial)
     return rows_to_arrow(out, plan.output_schema)
 
@@ -247,12 +274,13 @@ def _event_time(plan: BatchPlan, rows: pa.Table) -> tuple[int | None, pa.Array |
     col = plan.event_time_column
     if not col or rows.num_rows == 0:
         return None, None
-    ms = pc.cast(rows.column(col).cast(pa.timestamp("ms", tz="UTC")), pa.int64())
-    top = pc.max(ms).as_py()
+    us = pc.cast(rows.column(col).cast(pa.timestamp("us", tz="UTC"), safe=False), pa.int64())
+    top = pc.max(us).as_py()
     late = None
     if plan.time_mode == "eventtime" and plan.watermark_ms > 0:
-        late = pc.fill_null(pc.less(ms, plan.watermark_ms), False)
-    return top, late
+        # Spark's stateful operators drop rows at or before the watermark.
+        late = pc.fill_null(pc.less_equal(us, plan.watermark_ms * 1000), False)
+    return None if top is None else top // 1000, late
 
 
 def _conform(output: pa.Table, schema: pa.Schema) -> pa.Table:
@@ -296,10 +324,9 @@ def segment_of(payload: str) -> SegmentFile:
 
 
 def forget_run(run_id: str) -> None:
-    """Drop this worker's stores of a finished run (tests, or a query that stopped)."""
+    """Drop this worker's stores of a finished run."""
     for key in [k for k in _STORES if k[0] == run_id]:
-        ts = _STORES.pop(key)
-        ts.store.table.close()
+        _drop(key)
 
 
 __all__ = ["HEARTBEAT", "KG", "RESULT_SCHEMA", "TASK", "BatchPlan", "run_task", "run_task_with_initial",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-import polars as pl
 import pyarrow as pa
 
 from statestore.descriptors import MapStateDescriptor
@@ -48,8 +47,7 @@ class TimerService:
     def _index(self) -> dict[tuple, set[int]]:
         if self._by_key is None:
             store = self._store
-            r = store.key_group_range
-            live = store.live_view(TIMERS_STATE, range(r.start, r.end + 1))
+            live = store.scan(TIMERS_STATE)  # the timers alone, not the task's whole state
             by_key: dict[tuple, set[int]] = {}
             names = store.key_names
             mk = self._state.descriptor.user_key_column
@@ -90,27 +88,18 @@ class TimerService:
     def count(self) -> int:
         return sum(len(v) for v in self._index().values())
 
-    def pop_expired(self, upto_ms: int) -> list[tuple[int, tuple]]:
-        """Remove and return every timer with expiry <= ``upto_ms`` as (expiry, key), in order.
-
-        The timers are deleted from state here; a handler may register new ones.
-        """
-        index = self._index()
-        fired: list[tuple[int, tuple]] = []
+    def expired(self, upto_ms: int) -> list[tuple[int, tuple]]:
+        """Every timer with expiry <= ``upto_ms`` as (expiry, key), earliest first; they stay
+        registered until deleted (the caller deletes each after its handler)."""
+        self._index()
+        out = []
         while self._queue and self._queue[0][0] <= upto_ms:
-            ts, key = heapq.heappop(self._queue)
-            tss = index.get(key)
-            if not tss or ts not in tss:
-                continue  # deleted since it was queued
-            tss.discard(ts)
-            if not tss:
-                del index[key]
-            fired.append((ts, key))
-        if fired:
-            keys = pl.DataFrame([list(k) for _, k in fired], schema=self._store.key_names, orient="row")
-            keys = keys.to_arrow().cast(self._store.layout.key_schema)
-            self._state.remove_batch(keys, pa.array([ts for ts, _ in fired], pa.int64()))
-        return fired
+            out.append(heapq.heappop(self._queue))
+        live = [(ts, key) for ts, key in out if ts in self._by_key.get(key, ())]
+        # Still registered ones go back: a handler may keep its timer; deletes are lazy.
+        for item in live:
+            heapq.heappush(self._queue, item)
+        return sorted(set(live))
 
 
 def key_tuple(values: Any) -> tuple:

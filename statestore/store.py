@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from statestore.cache import CachedKeyGroup, KeyGroupCache
 from statestore.config import StoreConfig
@@ -155,6 +156,28 @@ class StateStore:
         if view is None or view.height == 0:
             return self.empty_view(self.layout.descriptor(name))
         return live_rows(view, self.now_ms())
+
+    def scan(self, name: str) -> pl.DataFrame:
+        """The live view rows of ``name`` over this task's whole key-group range, read from the
+        segments (only the variable's columns) and the memtable, without filling the cache:
+        for a variable far smaller than the rest of the state, such as timers."""
+        self._check_open()
+        self.seal()
+        desc = self.layout.descriptor(name)
+        r = self.key_group_range
+        kgs = list(range(r.start, r.end + 1))
+        segments = [s for s in self._table.segments(r) if s.checkpoint_id not in self._outstanding]
+        columns = [KEY_GROUP, *self.key_names, STATE, OP, CHECKPOINT_ID, SEQ, EXPIRE_AT_MS]
+        columns += [c for c in (desc.user_key_column, desc.value_column) if c is not None]
+        tables = self._reader.read(segments, np.asarray(kgs, dtype=np.int64), columns)
+        entries = None
+        if tables:
+            table = pa.concat_tables(tables, promote_options="permissive")
+            table = table.filter(pc.equal(table.column(STATE), name))
+            entries = pl.from_arrow(table).with_columns(make_ord(pl.col(CHECKPOINT_ID), pl.col(SEQ)))
+        views = self._resolve_loaded(desc, entries, kgs, self.now_ms())
+        frames = [v for v in views.values() if v.height]
+        return pl.concat(frames, how="vertical") if frames else self.empty_view(desc)
 
     def lookup(self, name: str, keys: pa.Table, key_groups: np.ndarray, on_extra: pl.DataFrame | None = None,
                ) -> pl.DataFrame:
