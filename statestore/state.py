@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 from statestore.descriptors import StateDescriptor, StateKind, TtlUpdateType
 from statestore.errors import SchemaMismatchError
 from statestore.layout import EXPIRE_AT_MS, OP, OP_APPEND, OP_DELETE, OP_PUT
-from statestore.resolve import ORD, live_rows
+from statestore.resolve import ORD
 
 if TYPE_CHECKING:
     from statestore.store import StateStore
@@ -33,10 +33,18 @@ if TYPE_CHECKING:
 ROW = "_row"
 
 
+_SCALARS = (int, float, str, bytes, bool, type(None))
+
+
 def _hashable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
-    if isinstance(value, list):
+    t = type(value)
+    if t is dict:
+        items = sorted(value.items())  # struct field names: unique strings, values never compared
+        for _, v in items:
+            if type(v) not in _SCALARS:
+                return tuple((k, _hashable(v)) for k, v in items)
+        return tuple(items)
+    if t is list:
         return tuple(_hashable(v) for v in value)
     return value
 
@@ -169,14 +177,6 @@ class KeyedState:
         if p is None:
             p = self._overlay[key] = _Pending(kg)
         return key, p
-
-    def _stored_rows(self) -> pl.DataFrame:
-        """Live view rows of the current key, without the overlay (which is newer than any view)."""
-        key, kg = self._store.current_key()
-        view = self._store.views(self.name, [kg], seal=False)[0]
-        cond = pl.all_horizontal([pl.col(k) == pl.lit(v, dtype=view.schema[k])
-                                  for k, v in zip(self._store.key_names, key, strict=True)])
-        return live_rows(view.filter(cond), self._store.now_ms())
 
     def seal_overlay(self) -> tuple[np.ndarray, pl.DataFrame] | None:
         """Turn the overlay into (key groups, entries in write order) and empty it."""
@@ -418,8 +418,9 @@ class ListState(KeyedState):
         p = self._overlay.get(key)
         stored: list = []
         if p is None or not p.cleared:
-            rows = self._stored_rows()
-            stored = rows.sort(ORD).get_column(self._v).to_list() if rows.height else []
+            key, kg = self._store.current_key()
+            rows = self._store.key_rows(self.name, key, kg, (self._v, EXPIRE_AT_MS, ORD))
+            stored = [v for v, e, _ in sorted(rows, key=lambda r: r[2]) if self._live(e)]
         pending = [v for v, e in p.appended if self._live(e)] if p is not None else []
         result = stored + pending
         if self._refresh_on_read() and result:
@@ -510,10 +511,10 @@ class MapState(KeyedState):
         p = self._overlay.get(key)
         result: dict = {}
         if p is None or not p.cleared:
-            rows = self._stored_rows()
-            for uk, v in zip(rows.get_column(self._user_key_col()).to_list(), rows.get_column(self._v).to_list(),
-                             strict=True):
-                result[_hashable(uk)] = (uk, v)
+            stored = self._store.key_map(self.name, key, self._store.current_key()[1], _hashable)
+            for h, (uk, v, e) in stored.items():
+                if self._live(e):
+                    result[h] = (uk, v)
         if p is not None:
             for h, (uk, value, present, expire) in p.entries.items():
                 if present and self._live(expire):
@@ -527,14 +528,31 @@ class MapState(KeyedState):
             for uk, v in list(entries.values()):
                 self.put(uk, v)
 
+    def _entry(self, user_key: Any) -> tuple[Any, Any] | None:
+        """(user key, value) of one live entry of the current key's map, or None: O(1)."""
+        key, kg = self._store.current_key()
+        h = _hashable(user_key)
+        p = self._overlay.get(key)
+        if p is not None:
+            pending = p.entries.get(h)
+            if pending is not None:
+                uk, value, present, expire = pending
+                return (uk, value) if present and self._live(expire) else None
+            if p.cleared:
+                return None
+        stored = self._store.key_map(self.name, key, kg, _hashable).get(h)
+        if stored is None or not self._live(stored[2]):
+            return None
+        return stored[0], stored[1]
+
     def get(self, user_key: Any) -> Any:
-        hit = self._entries().get(_hashable(user_key))
+        hit = self._entry(user_key)
         if hit is not None:
             self._touch({0: hit})
         return None if hit is None else hit[1]
 
     def contains(self, user_key: Any) -> bool:
-        return _hashable(user_key) in self._entries()
+        return self._entry(user_key) is not None
 
     def put(self, user_key: Any, value: Any) -> None:
         if user_key is None or value is None:

@@ -11,7 +11,7 @@ Thread safety: a store is used by one task thread at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,8 @@ from statestore.resolve import ORD, entry_columns, live_rows, make_ord, merge, r
 from statestore.segment import SegmentReader, write_segments
 from statestore.state import STATE_CLASSES, KeyedState
 from statestore.table import CheckpointInfo, SegmentFile, StateTable
+
+_NO_ENTRIES: dict = {}
 
 
 class StateStore:
@@ -200,12 +202,7 @@ class StateStore:
         applies its own). Served from a dict built once per view when the key columns are
         strings, binaries, integers, booleans or dates (plain Python values compare equal
         to what polars returns); otherwise by a filter over the key group's view."""
-        group = self._cache.get(key_group)
-        if (group is None or name not in group.views or group.pending.get(name)
-                or len(self._memtable.parts(name, key_group)) > group.applied.get(name, 0)):
-            view = self.views(name, [key_group], seal=False)[0]
-        else:
-            view = group.views[name]  # cached and current: skip the general path
+        view = self._current_view(name, key_group)
         desc = self.layout.descriptor(name)
         if not self._indexable:
             rows = view.filter(pl.all_horizontal([pl.col(k) == pl.lit(v, dtype=view.schema[k])
@@ -220,6 +217,64 @@ class StateStore:
             index = group.indexes[name] = (view, dict(zip(keys, values, strict=True)))
             self._cache.resized(key_group)
         return index[1].get(key)
+
+    def key_rows(self, name: str, key: tuple, key_group: int, columns: Sequence[str]) -> list[tuple]:
+        """``columns`` of every view row of ``key`` in state ``name`` (TTL not applied), without
+        sealing the handles' overlays: the per-key read of list and map state. Served from a
+        dict built once per view (see ``point_get``)."""
+        view = self._current_view(name, key_group)
+        if not self._indexable:
+            rows = view.filter(pl.all_horizontal([pl.col(k) == pl.lit(v, dtype=view.schema[k])
+                                                  for k, v in zip(self.key_names, key, strict=True)]))
+            return list(zip(*[rows.get_column(c).to_list() for c in columns], strict=True))
+        group = self._cache.peek(key_group)
+        slot = f"{name}\0rows"
+        index = group.indexes.get(slot)
+        if index is None or index[0] is not view:
+            by_key: dict[tuple, list[tuple]] = {}
+            keys = zip(*[view.get_column(k).to_list() for k in self.key_names], strict=True)
+            rows = zip(*[view.get_column(c).to_list() for c in columns], strict=True)
+            for k, row in zip(keys, rows, strict=True):
+                found = by_key.get(k)
+                if found is None:
+                    by_key[k] = [row]
+                else:
+                    found.append(row)
+            index = group.indexes[slot] = (view, by_key)
+            self._cache.resized(key_group)
+        return index[1].get(key, [])
+
+    def key_map(self, name: str, key: tuple, key_group: int, hash_key: Callable[[Any], Any]) -> dict:
+        """The stored map of ``key`` in map state ``name``: {hash_key(user key): (user key,
+        value, expire_at_ms)} (TTL not applied; overlays not sealed). From a dict built once
+        per view, so one map entry is found in O(1)."""
+        desc = self.layout.descriptor(name)
+        columns = (desc.user_key_column, desc.value_column, EXPIRE_AT_MS)
+        if not self._indexable:
+            return {hash_key(r[0]): r for r in self.key_rows(name, key, key_group, columns)}
+        view = self._current_view(name, key_group)
+        group = self._cache.peek(key_group)
+        slot = f"{name}\0map"
+        index = group.indexes.get(slot)
+        if index is None or index[0] is not view:
+            by_key: dict[tuple, dict] = {}
+            keys = zip(*[view.get_column(k).to_list() for k in self.key_names], strict=True)
+            rows = zip(*[view.get_column(c).to_list() for c in columns], strict=True)
+            for k, row in zip(keys, rows, strict=True):
+                m = by_key.get(k)
+                if m is None:
+                    m = by_key[k] = {}
+                m[hash_key(row[0])] = row
+            index = group.indexes[slot] = (view, by_key)
+            self._cache.resized(key_group)
+        return index[1].get(key, _NO_ENTRIES)
+
+    def _current_view(self, name: str, key_group: int) -> pl.DataFrame:
+        group = self._cache.get(key_group)
+        if (group is None or name not in group.views or group.pending.get(name)
+                or len(self._memtable.parts(name, key_group)) > group.applied.get(name, 0)):
+            return self.views(name, [key_group], seal=False)[0]
+        return group.views[name]  # cached and current: skip the general path
 
     def now_ms(self) -> int:
         return int(self.config.clock_ms())
