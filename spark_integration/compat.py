@@ -127,10 +127,14 @@ class _Struct:
         self.names = [f.name for f in t]
 
     def to_store(self, value: Any, what: str) -> dict:
-        if isinstance(value, dict):
-            return value
         if isinstance(value, Row) and hasattr(value, "__fields__"):
-            return value.asDict()
+            value = value.asDict()
+        if isinstance(value, dict):
+            # Named fields go by name, stored in schema order (reads return schema order).
+            unknown = [k for k in value if k not in self.names]
+            if unknown:
+                raise ValueError(f"{what}: field(s) {unknown} are not in the declared schema {self.names}")
+            return {n: value.get(n) for n in self.names}
         if not isinstance(value, (tuple, list)):
             value = (value,)
         if len(value) != len(self.names):
@@ -363,7 +367,12 @@ def rows_to_arrow(rows: list, schema: pa.Schema, what: str = "processor output")
     names = schema.names
     tuples = []
     for r in rows:
+        if isinstance(r, Row) and hasattr(r, "__fields__"):
+            r = r.asDict()  # a named Row matches by name, as Spark's worker does
         if isinstance(r, dict):
+            extra = [k for k in r if k not in names]
+            if extra:
+                raise ValueError(f"{what}: row has field(s) {extra} that the declared output schema {names} lacks")
             r = tuple(r.get(n) for n in names)
         elif not isinstance(r, (tuple, list)):
             raise TypeError(f"{what}: rows must be Row, tuple or dict, got {type(r).__name__} ({r!r})")

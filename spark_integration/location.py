@@ -62,6 +62,11 @@ class StateLocation:
     def identifier(self) -> str:
         return f"{self.namespace}.{self.table}"
 
+    @property
+    def identity(self) -> tuple:
+        """Which table this is, whatever the parallelism."""
+        return (self.warehouse, self.catalog_name, tuple(sorted(self.catalog_properties.items())), self.identifier)
+
     def with_parallelism(self, parallelism: int) -> StateLocation:
         return StateLocation(self.table, self.warehouse, self.namespace, self.max_parallelism, parallelism,
                              self.catalog_name, self.catalog_properties, self.retain_checkpoints)

@@ -100,6 +100,7 @@ class _TaskStore:
     clock: _Clock
     timers: TimerService | None
     token: tuple[int, str] | None          # the committed flush the store's content includes
+    location: tuple = ()                    # StateLocation.identity of the table
     pending: tuple[int, str] | None = None  # flushed, not known to be committed
     dirty: bool = False                     # an attempt started and did not finish
 
@@ -113,7 +114,7 @@ def _open(plan: BatchPlan, task: int) -> _TaskStore:
     table = plan.location.open(plan.layout, checkpoint_id=plan.base_checkpoint_id)
     store = StateStore(table, task_index=task, parallelism=plan.location.parallelism, config=config)
     timers = TimerService(store) if plan.time_mode != "none" else None
-    return _TaskStore(store, clock, timers, plan.task_tokens.get(task))
+    return _TaskStore(store, clock, timers, plan.task_tokens.get(task), plan.location.identity)
 
 
 def _reset(ts: _TaskStore, plan: BatchPlan, task: int) -> None:
@@ -171,7 +172,10 @@ def _evict(plan: BatchPlan) -> None:
     those of this run that are known stale (another worker ran their task since)."""
     for key, ts in list(_STORES.items()):
         run, task = key
-        if run != plan.run_id or (ts.pending is None and not ts.dirty and ts.token != plan.task_tokens.get(task)):
+        if run != plan.run_id:
+            if ts.location == plan.location.identity:
+                _drop(key)  # a finished run of the same query (another query's stores stay)
+        elif ts.pending is None and not ts.dirty and ts.token != plan.task_tokens.get(task):
             _drop(key)
 
 

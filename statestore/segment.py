@@ -128,7 +128,11 @@ class SegmentReader:
                 self.files_opened += 1
                 t = pq.ParquetFile(f, metadata=md, page_checksum_verification=True).read_row_groups(
                     groups, columns=present)
-            self.bytes_read += sum(md.row_group(g).total_byte_size for g in groups)
+            wanted_cols = set(present)
+            for g in groups:  # the compressed bytes of the column chunks actually read
+                rg = md.row_group(g)
+                self.bytes_read += sum(rg.column(i).total_compressed_size for i in range(rg.num_columns)
+                                       if rg.column(i).path_in_schema.split(".", 1)[0] in wanted_cols)
         except (OSError, pa.ArrowException) as e:
             self._footers.pop(seg.path, None)
             raise CorruptSegmentError(

@@ -1,0 +1,11 @@
+"""Fixtures of the Spark-free tests of ``spark_integration`` (see ``si_helpers``)."""
+
+from __future__ import annotations
+
+import pytest
+from si_helpers import FakeClock
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()

@@ -1,0 +1,609 @@
+"""``spark_integration.compat`` without Spark: Spark's ``StatefulProcessor`` API served by a
+``StateStore`` over a ``DirectoryStateTable``.
+
+A scripted processor calls every method of Spark's ``ValueState``, ``ListState`` and
+``MapState`` and reports what each read returns; a plain-Python model says what Spark
+would return. Batches are checkpointed in between and the store is reopened from the
+table half way, so the results also cover what a restore reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+
+import pyarrow as pa
+import pytest
+from pyspark.sql import Row
+from pyspark.sql.streaming.stateful_processor import StatefulProcessor, TimerValues
+from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
+from si_helpers import (
+    ITEM,
+    MAX_PARALLELISM,
+    PAIR,
+    PARITY,
+    TOTAL,
+    VALUE,
+    FakeClock,
+    commit_together,
+    key_groups,
+    keys_of_task,
+    layout_of,
+    open_store,
+)
+
+from spark_integration.compat import (
+    DeclaringHandle,
+    StoreHandle,
+    arrow_type,
+    declare,
+    rows_to_arrow,
+    run_processor,
+    spark_struct,
+)
+from spark_integration.timers import TIMERS_STATE
+from statestore import DirectoryStateTable, StateStoreError, TtlConfig, assign_key_groups
+from statestore.descriptors import StateKind
+
+NO_TIME = TimerValues(-1, -1)
+
+
+def run(processor: StatefulProcessor, store, rows: pa.Table, *, initial: pa.Table | None = None,
+        timer_values: TimerValues = NO_TIME) -> list:
+    keys = rows.column("k").to_pylist() if rows.num_rows else []
+    return run_processor(processor, store, None, rows, key_groups(keys), timer_values, None, initial)
+
+
+# ---------------------------------------------------------------------------- the scripted processor
+
+OPS = (
+    "value.update", "value.clear", "pair.update", "pair.clear",
+    "items.appendValue", "items.appendList", "items.put", "items.clear",
+    "totals.updateValue", "totals.removeKey", "totals.clear", "read",
+)
+SCRIPT_SCHEMA = pa.schema([("k", pa.string()), ("seq", pa.int64()), ("snapshot", pa.string())])
+
+
+class Script(StatefulProcessor):
+    """Each input row (k, seq, op, a, b) applies one state operation, then reports every read."""
+
+    def init(self, handle) -> None:
+        self.value = handle.getValueState("value", VALUE)
+        self.pair = handle.getValueState("pair", PAIR)
+        self.items = handle.getListState("items", ITEM)
+        self.totals = handle.getMapState("totals", PARITY, TOTAL)
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        for row in rows:
+            a, b = row.a, row.b
+            op = row.op
+            if op == "value.update":
+                self.value.update((a,))
+            elif op == "value.clear":
+                self.value.clear()
+            elif op == "pair.update":
+                self.pair.update((f"n{a}", b))
+            elif op == "pair.clear":
+                self.pair.clear()
+            elif op == "items.appendValue":
+                self.items.appendValue((a,))
+            elif op == "items.appendList":
+                self.items.appendList([(a,), (b,)])
+            elif op == "items.put":
+                self.items.put([(b,), (a,), (a + b,)])
+            elif op == "items.clear":
+                self.items.clear()
+            elif op == "totals.updateValue":
+                self.totals.updateValue((a % 3,), (b,))
+            elif op == "totals.removeKey":
+                self.totals.removeKey((a % 3,))
+            elif op == "totals.clear":
+                self.totals.clear()
+            yield Row(k=key[0], seq=row.seq, snapshot=json.dumps(self.snapshot(a)))
+
+    def snapshot(self, a: int) -> dict:
+        return {
+            "value.exists": self.value.exists(), "value.get": self.value.get(),
+            "pair.exists": self.pair.exists(), "pair.get": self.pair.get(),
+            "items.exists": self.items.exists(), "items.get": list(self.items.get()),
+            "totals.exists": self.totals.exists(),
+            "totals.iterator": sorted(self.totals.iterator()),
+            "totals.keys": sorted(self.totals.keys()),
+            "totals.values": sorted(self.totals.values()),
+            "totals.containsKey": self.totals.containsKey((a % 3,)),
+            "totals.getValue": self.totals.getValue((a % 3,)),
+        }
+
+
+class Model:
+    """What Spark's state API returns, per key, in plain Python."""
+
+    def __init__(self) -> None:
+        self.value: dict[str, tuple] = {}
+        self.pair: dict[str, tuple] = {}
+        self.items: dict[str, list[tuple]] = {}
+        self.totals: dict[str, dict[tuple, tuple]] = {}
+
+    def apply(self, k: str, op: str, a: int, b: int) -> dict:
+        if op == "value.update":
+            self.value[k] = (a,)
+        elif op == "value.clear":
+            self.value.pop(k, None)
+        elif op == "pair.update":
+            self.pair[k] = (f"n{a}", b)
+        elif op == "pair.clear":
+            self.pair.pop(k, None)
+        elif op == "items.appendValue":
+            self.items.setdefault(k, []).append((a,))
+        elif op == "items.appendList":
+            self.items.setdefault(k, []).extend([(a,), (b,)])
+        elif op == "items.put":
+            self.items[k] = [(b,), (a,), (a + b,)]
+        elif op == "items.clear":
+            self.items.pop(k, None)
+        elif op == "totals.updateValue":
+            self.totals.setdefault(k, {})[(a % 3,)] = (b,)
+        elif op == "totals.removeKey":
+            self.totals.get(k, {}).pop((a % 3,), None)
+        elif op == "totals.clear":
+            self.totals.pop(k, None)
+        items = self.items.get(k, [])
+        totals = self.totals.get(k, {})
+        snap = {
+            "value.exists": k in self.value, "value.get": self.value.get(k),
+            "pair.exists": k in self.pair, "pair.get": self.pair.get(k),
+            "items.exists": bool(items), "items.get": list(items),
+            "totals.exists": bool(totals),
+            "totals.iterator": sorted(totals.items()),
+            "totals.keys": sorted(totals),
+            "totals.values": sorted(totals.values()),
+            "totals.containsKey": (a % 3,) in totals,
+            "totals.getValue": totals.get((a % 3,)),
+        }
+        return json.loads(json.dumps(snap))  # tuples as lists, like the processor's report
+
+
+def script_layout():
+    return layout_of(declare(Script()).descriptors)
+
+
+def script_batch(rng: random.Random, keys: list[str], start_seq: int, n: int) -> pa.Table:
+    rows = {"k": [], "seq": [], "op": [], "a": [], "b": []}
+    for i in range(n):
+        rows["k"].append(rng.choice(keys))
+        rows["seq"].append(start_seq + i)
+        rows["op"].append(rng.choice(OPS))
+        rows["a"].append(rng.randrange(-5, 50))
+        rows["b"].append(rng.randrange(0, 1000))
+    return pa.table({"k": pa.array(rows["k"], pa.string()), "seq": pa.array(rows["seq"], pa.int64()),
+                     "op": pa.array(rows["op"], pa.string()), "a": pa.array(rows["a"], pa.int64()),
+                     "b": pa.array(rows["b"], pa.int64())})
+
+
+def test_handle_and_state_classes_have_the_methods_of_sparks():
+    from pyspark.sql.streaming import stateful_processor as spark
+
+    from spark_integration import compat
+
+    for theirs, ours in [(spark.StatefulProcessorHandle, StoreHandle), (spark.ValueState, compat.ValueState),
+                         (spark.ListState, compat.ListState), (spark.MapState, compat.MapState)]:
+        public = {m for m in dir(theirs) if not m.startswith("_")}
+        assert public <= {m for m in dir(ours) if not m.startswith("_")}, theirs.__name__
+    assert {m for m in dir(spark.StatefulProcessorHandle) if not m.startswith("_")} <= set(dir(DeclaringHandle))
+
+
+def test_declared_descriptors_match_spark_schemas():
+    handle = declare(Script())
+    kinds = {d.name: d.kind for d in handle.descriptors}
+    assert kinds == {"value": StateKind.VALUE, "pair": StateKind.VALUE, "items": StateKind.LIST,
+                     "totals": StateKind.MAP}
+    by_name = {d.name: d for d in handle.descriptors}
+    assert by_name["pair"].value_type == pa.struct([("name", pa.string()), ("amount", pa.int64())])
+    assert by_name["totals"].user_key_type == pa.struct([("parity", pa.int32())])
+    assert by_name["totals"].value_type == arrow_type(TOTAL)
+    # A non-struct schema becomes a struct of one field "value".
+    assert spark_struct(LongType(), "x") == StructType([StructField("value", LongType())])
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_state_api_matches_model_over_batches_and_restore(tmp_path, seed):
+    rng = random.Random(seed)
+    layout = script_layout()
+    clock = FakeClock()
+    store = open_store(tmp_path, layout, clock=clock)
+    model = Model()
+    keys = ["a", "b", "c", "d", "e", "f"]
+    seq = 0
+    for batch in range(4):
+        rows = script_batch(rng, keys, seq, 60)
+        seq += rows.num_rows
+        out = rows_to_arrow(run(Script(), store, rows), SCRIPT_SCHEMA)
+        got = {(r["k"], r["seq"]): json.loads(r["snapshot"]) for r in out.to_pylist()}
+        want = {(k, s): model.apply(k, op, a, b) for k, s, op, a, b in zip(
+            *[rows.column(c).to_pylist() for c in ("k", "seq", "op", "a", "b")], strict=True)}
+        assert got.keys() == want.keys()
+        for row_id in sorted(want, key=lambda x: x[1]):
+            assert got[row_id] == want[row_id], f"batch {batch} row {row_id}"
+        store.checkpoint(batch_id=batch)
+        clock.now_ms += 1000
+        if batch == 1:  # continue from the table alone: restore reads back what the model holds
+            store.close()
+            store = open_store(tmp_path, layout, clock=clock)
+
+    # A final read-only pass over every key from a freshly opened store.
+    fresh = open_store(tmp_path, layout, clock=clock)
+    rows = pa.table({"k": keys, "seq": list(range(seq, seq + len(keys))), "op": ["read"] * len(keys),
+                     "a": [0] * len(keys), "b": [0] * len(keys)},
+                    schema=pa.schema([("k", pa.string()), ("seq", pa.int64()), ("op", pa.string()),
+                                      ("a", pa.int64()), ("b", pa.int64())]))
+    out = rows_to_arrow(run(Script(), fresh, rows), SCRIPT_SCHEMA).to_pylist()
+    for r in out:
+        assert json.loads(r["snapshot"]) == model.apply(r["k"], "read", 0, 0)
+
+
+def test_rows_are_grouped_per_key_with_all_input_columns_and_a_key_tuple(tmp_path):
+    key_schema = pa.schema([("k", pa.string()), ("n", pa.int32())])
+    seen: list[tuple] = []
+
+    class Probe(StatefulProcessor):
+        def init(self, handle) -> None:
+            self.count = handle.getValueState("count", VALUE)
+
+        def handleInputRows(self, key, rows, timerValues):
+            rows = list(rows)
+            seen.append((key, [r.asDict() for r in rows], timerValues.getCurrentProcessingTimeInMs()))
+            n = (self.count.get() or (0,))[0] + len(rows)
+            self.count.update((n,))
+            return iter([(key[0], key[1], n)])
+
+    layout = layout_of(declare(Probe()).descriptors, key_schema)
+    store = open_store(tmp_path, layout)
+    rows = pa.table({"k": ["x", "y", "x"], "n": pa.array([1, 1, 1], pa.int32()), "v": ["p", "q", "r"]})
+    kgs = [int(kg) for kg in assign_key_groups(rows.select(["k", "n"]), MAX_PARALLELISM)]
+    out = run_processor(Probe(), store, None, rows, kgs, TimerValues(123, -1), None)
+    assert out == [("x", 1, 2), ("y", 1, 1)]  # keys in order of first appearance
+    assert seen == [(("x", 1), [{"k": "x", "n": 1, "v": "p"}, {"k": "x", "n": 1, "v": "r"}], 123),
+                    (("y", 1), [{"k": "y", "n": 1, "v": "q"}], 123)]
+    store.checkpoint()
+    out = run_processor(Probe(), open_store(tmp_path, layout), None, rows.slice(0, 1), kgs[:1], NO_TIME, None)
+    assert out == [("x", 1, 3)]
+
+
+def test_processor_lifecycle_init_then_close_every_batch(tmp_path):
+    calls: list[str] = []
+
+    class Lifecycle(StatefulProcessor):
+        def init(self, handle) -> None:
+            calls.append("init")
+            self.count = handle.getValueState("count", VALUE)
+
+        def handleInputRows(self, key, rows, timerValues):
+            calls.append(f"rows:{key[0]}")
+            raise RuntimeError("boom")
+
+        def close(self) -> None:
+            calls.append("close")
+
+    layout = layout_of(declare(Lifecycle()).descriptors)
+    calls.clear()
+    store = open_store(tmp_path, layout)
+    with pytest.raises(RuntimeError, match="boom"):
+        run(Lifecycle(), store, pa.table({"k": ["a"]}))
+    assert calls == ["init", "rows:a", "close"]  # closed even when a handler fails
+
+
+def test_value_state_ttl_from_ttl_duration_ms(tmp_path):
+    class Ttl(StatefulProcessor):
+        def init(self, handle) -> None:
+            self.count = handle.getValueState("count", VALUE, 100)
+
+        def handleInputRows(self, key, rows, timerValues):
+            for row in rows:
+                if row.op == "set":
+                    self.count.update((1,))
+                yield (key[0], self.count.exists())
+
+    descriptors = declare(Ttl()).descriptors
+    assert descriptors[0].ttl == TtlConfig(100)
+    clock = FakeClock(1000)
+    store = open_store(tmp_path, layout_of(descriptors), clock=clock)
+    assert run(Ttl(), store, pa.table({"k": ["a"], "op": ["set"]})) == [("a", True)]
+    store.checkpoint()
+    clock.now_ms = 1099
+    assert run(Ttl(), store, pa.table({"k": ["a"], "op": ["get"]})) == [("a", True)]
+    clock.now_ms = 1100
+    assert run(Ttl(), store, pa.table({"k": ["a"], "op": ["get"]})) == [("a", False)]
+
+
+# ---------------------------------------------------------------------------- rows_to_arrow
+
+OUT = pa.schema([("k", pa.string()), ("n", pa.int64())])
+
+
+def test_rows_to_arrow_accepts_rows_tuples_and_dicts():
+    rows = [Row("a", 1), ("b", 2), ["c", 3], {"n": 4, "k": "d"}, {"k": "e"}]
+    table = rows_to_arrow(rows, OUT)
+    assert table.schema == OUT
+    assert table.to_pylist() == [{"k": "a", "n": 1}, {"k": "b", "n": 2}, {"k": "c", "n": 3}, {"k": "d", "n": 4},
+                                 {"k": "e", "n": None}]
+    assert rows_to_arrow([], OUT) == OUT.empty_table()
+
+
+def test_rows_to_arrow_wrong_arity_names_the_columns():
+    with pytest.raises(ValueError, match=r"has 3 field\(s\).*2: \['k', 'n'\]"):
+        rows_to_arrow([("a", 1), ("b", 2, 3)], OUT, what="processor output")
+    with pytest.raises(ValueError, match=r"has 1 field\(s\)"):
+        rows_to_arrow([Row("a")], OUT)
+
+
+def test_rows_to_arrow_wrong_type_names_the_column():
+    with pytest.raises(TypeError, match=r"column 'n' does not match the declared type int64"):
+        rows_to_arrow([("a", 1), ("b", "two")], OUT)
+    with pytest.raises(TypeError, match=r"column 'k' does not match the declared type string"):
+        rows_to_arrow([(1.5, 1)], OUT)
+    with pytest.raises(TypeError, match=r"rows must be Row, tuple or dict, got int"):
+        rows_to_arrow([("a", 1), 7], OUT)
+
+
+def test_rows_to_arrow_matches_named_row_fields_by_name_as_spark_does():
+    # Spark's transformWithState worker converts each output Row with row.asDict(True) and
+    # pa.RecordBatch.from_pylist(schema=...): fields are matched by name, in any order.
+    schema = pa.schema([("k", pa.string()), ("label", pa.string())])
+    table = rows_to_arrow([Row(label="x", k="a")], schema)
+    assert table.to_pylist() == [{"k": "a", "label": "x"}]
+
+
+# ---------------------------------------------------------------------------- handleInitialState
+
+class Seeded(StatefulProcessor):
+    """Initial rows (k, start) seed a running sum; input rows (k, a) add to it."""
+
+    def __init__(self) -> None:
+        self.initial_calls: list[tuple] = []
+
+    def init(self, handle) -> None:
+        self.total = handle.getValueState("total", VALUE)
+        self.history = handle.getListState("history", ITEM)
+
+    def handleInitialState(self, key, initialState, timerValues) -> None:
+        self.initial_calls.append((key, initialState.asDict(), timerValues.getCurrentProcessingTimeInMs()))
+        current = self.total.get()
+        self.total.update(((current[0] if current else 0) + initialState.start,))
+        self.history.appendValue((initialState.start,))
+
+    def handleInputRows(self, key, rows, timerValues):
+        for row in rows:
+            n = (self.total.get() or (0,))[0] + row.a
+            self.total.update((n,))
+            self.history.appendValue((row.a,))
+            yield (key[0], n, [v for (v,) in self.history.get()])
+
+
+def test_handle_initial_state_seeds_state_before_the_first_rows(tmp_path):
+    layout = layout_of(declare(Seeded()).descriptors)
+    store = open_store(tmp_path, layout)
+    initial = pa.table({"k": ["a", "b", "a"], "start": pa.array([10, 20, 5], pa.int64())})
+    rows = pa.table({"k": ["a", "c"], "a": pa.array([1, 2], pa.int64())})
+    processor = Seeded()
+    out = run(processor, store, rows, initial=initial, timer_values=TimerValues(77, -1))
+    # Every initial row is handed over, one call per row, with the key as a tuple.
+    assert processor.initial_calls == [(("a",), {"k": "a", "start": 10}, 77), (("b",), {"k": "b", "start": 20}, 77),
+                                       (("a",), {"k": "a", "start": 5}, 77)]
+    assert out == [("a", 16, [10, 5, 1]), ("c", 2, [2])]
+    store.checkpoint()
+
+    fresh = open_store(tmp_path, layout)
+    out = run(Seeded(), fresh, pa.table({"k": ["b", "a"], "a": pa.array([1, 1], pa.int64())}))
+    assert out == [("b", 21, [20, 1]), ("a", 17, [10, 5, 1, 1])]  # the key seeded without rows kept its state
+
+
+# ---------------------------------------------------------------------------- deleteIfExists
+
+class Writer(StatefulProcessor):
+    def init(self, handle) -> None:
+        self.count = handle.getValueState("count", VALUE)
+        self.old = handle.getListState("old", ITEM)
+        self.oldmap = handle.getMapState("oldmap", PARITY, TOTAL)
+
+    def handleInputRows(self, key, rows, timerValues):
+        for row in rows:
+            self.count.update(((self.count.get() or (0,))[0] + 1,))
+            self.old.appendValue((row.a,))
+            self.oldmap.updateValue((row.a % 2,), (row.a,))
+        return iter([])
+
+
+class Purger(StatefulProcessor):
+    def init(self, handle) -> None:
+        self.count = handle.getValueState("count", VALUE)
+        handle.deleteIfExists("old")
+        handle.deleteIfExists("oldmap")
+        handle.deleteIfExists("never_declared")  # nothing to purge: a no-op
+        self.old = handle.getListState("old", ITEM)
+
+    def handleInputRows(self, key, rows, timerValues):
+        for _ in rows:
+            self.count.update(((self.count.get() or (0,))[0] + 1,))
+        yield (key[0], self.count.get()[0], list(self.old.get()))
+
+
+def test_delete_if_exists_purges_a_variable_for_every_key_of_the_task(tmp_path):
+    assert declare(Purger()).deleted == ["old", "oldmap", "never_declared"]
+    layout = layout_of(declare(Writer()).descriptors)
+    table = DirectoryStateTable(tmp_path, layout)
+    stores = [open_store(tmp_path, layout, task_index=t, parallelism=2, table=table) for t in range(2)]
+    keys = {t: keys_of_task(t, 2, 4, prefix="u") for t in range(2)}
+    for t, store in enumerate(stores):
+        ks = keys[t]
+        rows = pa.table({"k": ks + ks, "a": pa.array(range(2 * len(ks)), pa.int64())})
+        run(Writer(), store, rows)
+    commit_together(table, stores, 2)
+    probe = open_store(tmp_path, layout)
+    all_kgs = range(MAX_PARALLELISM)
+    assert probe.live_view("old", all_kgs).height == 16 and probe.live_view("oldmap", all_kgs).height == 8
+
+    # Task 0 gets rows of one key only; task 1 runs without rows: both purge all their keys.
+    out0 = run(Purger(), stores[0], pa.table({"k": [keys[0][0]], "a": pa.array([0], pa.int64())}))
+    out1 = run(Purger(), stores[1], pa.table({"k": pa.array([], pa.string()), "a": pa.array([], pa.int64())}))
+    assert out0 == [(keys[0][0], 3, [])]  # purged before the rows are handled
+    assert out1 == []
+    commit_together(table, stores, 2)
+
+    fresh = open_store(tmp_path, layout)
+    assert fresh.live_view("old", all_kgs).height == 0
+    assert fresh.live_view("oldmap", all_kgs).height == 0
+    counts = fresh.live_view("count", all_kgs)
+    got = dict(zip(counts.get_column("k").to_list(), [v["n"] for v in counts.get_column("v_count").to_list()],
+                   strict=True))
+    assert got == {k: (3 if k == keys[0][0] else 2) for t in range(2) for k in keys[t]}
+
+
+def test_delete_if_exists_keeps_values_written_after_it_in_the_same_batch(tmp_path):
+    class PurgeThenWrite(Writer):
+        def init(self, handle) -> None:
+            handle.deleteIfExists("old")
+            super().init(handle)
+
+    layout = layout_of(declare(Writer()).descriptors)
+    store = open_store(tmp_path, layout)
+    run(Writer(), store, pa.table({"k": ["a", "b"], "a": pa.array([1, 2], pa.int64())}))
+    store.checkpoint()
+    run(PurgeThenWrite(), store, pa.table({"k": ["a"], "a": pa.array([9], pa.int64())}))
+    store.checkpoint()
+    fresh = open_store(tmp_path, layout)
+    old = fresh.live_view("old", range(MAX_PARALLELISM))
+    assert sorted(zip(old.get_column("k").to_list(), [v["v"] for v in old.get_column("v_old").to_list()],
+                      strict=True)) == [("a", 9)]
+
+
+# ---------------------------------------------------------------------------- handles: errors
+
+class Declares(StatefulProcessor):
+    def __init__(self, declare_fn) -> None:
+        self.declare_fn = declare_fn
+
+    def init(self, handle) -> None:
+        self.declare_fn(handle)
+
+    def handleInputRows(self, key, rows, timerValues):
+        return iter([])
+
+
+def test_declaring_handle_refuses_the_reserved_timers_name():
+    for fn in (lambda h: h.getValueState(TIMERS_STATE, VALUE), lambda h: h.getListState(TIMERS_STATE, ITEM),
+               lambda h: h.getMapState(TIMERS_STATE, PARITY, TOTAL)):
+        with pytest.raises(ValueError, match=r"'icestate_timers' is reserved for timers"):
+            declare(Declares(fn))
+
+
+def test_declaring_handle_refuses_a_variable_declared_twice():
+    def twice(h):
+        h.getValueState("count", VALUE)
+        h.getListState("count", ITEM)
+
+    with pytest.raises(ValueError, match=r"state variable 'count' is declared twice in init\(\)"):
+        declare(Declares(twice))
+
+
+@pytest.mark.parametrize("call", ["registerTimer", "deleteTimer", "listTimers"])
+def test_declaring_handle_refuses_timers_in_init(call):
+    def timers(h):
+        h.getValueState("count", VALUE)
+        getattr(h, call)(*(() if call == "listTimers" else (1000,)))
+
+    with pytest.raises(StateStoreError, match=r"needs a grouping key.*not init\(\)"):
+        declare(Declares(timers))
+
+
+def test_declaring_handle_checks_ttl_and_schemas():
+    handle = DeclaringHandle()
+    with pytest.raises(ValueError, match=r"state 'c': ttlDurationMs must be a positive int"):
+        handle.getValueState("c", VALUE, 0)
+    with pytest.raises(TypeError, match=r"schema must be a StructType or a DDL string, got int"):
+        handle.getValueState("c", 5)
+    handle.getMapState("m", IntegerType(), StringType(), 50)
+    (m,) = handle.descriptors
+    assert m.user_key_type == pa.struct([("value", pa.int32())]) and m.ttl == TtlConfig(50)
+
+
+def test_store_handle_refuses_undeclared_variables_wrong_kinds_and_timers_without_time_mode(tmp_path):
+    layout = layout_of(declare(Writer()).descriptors)
+    handle = StoreHandle(open_store(tmp_path, layout), None)
+    with pytest.raises(StateStoreError, match=r"state variable 'nope' was not declared when the query started"):
+        handle.getValueState("nope", VALUE)
+    with pytest.raises(StateStoreError, match=r"'old' is a list state, requested as value"):
+        handle.getValueState("old", ITEM)
+    with pytest.raises(StateStoreError, match=r"'count' is a value state, requested as map"):
+        handle.getMapState("count", PARITY, TOTAL)
+    with pytest.raises(StateStoreError, match=r"timers need time_mode='ProcessingTime' or 'EventTime'"):
+        handle.registerTimer(5)
+    with pytest.raises(StateStoreError, match=r"timers need time_mode"):
+        list(handle.listTimers())
+
+
+def test_state_writes_check_arity_and_types(tmp_path):
+    layout = layout_of(declare(Script()).descriptors)
+    store = open_store(tmp_path, layout)
+    handle = StoreHandle(store, None)
+    store.set_current_key("a")
+    pair = handle.getValueState("pair", PAIR)
+    with pytest.raises(ValueError, match=r"value state 'pair': expected a tuple of 2 field\(s\) \['name', 'amount'\]"):
+        pair.update(("x",))
+    totals = handle.getMapState("totals", PARITY, TOTAL)
+    with pytest.raises(ValueError, match=r"map state 'totals' user key: expected a tuple of 1"):
+        totals.updateValue((1, 2), (3,))
+    with pytest.raises(Exception, match=r"does not match the declared type"):
+        handle.getValueState("value", VALUE).update(("not a number",))
+    assert not pair.exists() and not totals.exists()
+    store.checkpoint()
+    assert open_store(tmp_path, layout).live_view("pair", range(MAX_PARALLELISM)).height == 0
+
+
+def test_struct_schema_with_several_fields_round_trips_through_segments(tmp_path):
+    schema = StructType([StructField("name", StringType()), StructField("n", LongType()),
+                         StructField("score", IntegerType())])
+
+    class Multi(StatefulProcessor):
+        def init(self, handle) -> None:
+            self.profile = handle.getValueState("profile", schema)
+            self.events = handle.getListState("events", schema)
+
+        def handleInputRows(self, key, rows, timerValues):
+            for row in rows:
+                self.profile.update((row.k.upper(), row.n, 7))
+                self.events.appendValue(Row("e", row.n * 2, row.n))
+            yield (key[0], self.profile.get(), list(self.events.get()))
+
+    layout = layout_of(declare(Multi()).descriptors)
+    store = open_store(tmp_path, layout)
+    assert run(Multi(), store, pa.table({"k": ["a"], "n": pa.array([1], pa.int64())})) == [
+        ("a", ("A", 1, 7), [("e", 2, 1)])]
+    store.checkpoint()
+    out = run(Multi(), open_store(tmp_path, layout), pa.table({"k": ["a"], "n": pa.array([2], pa.int64())}))
+    assert out == [("a", ("A", 2, 7), [("e", 2, 1), ("e", 4, 2)])]
+
+
+def test_named_row_and_dict_values_read_back_in_schema_order_before_and_after_a_checkpoint(tmp_path):
+    class Named(StatefulProcessor):
+        def init(self, handle) -> None:
+            self.pair = handle.getValueState("pair", PAIR)
+            self.events = handle.getListState("events", PAIR)
+            self.by_parity = handle.getMapState("by_parity", PARITY, PAIR)
+
+        def handleInputRows(self, key, rows, timerValues):
+            for row in rows:
+                if row.op == "write":
+                    self.pair.update(Row(amount=5, name="x"))
+                    self.events.appendValue({"amount": 6, "name": "y"})
+                    self.by_parity.updateValue(Row(parity=1), Row(amount=7, name="z"))
+            yield (self.pair.get(), list(self.events.get()), self.by_parity.getValue((1,)))
+
+    layout = layout_of(declare(Named()).descriptors)
+    store = open_store(tmp_path, layout)
+    want = (("x", 5), [("y", 6)], ("z", 7))
+    same_batch = run(Named(), store, pa.table({"k": ["a"], "op": ["write"]}))
+    store.checkpoint()
+    after_reload = run(Named(), open_store(tmp_path, layout), pa.table({"k": ["a"], "op": ["read"]}))
+    assert after_reload == [want]
+    assert same_batch == [want]
