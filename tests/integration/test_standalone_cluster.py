@@ -1,0 +1,301 @@
+"""A stateful query on a real Spark standalone cluster: one master and two workers on 127.0.0.1.
+
+The master and the workers are separate JVMs started with the installed pyspark's
+``bin/spark-class``; each worker offers one core, so the application gets one executor per
+worker. The driver is another process (``cluster_driver.py``: this pytest process may
+already hold a SparkContext, and a process holds at most one). Tasks therefore run in
+Python workers of two executor JVMs that share nothing with the driver but the warehouse
+directory: plans, processors and state locations travel inside the tasks, state is read
+and written from the executors, and only metadata comes back to the driver.
+
+Checked: the final per-key counts and the exact output rows of a ``StatefulProcessor``
+and of ``RunningAggregate("count")``, that tasks ran in several Python workers under both
+executors (not in the driver), and that this process reads the state afterwards.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from spark_integration.query import KILL_ENV
+from spark_integration.tasks import FAIL_FIRST_ATTEMPT_ENV
+
+pytestmark = [
+    pytest.mark.spark,
+    pytest.mark.slow,
+    pytest.mark.skipif(sys.platform != "linux", reason="starts Spark's bash launchers, reads /proc"),
+]
+
+DRIVER = Path(__file__).with_name("cluster_driver.py")
+WORKERS = 2
+FILES = 3
+ROWS_PER_FILE = 300
+KEYS = 37
+PARALLELISM = 4
+START_TIMEOUT_S = 180
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spark_home() -> Path:
+    import pyspark
+
+    return Path(pyspark.__file__).resolve().parent
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live (not zombie) processes of a session: a JVM, the executors it started, their
+    Python daemons and workers (which put themselves in process groups of their own)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+def _stop_session(proc: subprocess.Popen, grace_s: float = 15, timeout_s: float = 60) -> None:
+    """Stop a process started in a session of its own, then SIGKILL whatever is left of that session."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while (members := _session_members(proc.pid)) and time.monotonic() < deadline:
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+
+
+@dataclass
+class Cluster:
+    master_url: str
+    ui_url: str
+    processes: list[subprocess.Popen]
+    logs: list[Path]
+    env: dict[str, str]
+
+    def state(self) -> dict:
+        with urllib.request.urlopen(f"{self.ui_url}/json/", timeout=5) as r:
+            return json.loads(r.read().decode())
+
+    def log_tails(self) -> str:
+        return "\n".join(f"--- {p.name}\n{_tail(p)}" for p in self.logs)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("a standalone cluster needs Java (java on PATH or JAVA_HOME)")
+    root = tmp_path_factory.mktemp("standalone")
+    home = _spark_home()
+    conf_dir = root / "conf"  # empty: no spark-env.sh or defaults from elsewhere
+    conf_dir.mkdir()
+    env = {
+        **os.environ,
+        "SPARK_HOME": str(home),
+        "SPARK_CONF_DIR": str(conf_dir),
+        "SPARK_LOG_DIR": str(root / "logs"),
+        "SPARK_LOCAL_DIRS": str(root / "local"),
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "SPARK_PUBLIC_DNS": "127.0.0.1",
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "SPARK_DAEMON_MEMORY": "256m",
+    }
+    for name in (KILL_ENV, FAIL_FIRST_ATTEMPT_ENV):  # no fault injection (another module's session sets one)
+        env.pop(name, None)
+    spark_class = str(home / "bin" / "spark-class")
+    port, ui_port = _free_port(), _free_port()
+    master_url, ui_url = f"spark://127.0.0.1:{port}", f"http://127.0.0.1:{ui_port}"
+    commands = [("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
+                            "--webui-port", str(ui_port)], {})]
+    for i in range(WORKERS):
+        commands.append((f"worker{i}", ["org.apache.spark.deploy.worker.Worker", master_url, "--host", "127.0.0.1",
+                                        "--cores", "1", "--memory", "1g", "--webui-port", str(_free_port())],
+                         {"SPARK_WORKER_DIR": str(root / f"work{i}")}))
+    processes, logs = [], []
+    c = Cluster(master_url, ui_url, processes, logs, env)
+    try:
+        for name, args, extra in commands:
+            log = root / f"{name}.log"
+            logs.append(log)
+            with open(log, "wb") as out:
+                # own session: the finalizer stops the JVM and every executor it started
+                processes.append(subprocess.Popen([spark_class, *args], env={**env, **extra}, stdout=out,
+                                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                  start_new_session=True))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        alive = 0
+        while alive < WORKERS:
+            dead = [p.args[1] for p in processes if p.poll() is not None]
+            if dead:
+                pytest.fail(f"standalone process(es) {dead} exited while starting\n{c.log_tails()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{alive}/{WORKERS} workers registered after {START_TIMEOUT_S} s\n{c.log_tails()}")
+            with contextlib.suppress(OSError, ValueError):
+                alive = sum(w["state"] == "ALIVE" for w in c.state()["workers"])
+            time.sleep(0.5)
+        yield c
+    finally:
+        for p in reversed(processes):
+            _stop_session(p)
+
+
+def _write_input(directory: Path) -> list[list[str]]:
+    """FILES Parquet files with distinct modification times (the order Spark reads them)."""
+    directory.mkdir()
+    batches = []
+    for b in range(FILES):
+        ids = range(b * ROWS_PER_FILE, (b + 1) * ROWS_PER_FILE)
+        keys = [f"k{(i * 7 + b) % KEYS}" for i in ids]
+        path = directory / f"part-{b}.parquet"
+        pq.write_table(pa.table({"key": keys, "v": pa.array(list(ids), pa.int64())}), path)
+        os.utime(path, (1_700_000_000 + b, 1_700_000_000 + b))
+        batches.append(keys)
+    return batches
+
+
+def _expected_outputs(batches: list[list[str]]) -> tuple[dict[str, int], list[tuple[str, int]]]:
+    totals: collections.Counter[str] = collections.Counter()
+    rows = []
+    for keys in batches:
+        totals.update(keys)
+        rows += [(k, totals[k]) for k in set(keys)]
+    return dict(totals), sorted(rows)
+
+
+def _count_of(value) -> int:
+    return value["count"] if isinstance(value, dict) else value
+
+
+@pytest.mark.timeout(600)
+def test_stateful_query_on_standalone_cluster(cluster: Cluster, tmp_path: Path) -> None:
+    batches = _write_input(tmp_path / "input")
+    totals, expected_rows = _expected_outputs(batches)
+    warehouse = tmp_path / "warehouse"
+    config = {
+        "master": cluster.master_url,
+        "app_name": "icestate-standalone-test",
+        "conf": {
+            "spark.executor.cores": 1,
+            "spark.cores.max": WORKERS,
+            "spark.executor.memory": "512m",
+            "spark.driver.memory": "512m",
+            "spark.driver.host": "127.0.0.1",
+            "spark.driver.bindAddress": "127.0.0.1",
+            "spark.ui.enabled": "false",
+            "spark.ui.showConsoleProgress": "false",
+            "spark.sql.session.timeZone": "UTC",
+            "spark.sql.catalogImplementation": "in-memory",
+            "spark.sql.shuffle.partitions": PARALLELISM,
+            # Spread the tasks: no coalescing of the shuffle, no waiting for a preferred executor.
+            "spark.sql.adaptive.coalescePartitions.enabled": "false",
+            "spark.locality.wait": "0",
+            "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+        },
+        "wait_executors": WORKERS,
+        "input": str(tmp_path / "input"),
+        "warehouse": str(warehouse),
+        "checkpoint_root": str(tmp_path / "checkpoints"),
+        "result": str(tmp_path / "result.json"),
+        "queries": [
+            {"name": "rows", "processor": "count", "parallelism": PARALLELISM, "max_parallelism": 16},
+            {"name": "vec", "processor": "vec_count", "parallelism": PARALLELISM, "max_parallelism": 16},
+        ],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    env = {**cluster.env, "SPARK_LOCAL_DIRS": str(tmp_path / "driver-local")}
+    log = tmp_path / "driver.log"
+    with open(log, "wb") as out:
+        driver = subprocess.Popen([sys.executable, str(DRIVER), str(tmp_path / "config.json")], env=env,
+                                  stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  start_new_session=True)
+    try:
+        rc = driver.wait(timeout=480)
+    finally:
+        _stop_session(driver)
+    assert rc == 0, f"driver exited with {rc}\n{_tail(log, 8000)}\n{cluster.log_tails()}"
+    result = json.loads((tmp_path / "result.json").read_text())
+    driver_pid = result["driver_pid"]
+
+    executors_seen = set()
+    for name, q in result["queries"].items():
+        reports = q["reports"]
+        assert [r["batch_id"] for r in reports] == list(range(FILES)), name
+        assert not any(r["skipped"] for r in reports), name
+        assert [sum(t["rows_in"] for t in r["tasks"].values()) for r in reports] == [ROWS_PER_FILE] * FILES, name
+
+        # tasks ran in Python workers of both executors, one per worker, never in the driver
+        pids = {t["pid"] for r in reports for t in r["tasks"].values()}
+        assert len(pids) > 1, (name, pids)
+        assert driver_pid not in pids, (name, driver_pid, pids)
+        executors = [q["executors"][str(pid)] for pid in sorted(pids)]
+        assert all(e is not None for e in executors), (name, q["executors"])
+        assert len({e["worker_url"] for e in executors}) == WORKERS, (name, executors)
+        assert len({e["executor_id"] for e in executors}) >= WORKERS, (name, executors)
+        assert all(e["jvm_pid"] != driver_pid for e in executors), (name, executors)
+        executors_seen |= {e["executor_id"] for e in executors}
+
+        # the state (read back by the driver) and the exact output rows
+        state = q["state"]
+        assert state["checkpoint_id"] == FILES and state["batch_id"] == FILES - 1, (name, state)
+        counts = {r["key"]: _count_of(r["v_count"]) for r in state["variables"]["count"]}
+        assert counts == totals, name
+        output = q["output"]
+        assert output["batches"] == list(range(FILES)), name
+        assert sorted((r["key"], r["count"]) for r in output["rows"]) == expected_rows, name
+    assert len(executors_seen) >= WORKERS, executors_seen
+    assert {a["id"] for a in cluster.state()["completedapps"]}, "the driver's application is not completed"
+
+    # this process reads the state the executors wrote
+    from catalog import sql
+    from catalog.iceberg_table import IcebergStateTable
+
+    for name in ("rows", "vec"):
+        with IcebergStateTable.open_existing(warehouse=str(warehouse), table_name=f"t_{name}") as table:
+            info = table.current_checkpoint()
+            assert (info.checkpoint_id, info.batch_id, info.parallelism) == (FILES, FILES - 1, PARALLELISM)
+            assert [c.checkpoint_id for c in table.list_checkpoints()][-FILES:] == list(range(1, FILES + 1))
+            con = sql.connect(table)
+            try:
+                live = con.sql('SELECT * FROM "state_count"').to_arrow_table().to_pylist()
+            finally:
+                con.close()
+        assert {r["key"]: _count_of(r["v_count"]) for r in live} == totals, name
