@@ -190,8 +190,8 @@ class StatefulRunner:
         report.segments = len(segments)
         _kill_if_asked("tasks_done", batch_id)
         commit_started = time.perf_counter()
-        if self.output is not None:
-            self.output.commit(batch_id, uris, self.query_id)
+        if self.output is not None and not self.output.commit(batch_id, uris, self.query_id):
+            self._delete_files(uris)  # a replay of a batch whose outputs are committed: these are spare
         _kill_if_asked("outputs_committed", batch_id)
         if self.foreach_batch is not None:
             self.foreach_batch(self._output_frame(uris), batch_id)
@@ -310,6 +310,12 @@ class StatefulRunner:
         if events:
             props[MAX_EVENT_PROPERTY] = str(max(events))
         return props
+
+    def _delete_files(self, uris: Sequence[str]) -> None:
+        for uri in uris:
+            fs, path = pafs.FileSystem.from_uri(uri)
+            with contextlib.suppress(FileNotFoundError):
+                fs.delete_file(path)
 
     def _remove_staging(self, uri: str) -> None:
         fs, path = pafs.FileSystem.from_uri(uri)
