@@ -8,8 +8,9 @@ columns and types, the output schema, the state table's layout), then starts a
    later one (a batch replayed after a driver crash): exactly-once state.
 2. Route rows to tasks inside the JVM: ``pmod(xxhash64(keys), N)`` is the key group,
    ``key_group * p div N`` its task (Flink's ranges); no Python UDF routes.
-3. ``groupBy(task).applyInArrow(run_task)``: each task runs the processor over its rows
-   against its store and flushes new segments (``spark_integration.tasks``).
+3. ``repartition(p, part).mapInArrow(run_partition)``, partition i holding exactly task i's
+   rows: each task runs the processor over its rows against its store and flushes new
+   segments (``spark_integration.tasks``).
 4. Commit the tasks' output files to the Iceberg output table (idempotent by batch id),
    call the user's ``foreach_batch(df, batch_id)``, then commit every task's segments as
    one state checkpoint stamped with the batch id.
@@ -42,7 +43,7 @@ from pyspark.sql.types import StructType
 from spark_integration.compat import declare, spark_struct
 from spark_integration.location import StateLocation
 from spark_integration.outputs import OutputTable
-from spark_integration.tasks import HEARTBEAT, KG, PART, RESULT_SCHEMA, TASK, BatchPlan, run_task, segment_of
+from spark_integration.tasks import HEARTBEAT, KG, PART, RESULT_SCHEMA, TASK, BatchPlan, run_partition, segment_of
 from spark_integration.timers import normalize_time_mode, timers_descriptor
 from spark_integration.vectorized import VectorizedProcessor
 from statestore.config import StoreConfig
@@ -291,10 +292,11 @@ class StatefulRunner:
             grouped = routed.groupBy(PART).cogroup(seeded.groupBy(PART))
             return grouped.applyInArrow(with_initial, RESULT_SCHEMA).collect()
 
-        def task(key, rows):
-            return run_task(plan, key, rows)
+        def task(batches):
+            yield from run_partition(plan, batches)
 
-        return routed.groupBy(PART).applyInArrow(task, RESULT_SCHEMA).collect()
+        # Each partition is exactly one task's rows: mapInArrow, no grouping sort.
+        return routed.drop(PART).mapInArrow(task, RESULT_SCHEMA).collect()
 
     def _output_frame(self, uris: Sequence[str]) -> DataFrame:
         struct = _struct_of(self.output_schema)

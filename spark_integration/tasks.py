@@ -21,6 +21,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,6 +189,15 @@ def _drop(key: tuple[str, int]) -> None:
             ts.store.table.close()
 
 
+def run_partition(plan: BatchPlan, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` entry point: a partition holds exactly one task's rows (or none)."""
+    batches = list(batches)
+    rows = pa.Table.from_batches(batches) if batches else None
+    if rows is None or rows.num_rows == 0:
+        return
+    yield from run_task(plan, (), rows).to_batches()
+
+
 def run_task(plan: BatchPlan, group_key: tuple, rows: pa.Table) -> pa.Table:
     """``applyInArrow`` entry point: process one task's rows of the batch (a group of one task)."""
     return _run(plan, _task_of(rows), rows, None)
@@ -333,5 +343,5 @@ def forget_run(run_id: str) -> None:
         _drop(key)
 
 
-__all__ = ["HEARTBEAT", "KG", "RESULT_SCHEMA", "TASK", "BatchPlan", "run_task", "run_task_with_initial",
-           "segment_of"]
+__all__ = ["HEARTBEAT", "KG", "RESULT_SCHEMA", "TASK", "BatchPlan", "run_partition", "run_task",
+           "run_task_with_initial", "segment_of"]
