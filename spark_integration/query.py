@@ -191,8 +191,9 @@ class StatefulRunner:
         report.segments = len(segments)
         _kill_if_asked("tasks_done", batch_id)
         commit_started = time.perf_counter()
-        if self.output is not None and not self.output.commit(batch_id, uris, self.query_id):
-            self._delete_files(uris)  # a replay of a batch whose outputs are committed: these are spare
+        # A replay of a batch whose outputs are already committed wrote spare copies: they serve
+        # the callback, then go.
+        spare = self.output is not None and not self.output.commit(batch_id, uris, self.query_id)
         _kill_if_asked("outputs_committed", batch_id)
         if self.foreach_batch is not None:
             self.foreach_batch(self._output_frame(uris), batch_id)
@@ -201,6 +202,8 @@ class StatefulRunner:
         for task, stats in report.tasks.items():
             self.task_tokens[task] = (plan.checkpoint_id, stats["token"])
         _kill_if_asked("state_committed", batch_id)
+        if spare:
+            self._delete_files(uris)
         if self.output is None and plan.output_dir is not None:
             self._remove_staging(plan.output_dir)
         report.commit_ms = (time.perf_counter() - commit_started) * 1000
