@@ -292,10 +292,6 @@ class StoreHandle:
             store.get_state(stateName).clear_batch(keys.cast(store.layout.key_schema))
 
 
-def _row_class(names: list[str]) -> Any:
-    return Row(*names)
-
-
 def run_processor(processor: StatefulProcessor, store: StateStore, timers: TimerService | None,
                   rows: pa.Table, key_groups: list[int], timer_values: TimerValues,
                   fire_upto_ms: int | None, initial: pa.Table | None = None) -> list[tuple]:
@@ -317,7 +313,7 @@ def run_processor(processor: StatefulProcessor, store: StateStore, timers: Timer
             _feed_initial(processor, store, initial, timer_values)
         columns = rows.column_names
         key_idx = [columns.index(n) for n in names]
-        R = _row_class(columns)
+        R = Row(*columns)  # a Row class with the input's field names
         groups: dict[tuple, tuple[int, list]] = {}
         for kg, values in zip(key_groups, zip(*[c.to_pylist() for c in rows.columns], strict=True), strict=True):
             key = tuple(values[i] for i in key_idx)
@@ -352,7 +348,7 @@ def _feed_initial(processor: StatefulProcessor, store: StateStore, initial: pa.T
                   ) -> None:
     columns = initial.column_names
     key_idx = [columns.index(n) for n in store.key_names]
-    R = _row_class(columns)
+    R = Row(*columns)  # a Row class with the input's field names
     for values in zip(*[c.to_pylist() for c in initial.columns], strict=True):
         key = tuple(values[i] for i in key_idx)
         store.set_current_key(key)

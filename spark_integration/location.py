@@ -67,10 +67,6 @@ class StateLocation:
         """Which table this is, whatever the parallelism."""
         return (self.warehouse, self.catalog_name, tuple(sorted(self.catalog_properties.items())), self.identifier)
 
-    def with_parallelism(self, parallelism: int) -> StateLocation:
-        return StateLocation(self.table, self.warehouse, self.namespace, self.max_parallelism, parallelism,
-                             self.catalog_name, self.catalog_properties, self.retain_checkpoints)
-
     def open(self, layout: StateLayout, checkpoint_id: int | None = None) -> IcebergStateTable:
         """Open (creating on first use) the state table at ``checkpoint_id`` (newest when None)."""
         common = dict(namespace=self.namespace, table_name=self.table, checkpoint_id=checkpoint_id,

@@ -11,7 +11,6 @@ queue), built from the state the first time the task's store needs it and mainta
 from __future__ import annotations
 
 import heapq
-from typing import Any
 
 import pyarrow as pa
 
@@ -100,7 +99,3 @@ class TimerService:
         for item in live:
             heapq.heappush(self._queue, item)
         return sorted(set(live))
-
-
-def key_tuple(values: Any) -> tuple:
-    return values if isinstance(values, tuple) else (values,)

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from statestore.cache import CachedKeyGroup, KeyGroupCache
 from statestore.config import StoreConfig
@@ -38,6 +37,31 @@ from statestore.state import STATE_CLASSES, KeyedState
 from statestore.table import CheckpointInfo, SegmentFile, StateTable
 
 _NO_ENTRIES: dict = {}
+
+
+def _index_one(keys: Iterable[tuple], rows: Iterable[tuple]) -> dict:
+    return dict(zip(keys, rows, strict=True))
+
+
+def _index_rows(keys: Iterable[tuple], rows: Iterable[tuple]) -> dict:
+    by_key: dict[tuple, list[tuple]] = {}
+    for k, row in zip(keys, rows, strict=True):
+        found = by_key.get(k)
+        if found is None:
+            by_key[k] = [row]
+        else:
+            found.append(row)
+    return by_key
+
+
+def _index_map(keys: Iterable[tuple], rows: Iterable[tuple], hash_key: Callable[[Any], Any]) -> dict:
+    by_key: dict[tuple, dict] = {}
+    for k, row in zip(keys, rows, strict=True):
+        m = by_key.get(k)
+        if m is None:
+            m = by_key[k] = {}
+        m[hash_key(row[0])] = row
+    return by_key
 
 
 class StateStore:
@@ -168,15 +192,7 @@ class StateStore:
         desc = self.layout.descriptor(name)
         r = self.key_group_range
         kgs = list(range(r.start, r.end + 1))
-        segments = [s for s in self._table.segments(r) if s.checkpoint_id not in self._outstanding]
-        columns = [KEY_GROUP, *self.key_names, STATE, OP, CHECKPOINT_ID, SEQ, EXPIRE_AT_MS]
-        columns += [c for c in (desc.user_key_column, desc.value_column) if c is not None]
-        tables = self._reader.read(segments, np.asarray(kgs, dtype=np.int64), columns)
-        entries = None
-        if tables:
-            table = pa.concat_tables(tables, promote_options="permissive")
-            table = table.filter(pc.equal(table.column(STATE), name))
-            entries = pl.from_arrow(table).with_columns(make_ord(pl.col(CHECKPOINT_ID), pl.col(SEQ)))
+        entries = self._read_entries(kgs, [c for c in (desc.user_key_column, desc.value_column) if c is not None])
         views = self._resolve_loaded(desc, entries, kgs, self.now_ms())
         frames = [v for v in views.values() if v.height]
         return pl.concat(frames, how="vertical") if frames else self.empty_view(desc)
@@ -199,75 +215,54 @@ class StateStore:
     def point_get(self, name: str, key: tuple, key_group: int) -> tuple[Any, int | None] | None:
         """(value, expire_at_ms) of the view row of ``key`` in state ``name``, or None: the
         per-key read of value-like state. Without sealing the handles' overlays (the caller
-        applies its own). Served from a dict built once per view when the key columns are
-        strings, binaries, integers, booleans or dates (plain Python values compare equal
-        to what polars returns); otherwise by a filter over the key group's view."""
-        view = self._current_view(name, key_group)
-        desc = self.layout.descriptor(name)
+        applies its own). Served from a dict built once per view (``_view_index``)."""
+        columns = (self.layout.descriptor(name).value_column, EXPIRE_AT_MS)
         if not self._indexable:
-            rows = view.filter(pl.all_horizontal([pl.col(k) == pl.lit(v, dtype=view.schema[k])
-                                                  for k, v in zip(self.key_names, key, strict=True)]))
-            return None if rows.height == 0 else (rows.get_column(desc.value_column)[0], rows[EXPIRE_AT_MS][0])
-        group = self._cache.peek(key_group)
-        index = group.indexes.get(name)
-        if index is None or index[0] is not view:
-            keys = zip(*[view.get_column(k).to_list() for k in self.key_names], strict=True)
-            values = zip(view.get_column(desc.value_column).to_list(), view.get_column(EXPIRE_AT_MS).to_list(),
-                         strict=True)
-            index = group.indexes[name] = (view, dict(zip(keys, values, strict=True)))
-            self._cache.resized(key_group)
-        return index[1].get(key)
+            rows = self._key_filter(name, key, key_group, columns)
+            return rows[0] if rows else None
+        return self._view_index(name, key_group, "", columns, _index_one).get(key)
 
     def key_rows(self, name: str, key: tuple, key_group: int, columns: Sequence[str]) -> list[tuple]:
         """``columns`` of every view row of ``key`` in state ``name`` (TTL not applied), without
-        sealing the handles' overlays: the per-key read of list and map state. Served from a
-        dict built once per view (see ``point_get``)."""
-        view = self._current_view(name, key_group)
+        sealing the handles' overlays: the per-key read of list and map state."""
         if not self._indexable:
-            rows = view.filter(pl.all_horizontal([pl.col(k) == pl.lit(v, dtype=view.schema[k])
-                                                  for k, v in zip(self.key_names, key, strict=True)]))
-            return list(zip(*[rows.get_column(c).to_list() for c in columns], strict=True))
-        group = self._cache.peek(key_group)
-        slot = f"{name}\0rows"
-        index = group.indexes.get(slot)
-        if index is None or index[0] is not view:
-            by_key: dict[tuple, list[tuple]] = {}
-            keys = zip(*[view.get_column(k).to_list() for k in self.key_names], strict=True)
-            rows = zip(*[view.get_column(c).to_list() for c in columns], strict=True)
-            for k, row in zip(keys, rows, strict=True):
-                found = by_key.get(k)
-                if found is None:
-                    by_key[k] = [row]
-                else:
-                    found.append(row)
-            index = group.indexes[slot] = (view, by_key)
-            self._cache.resized(key_group)
-        return index[1].get(key, [])
+            return self._key_filter(name, key, key_group, columns)
+        return self._view_index(name, key_group, "rows", columns, _index_rows).get(key, [])
 
     def key_map(self, name: str, key: tuple, key_group: int, hash_key: Callable[[Any], Any]) -> dict:
         """The stored map of ``key`` in map state ``name``: {hash_key(user key): (user key,
-        value, expire_at_ms)} (TTL not applied; overlays not sealed). From a dict built once
-        per view, so one map entry is found in O(1)."""
+        value, expire_at_ms)} (TTL not applied; overlays not sealed), so one map entry is
+        found in O(1)."""
         desc = self.layout.descriptor(name)
         columns = (desc.user_key_column, desc.value_column, EXPIRE_AT_MS)
         if not self._indexable:
-            return {hash_key(r[0]): r for r in self.key_rows(name, key, key_group, columns)}
+            return {hash_key(r[0]): r for r in self._key_filter(name, key, key_group, columns)}
+        return self._view_index(name, key_group, "map", columns,
+                                lambda keys, rows: _index_map(keys, rows, hash_key)).get(key, _NO_ENTRIES)
+
+    def _view_index(self, name: str, key_group: int, kind: str, columns: Sequence[str],
+                    build: Callable[[Iterable, Iterable], dict]) -> dict:
+        """A dict over the current view of ``name`` in ``key_group``, from its key tuples and
+        ``columns`` rows; built on first use and again whenever the view object changes. Only
+        for key columns whose plain Python values compare equal to what polars returns
+        (``_indexable``: strings, binaries, integers, booleans, dates)."""
         view = self._current_view(name, key_group)
         group = self._cache.peek(key_group)
-        slot = f"{name}\0map"
+        slot = f"{name}\0{kind}" if kind else name
         index = group.indexes.get(slot)
         if index is None or index[0] is not view:
-            by_key: dict[tuple, dict] = {}
             keys = zip(*[view.get_column(k).to_list() for k in self.key_names], strict=True)
             rows = zip(*[view.get_column(c).to_list() for c in columns], strict=True)
-            for k, row in zip(keys, rows, strict=True):
-                m = by_key.get(k)
-                if m is None:
-                    m = by_key[k] = {}
-                m[hash_key(row[0])] = row
-            index = group.indexes[slot] = (view, by_key)
+            index = group.indexes[slot] = (view, build(keys, rows))
             self._cache.resized(key_group)
-        return index[1].get(key, _NO_ENTRIES)
+        return index[1]
+
+    def _key_filter(self, name: str, key: tuple, key_group: int, columns: Sequence[str]) -> list[tuple]:
+        """``columns`` of the view rows of ``key``, by a filter over the view (keys that cannot be indexed)."""
+        view = self._current_view(name, key_group)
+        rows = view.filter(pl.all_horizontal([pl.col(k) == pl.lit(v, dtype=view.schema[k])
+                                              for k, v in zip(self.key_names, key, strict=True)]))
+        return list(zip(*[rows.get_column(c).to_list() for c in columns], strict=True))
 
     def _current_view(self, name: str, key_group: int) -> pl.DataFrame:
         group = self._cache.get(key_group)
@@ -442,18 +437,8 @@ class StateStore:
 
     def _load(self, kgs: Sequence[int]) -> None:
         """Read the segments of ``kgs`` and resolve every variable's view of each."""
-        wanted = np.asarray(kgs, dtype=np.int64)
-        segments = self._table.segments(KeyGroupRange.of(int(wanted[0]), int(wanted[-1])))
-        # Entries of a flushed checkpoint stay in the memtable until it completes: reading its
-        # segments as well would apply them twice (list appends would repeat).
-        segments = [s for s in segments if s.checkpoint_id not in self._outstanding]
-        columns = [KEY_GROUP, *self.key_names, STATE, OP, CHECKPOINT_ID, SEQ, EXPIRE_AT_MS]
-        columns += [c for c in self.layout.entry_schema.names if c.startswith(("mk_", "v_"))]
-        tables = self._reader.read(segments, wanted, columns)
-        entries = None
-        if tables:
-            table = pa.concat_tables(tables, promote_options="permissive")
-            entries = pl.from_arrow(table).with_columns(make_ord(pl.col(CHECKPOINT_ID), pl.col(SEQ)))
+        value_columns = [c for c in self.layout.entry_schema.names if c.startswith(("mk_", "v_"))]
+        entries = self._read_entries(kgs, value_columns)
         groups = {kg: CachedKeyGroup() for kg in kgs}
         now = self.now_ms()
         for desc in self.layout.descriptors:
@@ -462,6 +447,21 @@ class StateStore:
                 groups[kg].applied[desc.name] = len(self._memtable.parts(desc.name, kg))
         for kg, group in groups.items():
             self._cache.put(kg, group)
+
+    def _read_entries(self, kgs: Sequence[int], value_columns: Sequence[str]) -> pl.DataFrame | None:
+        """Segment entries of the sorted key groups ``kgs`` with their ``ord``: the system and key
+        columns plus ``value_columns``; None when there are none."""
+        wanted = np.asarray(kgs, dtype=np.int64)
+        segments = self._table.segments(KeyGroupRange.of(int(wanted[0]), int(wanted[-1])))
+        # Entries of a flushed checkpoint stay in the memtable until it completes: reading its
+        # segments as well would apply them twice (list appends would repeat).
+        segments = [s for s in segments if s.checkpoint_id not in self._outstanding]
+        columns = [KEY_GROUP, *self.key_names, STATE, OP, CHECKPOINT_ID, SEQ, EXPIRE_AT_MS, *value_columns]
+        tables = self._reader.read(segments, wanted, columns)
+        if not tables:
+            return None
+        table = pa.concat_tables(tables, promote_options="permissive")
+        return pl.from_arrow(table).with_columns(make_ord(pl.col(CHECKPOINT_ID), pl.col(SEQ)))
 
     def _resolve_loaded(self, desc: StateDescriptor, entries: pl.DataFrame | None, kgs: Sequence[int],
                         now: int) -> dict[int, pl.DataFrame]:

@@ -39,6 +39,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from process_helpers import stop_session, tail
 
 from spark_integration.query import KILL_ENV, KILL_STEPS
 from spark_integration.tasks import FAIL_FIRST_ATTEMPT_ENV
@@ -71,41 +72,6 @@ SPARK_CONF = {
     "spark.sql.shuffle.partitions": 2,
     "spark.default.parallelism": 2,
 }
-
-
-def _tail(path: Path, n: int = 6000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
-def _session_members(sid: int) -> list[int]:
-    """Live (not zombie) processes of a session: a driver, its JVM, the JVM's Python daemons
-    and workers (which put themselves in process groups of their own)."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != "Z":
-                members.append(int(entry))
-    return members
-
-
-def _kill_session(proc: subprocess.Popen, timeout_s: float = 60) -> None:
-    """SIGKILL what is left of a driver started in a session of its own, and wait until it is gone."""
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=timeout_s)
-    deadline = time.monotonic() + timeout_s
-    while (members := _session_members(proc.pid)) and time.monotonic() < deadline:
-        for pid in members:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.2)
 
 
 @dataclass
@@ -191,7 +157,7 @@ def _kill_env_run(run: Run, config: dict, env: dict[str, str], step: str) -> Non
     try:
         run.returncode = proc.wait(timeout=RUN_TIMEOUT_S)
     finally:
-        _kill_session(proc)
+        stop_session(proc)
 
 
 def _external_kill_run(run: Run, config: dict, env: dict[str, str], rng: random.Random) -> None:
@@ -210,7 +176,7 @@ def _external_kill_run(run: Run, config: dict, env: dict[str, str], rng: random.
             os.kill(proc.pid, signal.SIGKILL)
         run.returncode = proc.wait(timeout=60)
     finally:
-        _kill_session(proc)
+        stop_session(proc)
 
 
 @pytest.fixture(scope="module")
@@ -259,8 +225,8 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
     try:
         rc = proc.wait(timeout=RUN_TIMEOUT_S)
     finally:
-        _kill_session(proc)
-    assert rc == 0, f"the restarting driver exited with {rc}\n{_tail(restart.log)}"
+        stop_session(proc)
+    assert rc == 0, f"the restarting driver exited with {rc}\n{tail(restart.log)}"
     result = json.loads((restart.root / "result.json").read_text())
     return Outcome(killed, mid, result, tables, seed)
 
@@ -306,8 +272,8 @@ def test_restart_after_sigkill_matches_reference(outcome: Outcome, scenario: str
     run = outcome.killed[scenario]
     mid = outcome.mid[scenario]
     context = f"{scenario} (seed {outcome.seed}, {run.note}): left {mid}"
-    assert run.returncode == -signal.SIGKILL, f"{context}: the driver exited with {run.returncode}\n{_tail(run.log)}"
-    assert "error" not in mid, f"{context}\n{_tail(run.log)}"
+    assert run.returncode == -signal.SIGKILL, f"{context}: the driver exited with {run.returncode}\n{tail(run.log)}"
+    assert "error" not in mid, f"{context}\n{tail(run.log)}"
     if scenario in LEFT_BY_STEP:
         # killed where it was asked: batch KILL_BATCH started, Spark never committed it
         assert (mid["offsets"], mid["commits"]) == (list(range(KILL_BATCH + 1)), list(range(KILL_BATCH))), context

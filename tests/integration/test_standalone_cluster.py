@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from process_helpers import stop_session, tail
 
 from spark_integration.query import KILL_ENV
 from spark_integration.tasks import FAIL_FIRST_ATTEMPT_ENV
@@ -64,45 +64,6 @@ def _spark_home() -> Path:
     return Path(pyspark.__file__).resolve().parent
 
 
-def _tail(path: Path, n: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
-def _session_members(sid: int) -> list[int]:
-    """Live (not zombie) processes of a session: a JVM, the executors it started, their
-    Python daemons and workers (which put themselves in process groups of their own)."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != "Z":
-                members.append(int(entry))
-    return members
-
-
-def _stop_session(proc: subprocess.Popen, grace_s: float = 15, timeout_s: float = 60) -> None:
-    """Stop a process started in a session of its own, then SIGKILL whatever is left of that session."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=timeout_s)
-    deadline = time.monotonic() + timeout_s
-    while (members := _session_members(proc.pid)) and time.monotonic() < deadline:
-        for pid in members:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.2)
-
-
 @dataclass
 class Cluster:
     master_url: str
@@ -116,7 +77,7 @@ class Cluster:
             return json.loads(r.read().decode())
 
     def log_tails(self) -> str:
-        return "\n".join(f"--- {p.name}\n{_tail(p)}" for p in self.logs)
+        return "\n".join(f"--- {p.name}\n{tail(p, 4000)}" for p in self.logs)
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +136,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield c
     finally:
         for p in reversed(processes):
-            _stop_session(p)
+            stop_session(p, grace_s=15)
 
 
 def _write_input(directory: Path) -> list[list[str]]:
@@ -250,8 +211,8 @@ def test_stateful_query_on_standalone_cluster(cluster: Cluster, tmp_path: Path) 
     try:
         rc = driver.wait(timeout=480)
     finally:
-        _stop_session(driver)
-    assert rc == 0, f"driver exited with {rc}\n{_tail(log, 8000)}\n{cluster.log_tails()}"
+        stop_session(driver, grace_s=15)
+    assert rc == 0, f"driver exited with {rc}\n{tail(log, 8000)}\n{cluster.log_tails()}"
     result = json.loads((tmp_path / "result.json").read_text())
     driver_pid = result["driver_pid"]
 
