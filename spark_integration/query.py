@@ -25,7 +25,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -43,7 +42,17 @@ from pyspark.sql.types import StructType
 from spark_integration.compat import declare, spark_struct
 from spark_integration.location import StateLocation
 from spark_integration.outputs import OutputTable
-from spark_integration.tasks import HEARTBEAT, KG, PART, RESULT_SCHEMA, TASK, BatchPlan, run_partition, segment_of
+from spark_integration.tasks import (
+    HEARTBEAT,
+    KG,
+    PART,
+    RESULT_ARROW,
+    TASK,
+    BatchPlan,
+    ReportParam,
+    run_partition,
+    segment_of,
+)
 from spark_integration.timers import normalize_time_mode, timers_descriptor
 from spark_integration.vectorized import VectorizedProcessor
 from statestore.config import StoreConfig
@@ -74,7 +83,10 @@ class BatchReport:
     segments: int = 0
     output_rows: int = 0
     duration_ms: float = 0.0
-    commit_ms: float = 0.0
+    plan_ms: float = 0.0      # checkpoint lookup, offset log, plan
+    tasks_ms: float = 0.0     # the Spark job that runs the tasks
+    callback_ms: float = 0.0  # the user's foreach_batch
+    commit_ms: float = 0.0    # output table, callback and state checkpoint
 
 
 def _to_arrow_schema(schema: Any, what: str) -> pa.Schema:
@@ -161,6 +173,7 @@ class StatefulRunner:
         self.table = location.open(layout)
         self.task_tokens: dict[int, tuple[int, str]] = {}
         self._part_values: list[int] | None = None
+        self._reports = spark.sparkContext.accumulator([], ReportParam())
         self.reports: list[BatchReport] = []
 
     # ------------------------------------------------------------------ the batch function
@@ -174,20 +187,67 @@ class StatefulRunner:
             self.reports.append(BatchReport(batch_id, skipped=True, checkpoint_id=info.checkpoint_id))
             return
         plan = self._plan(batch_id, info)
-        results = self._run_tasks(batch_df, plan)
-        report = BatchReport(batch_id, skipped=False, checkpoint_id=plan.checkpoint_id)
+        report = BatchReport(batch_id, skipped=False, checkpoint_id=plan.checkpoint_id,
+                             plan_ms=(time.perf_counter() - started) * 1000)
+        if plan.inline_outputs:
+            self._run_with_callback(batch_df, plan, report)
+        else:
+            rows = self._task_frame(batch_df, plan).collect()
+            self._commit(plan, [(r[0], r[1], r[2]) for r in rows], report)
+        report.duration_ms = (time.perf_counter() - started) * 1000
+        self.reports.append(report)
+
+    def _run_with_callback(self, batch_df: DataFrame, plan: BatchPlan, report: BatchReport) -> None:
+        """Only the callback reads the outputs: its DataFrame is the tasks' output rows, so the
+        callback's own action runs the tasks (one Spark job per batch, as Spark's own
+        ``foreachBatch`` of a stateful query), and the tasks' reports come back through an
+        accumulator. Tasks that did not report (a callback that read part of its DataFrame,
+        or none) run again in a job of ours; a task that ran several times (several actions)
+        has its last report committed: each attempt flushed a complete, equivalent state."""
+        self._reports.value = []
+        frame = self._task_frame(batch_df, plan, self._reports)
+        started = time.perf_counter()
+        self.foreach_batch(frame, plan.batch_id)
+        report.callback_ms = (time.perf_counter() - started) * 1000
+        rows = self._reported(plan)
+        if rows is None:
+            log.info("batch %d: the callback did not run every task; running them", plan.batch_id)
+            frame.write.format("noop").mode("overwrite").save()
+            rows = self._reported(plan)
+            if rows is None:
+                raise StateStoreError(f"batch {plan.batch_id}: tasks did not report after a full run; nothing "
+                                      "committed")
+        report.tasks_ms = (time.perf_counter() - started) * 1000
+        self._reports.value = []
+        self._commit(plan, rows, report)
+
+    def _reported(self, plan: BatchPlan) -> list[tuple] | None:
+        """The report rows of every task of the batch (the last attempt of each), or None when
+        a task has not reported."""
+        last: dict[int, list] = {}
+        for batch_id, task, rows in self._reports.value:
+            if batch_id == plan.batch_id:
+                last[task] = rows
+        if set(last) != set(range(self.location.parallelism)):
+            return None
+        return [row for task in sorted(last) for row in last[task]]
+
+    def _commit(self, plan: BatchPlan, rows: list[tuple], report: BatchReport) -> None:
+        batch_id = plan.batch_id
         segments, uris = [], []
-        for row in results:
-            if row.kind == "task":
-                if row.task in report.tasks:
-                    raise StateStoreError(f"task {row.task} reported twice in batch {batch_id}; nothing committed")
-                report.tasks[row.task] = json.loads(row.payload)
-            elif row.kind == "segment":
-                segments.append(segment_of(row.payload))
+        for task, kind, payload in rows:
+            if kind == "task":
+                if task in report.tasks:
+                    raise StateStoreError(f"task {task} reported twice in batch {batch_id}; nothing committed")
+                report.tasks[task] = json.loads(payload)
+            elif kind == "segment":
+                segments.append(segment_of(payload))
             else:
-                out = json.loads(row.payload)
+                out = json.loads(payload)
                 uris.append(out["uri"])
                 report.output_rows += out["rows"]
+        if plan.inline_outputs:
+            report.output_rows = sum(t["rows_out"] for t in report.tasks.values())
         report.segments = len(segments)
         _kill_if_asked("tasks_done", batch_id)
         commit_started = time.perf_counter()
@@ -195,8 +255,10 @@ class StatefulRunner:
         # the callback, then go.
         spare = self.output is not None and not self.output.commit(batch_id, uris, self.query_id)
         _kill_if_asked("outputs_committed", batch_id)
-        if self.foreach_batch is not None:
+        if self.foreach_batch is not None and not plan.inline_outputs:
+            called = time.perf_counter()
             self.foreach_batch(self._output_frame(uris), batch_id)
+            report.callback_ms = (time.perf_counter() - called) * 1000
         self.table.commit_checkpoint(plan.checkpoint_id, segments, parallelism=self.location.parallelism,
                                      batch_id=batch_id, properties=self._properties(plan, report))
         for task, stats in report.tasks.items():
@@ -204,11 +266,7 @@ class StatefulRunner:
         _kill_if_asked("state_committed", batch_id)
         if spare:
             self._delete_files(uris)
-        if self.output is None and plan.output_dir is not None:
-            self._remove_staging(plan.output_dir)
         report.commit_ms = (time.perf_counter() - commit_started) * 1000
-        report.duration_ms = (time.perf_counter() - started) * 1000
-        self.reports.append(report)
 
     # ------------------------------------------------------------------ steps
 
@@ -229,12 +287,10 @@ class StatefulRunner:
         meta = _offset_metadata(self.spark, self.checkpoint_location, batch_id)
         processing_time = int(meta["batchTimestampMs"])
         watermark = int(meta.get("batchWatermarkMs") or 0) if self.time_mode == "eventtime" else -1
-        if self.output is not None:
-            output_dir = self.output.data_location
-        elif self.foreach_batch is not None:
-            output_dir = f"{self.table.location.rstrip('/')}/outputs/{self.run_id}/batch-{batch_id:012d}"
-        else:
-            output_dir = None
+        # Outputs go to the output table as data files; when only the callback reads them, they
+        # are the rows of the tasks' DataFrame that the callback gets.
+        output_dir = self.output.data_location if self.output is not None else None
+        inline = self.output is None and self.foreach_batch is not None
         return BatchPlan(
             run_id=self.run_id, location=self.location, layout=self.layout, processor=self.processor,
             input_columns=tuple(self.input_schema.names), output_schema=self.output_schema, batch_id=batch_id,
@@ -242,7 +298,7 @@ class StatefulRunner:
             base_checkpoint_id=None if info is None else info.checkpoint_id,
             task_tokens=dict(self.task_tokens), processing_time_ms=processing_time, watermark_ms=watermark,
             time_mode=self.time_mode, event_time_column=self.event_time_column, output_dir=output_dir,
-            store_config=self.store_config,
+            store_config=self.store_config, inline_outputs=inline,
         )
 
     def _routed(self, df: DataFrame, columns: Sequence[str]) -> DataFrame:
@@ -274,32 +330,34 @@ class StatefulRunner:
             self._part_values = [first[i] for i in range(p)]
         return self._part_values
 
-    def _run_tasks(self, batch_df: DataFrame, plan: BatchPlan) -> list:
+    def _task_frame(self, batch_df: DataFrame, plan: BatchPlan, reports: Any = None) -> DataFrame:
+        """The batch's tasks as a DataFrame (lazy): their report rows, or with inline outputs
+        their output rows (reports then go to the ``reports`` accumulator)."""
         routed = self._routed(batch_df, self.input_schema.names)
-        if self.time_mode != "none":
-            # Every task runs in every batch, with or without rows, so its timers fire.
-            beats = self.spark.range(self.location.parallelism).select(
+        if self.time_mode != "none" or plan.inline_outputs:
+            # Every task runs in every batch, with or without rows: its timers fire, and it reports.
+            beats = self.spark.range(0, self.location.parallelism, 1, 1).select(
                 *[F.lit(None).cast(f.dataType).alias(f.name) for f in routed.schema.fields if f.name != TASK],
                 F.col("id").cast("int").alias(TASK), F.lit(True).alias(HEARTBEAT))
             routed = routed.withColumn(HEARTBEAT, F.lit(False)).unionByName(beats)
         routed = self._partitioned(routed)
+        schema = _struct_of(self.output_schema if plan.inline_outputs else RESULT_ARROW)
         # Plain closures, not functools.partial: pyspark's eval-type inference fails on partials.
         initial = self.initial_state if plan.base_checkpoint_id is None else None
         if initial is not None:
             from spark_integration.tasks import run_task_with_initial
 
             def with_initial(key, rows, initial_rows):
-                return run_task_with_initial(plan, key, rows, initial_rows)
+                return run_task_with_initial(plan, key, rows, initial_rows, reports)
 
             seeded = self._partitioned(self._routed(initial, initial.columns))
-            grouped = routed.groupBy(PART).cogroup(seeded.groupBy(PART))
-            return grouped.applyInArrow(with_initial, RESULT_SCHEMA).collect()
+            return routed.groupBy(PART).cogroup(seeded.groupBy(PART)).applyInArrow(with_initial, schema)
 
         def task(batches):
-            yield from run_partition(plan, batches)
+            yield from run_partition(plan, batches, reports)
 
         # Each partition is exactly one task's rows: mapInArrow, no grouping sort.
-        return routed.drop(PART).mapInArrow(task, RESULT_SCHEMA).collect()
+        return routed.drop(PART).mapInArrow(task, schema)
 
     def _output_frame(self, uris: Sequence[str]) -> DataFrame:
         struct = _struct_of(self.output_schema)
@@ -321,13 +379,6 @@ class StatefulRunner:
             fs, path = pafs.FileSystem.from_uri(uri)
             with contextlib.suppress(FileNotFoundError):
                 fs.delete_file(path)
-
-    def _remove_staging(self, uri: str) -> None:
-        fs, path = pafs.FileSystem.from_uri(uri)
-        with contextlib.suppress(FileNotFoundError):
-            fs.delete_dir(path)
-        if isinstance(fs, pafs.LocalFileSystem):
-            shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
         self.table.close()

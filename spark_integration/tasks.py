@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+from pyspark.accumulators import AccumulatorParam
 
 from spark_integration.location import StateLocation
 from spark_integration.timers import TimerService
@@ -42,8 +43,27 @@ KG = "__icestate_kg"
 TASK = "__icestate_task"
 HEARTBEAT = "__icestate_hb"
 PART = "__icestate_part"
-RESULT_SCHEMA = "task int, kind string, payload string"
-RESULT_ARROW = pa.schema([("task", pa.int32()), ("kind", pa.string()), ("payload", pa.string())])
+# A task's report: rows (task, kind, payload) with kind "task" (statistics and the attempt's
+# token), "segment" (a flushed segment) or "output" (an output file); payloads are JSON.
+# Returned as the task's result rows, or, when the output rows are the task's result (the
+# callback's DataFrame), sent through a Spark accumulator (``Reports``).
+R_TASK = "__icestate_r_task"
+R_KIND = "__icestate_r_kind"
+R_PAYLOAD = "__icestate_r_payload"
+RESULT_ARROW = pa.schema([(R_TASK, pa.int32()), (R_KIND, pa.string()), (R_PAYLOAD, pa.string())])
+
+
+class ReportParam(AccumulatorParam):
+    """Accumulates task reports: a list of (batch_id, task, report rows), one per successful
+    task attempt."""
+
+    def zero(self, value: list) -> list:
+        return []
+
+    def addInPlace(self, value1: list, value2: list) -> list:
+        value1.extend(value2)
+        return value1
+
 
 # env var naming a file: when it exists, every task attempt 0 raises after flushing (failure tests)
 FAIL_FIRST_ATTEMPT_ENV = "ICESTATE_FAIL_FIRST_ATTEMPT"
@@ -69,6 +89,7 @@ class BatchPlan:
     event_time_column: str | None
     output_dir: str | None
     store_config: StoreConfig = field(default_factory=StoreConfig)
+    inline_outputs: bool = False  # the output rows are the tasks' result; reports go to an accumulator
 
     @property
     def compat(self) -> bool:
@@ -189,24 +210,40 @@ def _drop(key: tuple[str, int]) -> None:
             ts.store.table.close()
 
 
-def run_partition(plan: BatchPlan, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+def run_partition(plan: BatchPlan, batches: Iterator[pa.RecordBatch], reports: Any = None,
+                  ) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` entry point: a partition holds exactly one task's rows (or none)."""
     batches = list(batches)
     rows = pa.Table.from_batches(batches) if batches else None
     if rows is None or rows.num_rows == 0:
         return
-    yield from run_task(plan, (), rows).to_batches()
+    yield from _result(plan, reports, *_run(plan, _task_of(rows), rows, None)).to_batches()
 
 
-def run_task(plan: BatchPlan, group_key: tuple, rows: pa.Table) -> pa.Table:
+def run_task(plan: BatchPlan, group_key: tuple, rows: pa.Table, reports: Any = None) -> pa.Table:
     """``applyInArrow`` entry point: process one task's rows of the batch (a group of one task)."""
-    return _run(plan, _task_of(rows), rows, None)
+    return _result(plan, reports, *_run(plan, _task_of(rows), rows, None))
 
 
-def run_task_with_initial(plan: BatchPlan, group_key: tuple, rows: pa.Table, initial: pa.Table) -> pa.Table:
+def run_task_with_initial(plan: BatchPlan, group_key: tuple, rows: pa.Table, initial: pa.Table,
+                          reports: Any = None) -> pa.Table:
     """Cogrouped ``applyInArrow`` entry point of a first batch with initial state."""
     task = _task_of(rows if rows.num_rows else initial)
-    return _run(plan, task, rows, initial.drop_columns([c for c in (KG, TASK, PART) if c in initial.column_names]))
+    initial = initial.drop_columns([c for c in (KG, TASK, PART) if c in initial.column_names])
+    return _result(plan, reports, *_run(plan, task, rows, initial))
+
+
+def _result(plan: BatchPlan, reports: Any, report: list[tuple], output: pa.Table | None) -> pa.Table:
+    """The task's result: its report rows, or with inline outputs its output rows (the report
+    then goes to the ``reports`` accumulator, delivered when the task succeeds)."""
+    if not plan.inline_outputs:
+        cols = list(zip(*report, strict=True))
+        return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(cols, RESULT_ARROW, strict=True)],
+                                    schema=RESULT_ARROW)
+    reports.add([(plan.batch_id, report[0][0], report)])
+    if output is None:
+        return plan.output_schema.empty_table()
+    return output
 
 
 def _task_of(rows: pa.Table) -> int:
@@ -216,9 +253,11 @@ def _task_of(rows: pa.Table) -> int:
     return int(tasks[0].as_py())
 
 
-def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None) -> pa.Table:
+def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
+         ) -> tuple[list[tuple], pa.Table | None]:
     started = time.perf_counter()
     ts = task_store(plan, task)
+    opened = time.perf_counter()
     ts.dirty = True
     store = ts.store
     ts.clock.now_ms = plan.processing_time_ms
@@ -246,9 +285,11 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None) -
         if output is not None:
             output = _conform(output, plan.output_schema)
 
+    processed = time.perf_counter()
     segments = store.flush(plan.checkpoint_id)
     ts.pending = (plan.checkpoint_id, token)
     _maybe_fail_first_attempt()
+    flushed = time.perf_counter()
     outputs = _write_output(plan, task, token, output)
     after = store.stats()
     ts.dirty = False
@@ -260,14 +301,17 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None) -
         "files_opened": after["segment_files_opened"] - before["segment_files_opened"],
         "segments": len(segments), "segment_bytes": sum(s.size_bytes for s in segments),
         "timers": ts.timers.count() if ts.timers is not None else 0,
-        "elapsed_ms": round((time.perf_counter() - started) * 1000, 1),
+        "elapsed_ms": _ms(started), "open_ms": _ms(started, opened), "process_ms": _ms(opened, processed),
+        "flush_ms": _ms(processed, flushed), "output_ms": _ms(flushed),
     }
-    result = [(task, "task", json.dumps(stats))]
-    result += [(task, "segment", json.dumps(dataclasses.asdict(s))) for s in segments]
-    result += [(task, "output", json.dumps(o)) for o in outputs]
-    cols = list(zip(*result, strict=True))
-    return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(cols, RESULT_ARROW, strict=True)],
-                                schema=RESULT_ARROW)
+    report = [(task, "task", json.dumps(stats))]
+    report += [(task, "segment", json.dumps(dataclasses.asdict(s))) for s in segments]
+    report += [(task, "output", json.dumps(o)) for o in outputs]
+    return report, output
+
+
+def _ms(start: float, end: float | None = None) -> float:
+    return round(((time.perf_counter() if end is None else end) - start) * 1000, 1)
 
 
 def _run_compat(plan: BatchPlan, ts: _TaskStore, data: pa.Table, kgs: np.ndarray,
@@ -312,7 +356,7 @@ def _conform(output: pa.Table, schema: pa.Schema) -> pa.Table:
 
 
 def _write_output(plan: BatchPlan, task: int, token: str, output: pa.Table | None) -> list[dict]:
-    if plan.output_dir is None or output is None or output.num_rows == 0:
+    if plan.inline_outputs or plan.output_dir is None or output is None or output.num_rows == 0:
         return []
     fs, root = pafs.FileSystem.from_uri(plan.output_dir)
     fs.create_dir(root, recursive=True)
@@ -343,5 +387,17 @@ def forget_run(run_id: str) -> None:
         _drop(key)
 
 
-__all__ = ["HEARTBEAT", "KG", "RESULT_SCHEMA", "TASK", "BatchPlan", "run_partition", "run_task",
-           "run_task_with_initial", "segment_of"]
+__all__ = [
+    "HEARTBEAT",
+    "KG",
+    "R_KIND",
+    "R_PAYLOAD",
+    "R_TASK",
+    "TASK",
+    "BatchPlan",
+    "ReportParam",
+    "run_partition",
+    "run_task",
+    "run_task_with_initial",
+    "segment_of",
+]

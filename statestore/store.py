@@ -31,7 +31,16 @@ from statestore.keygroups import (
 )
 from statestore.layout import CHECKPOINT_ID, EXPIRE_AT_MS, KEY_GROUP, OP, SEQ, STATE
 from statestore.memtable import KG, MEMTABLE_CHECKPOINT_ID, Memtable
-from statestore.resolve import ORD, entry_columns, live_rows, make_ord, merge, resolve, view_columns
+from statestore.resolve import (
+    ORD,
+    entry_columns,
+    live_rows,
+    make_ord,
+    merge,
+    resolve,
+    view_as_entries,
+    view_columns,
+)
 from statestore.segment import SegmentReader, write_segments
 from statestore.state import STATE_CLASSES, KeyedState
 from statestore.table import CheckpointInfo, SegmentFile, StateTable
@@ -171,6 +180,9 @@ class StateStore:
         if missing:
             self._cache.misses += len(missing)
             self._load(missing)
+        stale = [kg for kg in kgs if self._is_stale(kg, name)]
+        if len(stale) > 1:
+            self._refresh_many(stale, name)
         out = [self._refresh(kg, name) for kg in kgs]
         self._cache.trim(pinned=kgs)
         return out
@@ -422,6 +434,40 @@ class StateStore:
             for d in self.layout.descriptors
         }
 
+    def _is_stale(self, kg: int, name: str) -> bool:
+        group = self._cache.peek(kg)
+        return len(self._memtable.parts(name, kg)) > group.applied.get(name, 0) or bool(group.pending.get(name))
+
+    def _refresh_many(self, kgs: Sequence[int], name: str) -> None:
+        """``_refresh`` of several key groups in one resolution: the per-call cost of a few
+        polars operations is paid once, not once per key group (a task owns many)."""
+        desc = self.layout.descriptor(name)
+        cols = entry_columns(desc, self.key_names)
+        schema = self._entry_schemas[name]
+        views, new = [], []
+        for kg in kgs:
+            group = self._cache.get(kg)
+            parts = self._memtable.parts(name, kg)
+            new += group.pending.pop(name, []) + parts[group.applied.get(name, 0):]
+            group.applied[name] = len(parts)
+            views.append(group.views[name])
+        heights = [v.height for v in views]
+        old = pl.concat(views, how="vertical") if sum(heights) else None
+        frames = []
+        if old is not None:
+            old = view_as_entries(old, desc).select(cols).with_columns(
+                pl.Series(KG, np.repeat(np.asarray(kgs, np.int32), heights)))
+            frames.append(old.select([KG, *cols]))
+        keyed = pl.Schema({KG: pl.Int32, **schema})
+        if new:
+            frames.append(pl.concat(new, how="diagonal_relaxed").select([KG, *cols]).cast(keyed))
+        resolved = resolve(pl.concat(frames, how="vertical"), desc, [KG, *self.key_names], self.now_ms())
+        by_kg = resolved.partition_by(KG, as_dict=True, include_key=False)
+        empty = self.empty_view(desc)
+        for kg in kgs:
+            self._cache.peek(kg).views[name] = by_kg.get((kg,), empty)
+            self._cache.resized(kg)
+
     def _refresh(self, kg: int, name: str) -> pl.DataFrame:
         group = self._cache.get(kg)
         parts = self._memtable.parts(name, kg)
@@ -488,7 +534,7 @@ class StateStore:
         for name, parts in self._memtable.parts_by_state().items():
             desc = self.layout.descriptor(name)
             cols = entry_columns(desc, self.key_names)
-            df = pl.concat([p.select([KG, *cols]) for p in parts], how="vertical").with_columns(
+            df = pl.concat(parts, how="diagonal_relaxed").select([KG, *cols]).with_columns(
                 pl.col(KG).alias(KEY_GROUP),
                 pl.lit(name).alias(STATE),
                 pl.lit(checkpoint_id, dtype=pl.Int64).alias(CHECKPOINT_ID),

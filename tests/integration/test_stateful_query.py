@@ -307,6 +307,35 @@ def test_foreach_batch_gets_each_batch_output_once(spark, tmp_path, where):
     assert not any(p.is_file() for p in staging.rglob("*")) if staging.exists() else True
 
 
+@pytest.mark.parametrize("use", ["ignore", "twice", "limit"])
+def test_callback_reading_its_dataframe_any_way_commits_state_once(spark, tmp_path, where, use):
+    """The callback's DataFrame is the tasks' output: its action runs the tasks. A callback that
+    never reads it, reads it twice (each read runs the tasks again) or reads only part of it
+    still commits each batch's state exactly once."""
+    batches = key_batches(3, 40, 9)
+    seen: dict[int, list] = defaultdict(list)
+
+    def callback(df, batch_id):
+        if use == "twice":
+            seen[batch_id].append(sorted(tuple(r) for r in df.collect()))
+            seen[batch_id].append(sorted(tuple(r) for r in df.collect()))
+        elif use == "limit":
+            seen[batch_id].append(df.limit(1).collect())
+    loc = where(parallelism=3)
+    runner = run_to_end(spark, write_batches(tmp_path / "in", batches), CountProcessor(), "key string, count long",
+                        location=loc, checkpoint=str(tmp_path / "cp"), foreach_batch=callback)
+    assert state_counts(loc) == counts(batches)
+    reports = [r for r in runner.reports if not r.skipped]
+    assert [sorted(r.tasks) for r in reports] == [[0, 1, 2]] * 3
+    if use == "twice":
+        totals: Counter = Counter()
+        for b, batch in enumerate(batches):
+            first, second = seen[b]
+            assert first == second  # both runs of the tasks emit the same rows
+            totals.update(batch["key"].to_pylist())
+            assert dict(first) == {k: totals[k] for k in set(batch["key"].to_pylist())}
+
+
 # ---------------------------------------------------------------------------------- bad input
 
 

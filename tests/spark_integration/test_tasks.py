@@ -88,14 +88,15 @@ class Driver:
         stats: dict[int, dict] = {}
         segments, self.last_outputs = [], []
         for row in pa.concat_tables(results).to_pylist() if results else []:
-            if row["kind"] == "task":
-                assert row["task"] not in stats, "a task reported twice"
-                stats[row["task"]] = json.loads(row["payload"])
-            elif row["kind"] == "segment":
-                segments.append(tasks.segment_of(row["payload"]))
+            task, kind, payload = row[tasks.R_TASK], row[tasks.R_KIND], row[tasks.R_PAYLOAD]
+            if kind == "task":
+                assert task not in stats, "a task reported twice"
+                stats[task] = json.loads(payload)
+            elif kind == "segment":
+                segments.append(tasks.segment_of(payload))
             else:
-                assert row["kind"] == "output"
-                self.last_outputs.append(json.loads(row["payload"]))
+                assert kind == "output"
+                self.last_outputs.append(json.loads(payload))
         self.table.commit_checkpoint(plan.checkpoint_id, segments, parallelism=self.location.parallelism,
                                      batch_id=plan.batch_id)
         for task, s in stats.items():
@@ -248,10 +249,10 @@ def test_an_attempt_whose_flush_was_never_committed_leaves_no_duplicate_state(lo
     plan = driver.plan()
     by_task = split_by_task(input_rows(all_keys() + KEYS[0]))
     lost = workers.run(0, plan, 0, by_task[0])
-    assert any(r["kind"] == "segment" for r in lost.to_pylist())
+    assert any(r[tasks.R_KIND] == "segment" for r in lost.to_pylist())
     retried = workers.run(retry_worker, plan, 0, by_task[0])
     other = workers.run(0, plan, 1, by_task[1])
-    lost_token = json.loads(lost.filter(pc.equal(lost["kind"], "task"))["payload"][0].as_py())["token"]
+    lost_token = json.loads(lost.filter(pc.equal(lost[tasks.R_KIND], "task"))[tasks.R_PAYLOAD][0].as_py())["token"]
     stats = driver.commit(plan, [retried, other])
     assert stats[0]["token"] != lost_token
     # Batch 2 runs on worker 0, whose store holds the lost attempt's flush.
