@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -144,6 +145,35 @@ def _query_id(spark: SparkSession, checkpoint_location: str) -> str:
         return json.loads(_read_checkpoint_file(spark, checkpoint_location, "metadata"))["id"]
     except Exception as e:
         raise StateStoreError(f"cannot read the query id in {checkpoint_location}/metadata: {e}") from e
+
+
+def _murmur3_int(value: int, seed: int = 42) -> int:
+    """Spark's ``Murmur3_x86_32.hashInt`` (the hash of ``hash(col)`` and of hash partitioning)."""
+    mask = 0xFFFFFFFF
+
+    def rotl(x: int, r: int) -> int:
+        return ((x << r) | (x >> (32 - r))) & mask
+
+    k1 = rotl((value & mask) * 0xCC9E2D51 & mask, 15) * 0x1B873593 & mask
+    h1 = (rotl(seed ^ k1, 13) * 5 + 0xE6546B64) & mask
+    h1 ^= 4
+    h1 ^= h1 >> 16
+    h1 = h1 * 0x85EBCA6B & mask
+    h1 ^= h1 >> 13
+    h1 = h1 * 0xC2B2AE35 & mask
+    h1 ^= h1 >> 16
+    return h1 - (1 << 32) if h1 >= 1 << 31 else h1
+
+
+def partition_values(parallelism: int) -> list[int]:
+    """For each partition i of ``repartition(parallelism, col)``, the smallest int that Spark's
+    hash partitioning (``pmod(murmur3(col, 42), parallelism)``) sends to partition i."""
+    first: dict[int, int] = {}
+    v = 0
+    while len(first) < parallelism:
+        first.setdefault(_murmur3_int(v) % parallelism, v)
+        v += 1
+    return [first[i] for i in range(parallelism)]
 
 
 class StatefulRunner:
@@ -320,14 +350,7 @@ class StatefulRunner:
     def _partition_values(self) -> list[int]:
         p = self.location.parallelism
         if self._part_values is None or len(self._part_values) != p:
-            ids = self.spark.range(64 * p).select(F.col("id").cast("int").alias("v"))
-            pairs = ids.select("v", F.pmod(F.hash("v"), F.lit(p)).alias("part")).collect()
-            first: dict[int, int] = {}
-            for r in pairs:
-                first.setdefault(r.part, r.v)
-            if len(first) != p:
-                raise StateStoreError(f"could not find a routing value for each of {p} partitions")
-            self._part_values = [first[i] for i in range(p)]
+            self._part_values = partition_values(p)
         return self._part_values
 
     def _task_frame(self, batch_df: DataFrame, plan: BatchPlan, reports: Any = None) -> DataFrame:
@@ -423,13 +446,34 @@ def _conform_initial(initial: DataFrame, df: DataFrame, keys: list[str]) -> Data
     return initial
 
 
+def _warm_workers(spark: SparkSession, location: StateLocation, layout: StateLayout) -> None:
+    """Start a Python worker per executor core (up to the query's parallelism), with the
+    store's modules imported and the state table opened once: a cold worker spends seconds
+    importing pyarrow, polars and pyiceberg, which the first batch would otherwise wait for."""
+    workers = max(1, min(spark.sparkContext.defaultParallelism, location.parallelism))
+
+    def warm(batches):
+        from spark_integration.tasks import warm_worker
+
+        for _ in batches:
+            pass
+        warm_worker(location, layout)
+        yield pa.RecordBatch.from_pydict({"pid": [os.getpid()]}, schema=pa.schema([("pid", pa.int64())]))
+
+    try:
+        spark.sparkContext.setLocalProperty("spark.job.description", "icestate: warm Python workers")
+        spark.range(0, workers, 1, workers).mapInArrow(warm, "pid long").collect()
+    except Exception as e:  # only an optimization: the first batch starts workers itself
+        log.info("warming Python workers failed: %s", e)
+
+
 def start_stateful_query(
     df: DataFrame, keys: Sequence[str] | str, processor: StatefulProcessor | VectorizedProcessor,
     output_schema: StructType | str | pa.Schema | None = None, *, location: StateLocation,
     checkpoint_location: str, trigger: dict[str, Any] | None = None,
     foreach_batch: Callable[[DataFrame, int], None] | None = None, output_table: str | None = None,
     time_mode: str = "None", event_time_column: str | None = None, initial_state: DataFrame | None = None,
-    query_name: str | None = None, store_config: StoreConfig | None = None,
+    query_name: str | None = None, store_config: StoreConfig | None = None, warm_workers: bool = True,
 ) -> StreamingQuery:
     """Start a streaming query that runs ``processor`` per key with state in an Iceberg table.
 
@@ -454,6 +498,9 @@ def start_stateful_query(
         initial_state: rows to seed state in the first batch: for a StatefulProcessor, fed
             to ``handleInitialState`` per row; for a vectorized one, key columns plus one
             column per value state.
+        warm_workers: while the query starts, run a small job that starts Python workers on
+            the executors, imports the store's modules in them and opens the state table, so
+            the first batch's tasks find warm workers (Spark reuses them).
 
     Raises (before any state is written): SchemaMismatchError for missing key columns or
     an output that does not fit, UnsupportedKeyTypeError, StateTableMismatchError when the
@@ -473,10 +520,19 @@ def start_stateful_query(
     mode = normalize_time_mode(time_mode)
     if event_time_column is not None and event_time_column not in df.columns:
         raise SchemaMismatchError(f"event_time_column {event_time_column!r} is not an input column {df.columns}")
+    run_schema = input_schema  # the columns the tasks get
     if isinstance(processor, VectorizedProcessor):
         descriptors = list(processor.state_variables(input_schema, keys))
         if output_schema is None:
             output_schema = processor.output_schema(input_schema, keys)
+        wanted = processor.input_columns(input_schema, keys)
+        if wanted is not None:
+            wanted = list(dict.fromkeys([*keys, *wanted, *([event_time_column] if event_time_column else [])]))
+            missing = [c for c in wanted if c not in input_schema.names]
+            if missing:
+                raise SchemaMismatchError(f"{type(processor).__name__} reads column(s) {missing} that the input "
+                                          f"lacks; its columns are {input_schema.names}")
+            run_schema = pa.schema([input_schema.field(c) for c in wanted])
     elif isinstance(processor, StatefulProcessor):
         descriptors = list(declare(processor).descriptors)
     else:
@@ -503,11 +559,14 @@ def start_stateful_query(
             out_catalog = default_catalog(location.warehouse)
         output = OutputTable.open(out_catalog, output_table, out_schema)
     runner = StatefulRunner(
-        spark, keys=keys, processor=processor, input_schema=input_schema, output_schema=out_schema, layout=layout,
+        spark, keys=keys, processor=processor, input_schema=run_schema, output_schema=out_schema, layout=layout,
         location=location, checkpoint_location=checkpoint_location, foreach_batch=foreach_batch, output=output,
         time_mode=mode, event_time_column=event_time_column, initial_state=initial_state,
         store_config=store_config or StoreConfig(),
     )
+    if warm_workers:
+        threading.Thread(target=_warm_workers, args=(spark, location, layout), name="icestate-warm-workers",
+                         daemon=True).start()
     writer = df.writeStream.foreachBatch(runner).option("checkpointLocation", checkpoint_location)
     if query_name:
         writer = writer.queryName(query_name)

@@ -381,6 +381,14 @@ def segment_of(payload: str) -> SegmentFile:
     return SegmentFile(**json.loads(payload))
 
 
+def warm_worker(location: StateLocation, layout: StateLayout) -> None:
+    """Import what a task needs and open the state table once (``query._warm_workers``)."""
+    import spark_integration.compat
+    import spark_integration.vectorized  # noqa: F401
+
+    location.open(layout).close()
+
+
 def forget_run(run_id: str) -> None:
     """Drop this worker's stores of a finished run."""
     for key in [k for k in _STORES if k[0] == run_id]:

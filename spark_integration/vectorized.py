@@ -69,6 +69,10 @@ class VectorizedProcessor(abc.ABC):
         """The output schema when the processor knows it (then the query needs none)."""
         return None
 
+    def input_columns(self, input_schema: pa.Schema, keys: list[str]) -> list[str] | None:
+        """The input columns ``process`` reads (None: all); the others never leave the JVM."""
+        return None
+
     @abc.abstractmethod
     def process(self, batch: VectorizedBatch) -> VectorizedResult:
         """Outputs and state updates of one task's micro-batch."""
@@ -118,6 +122,9 @@ class RunningAggregate(VectorizedProcessor):
     def output_schema(self, input_schema: pa.Schema, keys: list[str]) -> pa.Schema:
         fields = [input_schema.field(k) for k in keys]
         return pa.schema([*fields, pa.field(self.output_column, self._value_type(input_schema))])
+
+    def input_columns(self, input_schema: pa.Schema, keys: list[str]) -> list[str]:
+        return [*keys, *([self.value_column] if self.value_column else [])]
 
     def process(self, batch: VectorizedBatch) -> VectorizedResult:
         keys = batch.keys.column_names

@@ -336,6 +336,21 @@ def test_callback_reading_its_dataframe_any_way_commits_state_once(spark, tmp_pa
             assert dict(first) == {k: totals[k] for k in set(batch["key"].to_pylist())}
 
 
+def test_routing_values_match_spark_hash_partitioning(spark):
+    """Task i's rows carry a value that Spark's hash partitioning sends to partition i: the
+    values are computed in Python, so they must agree with Spark's own murmur3."""
+    from spark_integration.query import _murmur3_int, partition_values
+
+    ints = [0, 1, -1, 7, 42, 2**31 - 1, -(2**31), 123456789]
+    got = spark.createDataFrame([(v,) for v in ints], "v int").select(F.hash("v").alias("h")).collect()
+    assert [r.h for r in got] == [_murmur3_int(v) for v in ints]
+    for p in range(1, 17):
+        values = partition_values(p)
+        df = spark.createDataFrame([(v,) for v in values], "v int").repartition(p, "v")
+        placed = df.select("v", F.spark_partition_id().alias("part")).collect()
+        assert {r.v: r.part for r in placed} == {v: i for i, v in enumerate(values)}
+
+
 # ---------------------------------------------------------------------------------- bad input
 
 
