@@ -16,8 +16,9 @@ own SparkSession so that sessions and configurations cannot leak:
   available while ``spark_integration.start_stateful_query`` cannot be imported.
 
 The transformWithState peers make one JVM round trip per key and state call, so they run on a
-smaller data set with the same events per key per batch; ratios are only taken between runs on
-the same data set. Every run's output is checked against the input: per batch the number of
+smaller data set with the same events per key per batch (``--tws-main`` also runs the row-based
+one on the main data set, about 8 minutes); ratios are only taken between runs on the same
+data set. Every run's output is checked against the input: per batch the number of
 emitted rows, the sum of the emitted counts and the sum of key-id x count, plus the final count
 of a sample of keys.
 
@@ -618,12 +619,12 @@ def _least_disturbed_run(runner: Runner, name: str, data: DataSet, reruns: int) 
 
 
 def run_throughput(runner: Runner, impls: list[str], datasets: dict[str, DataSet], ours_reason: str | None,
-                   reruns: int) -> list:
+                   reruns: int, tws_main: bool = False) -> list:
     rows = []
     for data in datasets.values():
         for name in impls:
             impl = IMPLS[name]
-            if data.name == "main" and impl.per_key_jvm_calls:
+            if data.name == "main" and impl.per_key_jvm_calls and not (tws_main and name == "spark-tws-rows"):
                 continue
             entry = {"impl": name, "label": impl.label, "dataset": data.name, "events": data.events,
                      "keys": data.keys, "batches": len(data.files)}
@@ -923,6 +924,7 @@ def main(
     rescale_to: int = typer.Option(8, help="parallelism after the rescale"),
     only: str = typer.Option("", help="comma-separated implementations to run (default: all)"),
     skip_restart: bool = typer.Option(False, help="skip the restart / rescale scenario"),
+    tws_main: bool = typer.Option(False, help="also run transformWithState (rows) on the main data set (~8 min)"),
     ours_restart_impl: str = typer.Option("ours-vectorized", help="which of ours runs the restart scenario"),
     driver_memory: str = typer.Option("3g", help="spark.driver.memory of each Spark process"),
     timeout: float = typer.Option(900, help="seconds before a Spark process is killed"),
@@ -969,7 +971,7 @@ def main(
                                 "runs": "every implementation; the transformWithState peers run on this one only"},
                       "restart": {"keys": restart_keys}},
             "ours_available": ours_reason is None, "ours_unavailable_reason": ours_reason,
-            "throughput": run_throughput(runner, impls, datasets, ours_reason, reruns),
+            "throughput": run_throughput(runner, impls, datasets, ours_reason, reruns, tws_main),
         }
         if not skip_restart:
             batch_events = events // batches
