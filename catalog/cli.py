@@ -3,6 +3,9 @@
     icestate demo --warehouse ./warehouse        the main job (see catalog/demo.py)
     icestate checkpoints --warehouse ./warehouse --table demo_running_count
     icestate sql --warehouse ./warehouse --table demo_running_count "SELECT ..."
+    icestate savepoint --warehouse ./warehouse --table demo_running_count before-upgrade
+    icestate fork --warehouse ./warehouse --table demo_running_count v2 --savepoint before-upgrade
+    icestate refs --warehouse ./warehouse --table demo_running_count
 """
 
 from __future__ import annotations
@@ -41,12 +44,13 @@ def checkpoints(
     warehouse: str = typer.Option("./warehouse"),
     table: str = typer.Option(..., help="state table name"),
     namespace: str = typer.Option("state"),
+    branch: str = typer.Option("main", help="the line: main or a fork"),
 ) -> None:
-    """List the retained checkpoints of a state table."""
+    """List the retained checkpoints of a state table (of one line)."""
     from catalog.iceberg_table import IcebergStateTable
 
-    t = IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table)
-    out = Table(title=f"{namespace}.{table}")
+    t = IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table, branch=branch)
+    out = Table(title=f"{namespace}.{table} ({branch})")
     for col in ("checkpoint", "batch", "parallelism", "max parallelism", "snapshot", "properties"):
         out.add_column(col)
     for c in t.list_checkpoints():
@@ -62,13 +66,15 @@ def sql(
     table: str = typer.Option(..., help="state table name"),
     namespace: str = typer.Option("state"),
     checkpoint: int | None = typer.Option(None, help="checkpoint id (default: newest)"),
+    branch: str = typer.Option("main", help="the line: main or a fork"),
+    savepoint: str | None = typer.Option(None, help="read this savepoint instead of a checkpoint"),
 ) -> None:
-    """Query a state table with DuckDB at a checkpoint."""
+    """Query a state table with DuckDB at a checkpoint or savepoint."""
     from catalog.iceberg_table import IcebergStateTable
     from catalog.sql import connect
 
     t = IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table,
-                                        checkpoint_id=checkpoint)
+                                        checkpoint_id=checkpoint, branch=branch, savepoint=savepoint)
     con = connect(t)
     result = con.sql(query)
     out = Table()
@@ -76,6 +82,63 @@ def sql(
         out.add_column(col)
     for row in result.fetchall():
         out.add_row(*[str(v) for v in row])
+    console.print(out)
+
+
+@app.command()
+def savepoint(
+    name: str = typer.Argument(..., help="savepoint name"),
+    warehouse: str = typer.Option("./warehouse"),
+    table: str = typer.Option(..., help="state table name"),
+    namespace: str = typer.Option("state"),
+    checkpoint: int | None = typer.Option(None, help="checkpoint id (default: newest)"),
+    branch: str = typer.Option("main", help="the line the checkpoint is on"),
+) -> None:
+    """Keep a checkpoint as a named savepoint (an Iceberg tag retention never expires)."""
+    from catalog.iceberg_table import IcebergStateTable
+
+    with IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table,
+                                         branch=branch) as t:
+        info = t.savepoint(name, checkpoint)
+    console.print(f"savepoint [bold]{name}[/bold] = checkpoint {info.checkpoint_id} (snapshot {info.snapshot_id})")
+
+
+@app.command()
+def fork(
+    name: str = typer.Argument(..., help="fork (branch) name"),
+    warehouse: str = typer.Option("./warehouse"),
+    table: str = typer.Option(..., help="state table name"),
+    namespace: str = typer.Option("state"),
+    checkpoint: int | None = typer.Option(None, help="checkpoint id of main (default: newest)"),
+    savepoint: str | None = typer.Option(None, help="fork at this savepoint instead"),
+) -> None:
+    """Fork the state at a checkpoint or savepoint: a branch a new job version can run on."""
+    from catalog.iceberg_table import IcebergStateTable
+
+    with IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table) as t:
+        info = t.fork(name, checkpoint, savepoint=savepoint)
+    console.print(f"fork [bold]{name}[/bold] at checkpoint {info.checkpoint_id}: run a query with "
+                  f"StateLocation(..., branch={name!r})")
+
+
+@app.command()
+def refs(
+    warehouse: str = typer.Option("./warehouse"),
+    table: str = typer.Option(..., help="state table name"),
+    namespace: str = typer.Option("state"),
+) -> None:
+    """List the savepoints and forks of a state table."""
+    from catalog.iceberg_table import IcebergStateTable
+
+    with IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table) as t:
+        out = Table(title=f"{namespace}.{table}: savepoints and forks")
+        for col in ("kind", "name", "checkpoint", "batch", "snapshot"):
+            out.add_column(col)
+        for name, c in t.savepoints().items():
+            out.add_row("savepoint", name, str(c.checkpoint_id), str(c.batch_id), str(c.snapshot_id))
+        for name, c in t.forks().items():
+            out.add_row("fork", name, *(("-", "-", "-") if c is None else
+                                        (str(c.checkpoint_id), str(c.batch_id), str(c.snapshot_id))))
     console.print(out)
 
 

@@ -1,11 +1,11 @@
 """``IcebergStateTable``: the keyed state of one stateful operator as one Iceberg table.
 
-A checkpoint is one Iceberg snapshot on the table's main branch: one append of every
-new segment of every task, whose summary carries ``statestore.checkpoint-id``, the
-stream's batch id and the parallelism. The table is opened at one checkpoint; it answers
-``segments()`` from an in-memory index of that snapshot's data files (built from the
-manifests once, then updated by each commit), so no scan is planned per lookup and
-restore reads no data file.
+A checkpoint is one Iceberg snapshot on a branch of the table (``main`` for the stream,
+or a fork): one append of every new segment of every task, whose summary carries
+``statestore.checkpoint-id``, the stream's batch id and the parallelism. The table is
+opened at one checkpoint; it answers ``segments()`` from an in-memory index of that
+snapshot's data files (built from the manifests once, then updated by each commit), so no
+scan is planned per lookup and restore reads no data file.
 
 Commit, in order (crash points in quotes; any crash leaves the newest complete
 checkpoint restorable, see DESIGN invariant 2):
@@ -20,14 +20,23 @@ checkpoint restorable, see DESIGN invariant 2):
 4. delete what only expired snapshots referenced, and now and then orphans of crashed
    commits (``catalog.retention``); "files_deleted".
 
-Not thread safe: one driver owns a table for writing. Readers in other processes may
-open the same table at any retained checkpoint.
+Savepoints are Iceberg tags on a checkpoint's snapshot: retention never expires them, and
+a table opens or restores at one like at a checkpoint. A fork (``fork``) is an Iceberg
+branch created at a checkpoint or savepoint: a table opened with ``branch=`` commits there,
+with its own checkpoint ids (continuing the forked one), segments under
+``data/branches/<name>/`` and its own retention, without touching ``main``; both lines can
+be opened and compared at any retained checkpoint. Only ``main``'s writer sweeps orphan
+files (a fork's leftovers of crashed commits stay until the fork is removed).
+
+Not thread safe: one driver owns a branch for writing. Readers in other processes may
+open the same table at any retained checkpoint of any branch, or any savepoint.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -40,7 +49,7 @@ from pyiceberg.exceptions import CommitFailedException, NoSuchNamespaceError, No
 from pyiceberg.io.pyarrow import parquet_file_to_data_file, schema_to_pyarrow
 from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table, Transaction
-from pyiceberg.table.refs import MAIN_BRANCH
+from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.table.update.snapshot import ExpireSnapshots, ManageSnapshots
 
@@ -67,7 +76,7 @@ from statestore.errors import (
 from statestore.faults import crash_point
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import KEY_GROUP, StateLayout
-from statestore.paths import DATA_DIR, parse_segment_name, segment_path
+from statestore.paths import BRANCHES_DIR, DATA_DIR, parse_segment_name, segment_path
 from statestore.table import CheckpointInfo, SegmentFile
 
 logger = logging.getLogger(__name__)
@@ -85,7 +94,9 @@ METADATA_DIR = "metadata"
 class IcebergStateTable:
     """A ``statestore.table.StateTable`` backed by one Iceberg table. Use ``open``."""
 
-    def __init__(self, catalog: Catalog, owns_catalog: bool, table: Table, layout: StateLayout, retain: int):
+    def __init__(self, catalog: Catalog, owns_catalog: bool, table: Table, layout: StateLayout, retain: int,
+                 branch: str = MAIN_BRANCH):
+        self._branch = branch
         self._catalog = catalog
         self._owns_catalog = owns_catalog
         self._table = table
@@ -108,7 +119,7 @@ class IcebergStateTable:
         cls, layout: StateLayout, *, warehouse: str | None = None, catalog: Catalog | None = None,
         namespace: str = DEFAULT_NAMESPACE, table_name: str, checkpoint_id: int | None = None,
         retain_checkpoints: int = DEFAULT_RETAIN_CHECKPOINTS, partition_width: int | None = None,
-        close_catalog: bool = False,
+        close_catalog: bool = False, branch: str = MAIN_BRANCH, savepoint: str | None = None,
     ) -> IcebergStateTable:
         """Open (creating if needed) the state table ``namespace.table_name`` at a checkpoint.
 
@@ -124,18 +135,23 @@ class IcebergStateTable:
             retain_checkpoints: how many checkpoints of the current line retention keeps.
             partition_width: key groups per partition (``truncate(key_group, W)``); None
                 keeps the table's, or for a new table one partition for all key groups.
+            branch: the line to open and commit to: ``main``, or a fork made by ``fork``.
+            savepoint: open at this savepoint instead of a checkpoint of the line (the
+                next commit continues from it, abandoning the line's newer checkpoints).
 
         Raises:
             StateTableMismatchError: the table holds another operator's state.
-            CheckpointNotFoundError: ``checkpoint_id`` is not retained.
+            CheckpointNotFoundError: ``checkpoint_id`` is not retained, or no such savepoint.
+            ValueError: no such branch.
         """
         _check_open_args(layout, table_name, retain_checkpoints, partition_width)
+        _check_at(checkpoint_id, savepoint)
         catalog, owns = _catalog_for(warehouse, catalog)
         owns = owns or close_catalog
         try:
             catalog.create_namespace_if_not_exists(namespace)
             table = load_or_create(catalog, (namespace, table_name), layout, partition_width)
-            state = cls._opened(catalog, owns, table, layout, retain_checkpoints, checkpoint_id)
+            state = cls._opened(catalog, owns, table, layout, retain_checkpoints, checkpoint_id, branch, savepoint)
             state._make_data_dir()
             return state
         except BaseException:
@@ -147,6 +163,7 @@ class IcebergStateTable:
     def open_existing(
         cls, *, warehouse: str | None = None, catalog: Catalog | None = None, namespace: str = DEFAULT_NAMESPACE,
         table_name: str, checkpoint_id: int | None = None, retain_checkpoints: int = DEFAULT_RETAIN_CHECKPOINTS,
+        branch: str = MAIN_BRANCH, savepoint: str | None = None,
     ) -> IcebergStateTable:
         """Open an existing state table with the layout recorded in it, changing nothing.
 
@@ -155,11 +172,12 @@ class IcebergStateTable:
         but not folded into. Raises ValueError when there is no such table.
         """
         _check_open_args(None, table_name, retain_checkpoints, None)
+        _check_at(checkpoint_id, savepoint)
         catalog, owns = _catalog_for(warehouse, catalog)
         try:
             table = _load_existing(catalog, (namespace, table_name))
             layout = recorded_layout(".".join(table.name()), table.schema(), table.properties)
-            return cls._opened(catalog, owns, table, layout, retain_checkpoints, checkpoint_id)
+            return cls._opened(catalog, owns, table, layout, retain_checkpoints, checkpoint_id, branch, savepoint)
         except BaseException:
             if owns:
                 catalog.close()
@@ -168,9 +186,11 @@ class IcebergStateTable:
     @classmethod
     def _opened(
         cls, catalog: Catalog, owns: bool, table: Table, layout: StateLayout, retain: int, checkpoint_id: int | None,
+        branch: str = MAIN_BRANCH, savepoint: str | None = None,
     ) -> IcebergStateTable:
-        state = cls(catalog, owns, table, layout, retain)
-        state._open_at(state._find_checkpoint(checkpoint_id))
+        _check_branch(table, branch)
+        state = cls(catalog, owns, table, layout, retain, branch)
+        state._open_at(state._find_checkpoint(checkpoint_id, savepoint))
         return state
 
     # --- the StateTable protocol -------------------------------------------------------
@@ -197,7 +217,7 @@ class IcebergStateTable:
         partitions = -(-self._layout.max_parallelism // self._width)
         if not 0 <= partition < partitions:
             raise ValueError(f"partition {partition} is outside [0, {partitions - 1}] of state table {self._name}")
-        uri = segment_path(self._table.location(), checkpoint_id, task_index, partition)
+        uri = segment_path(self._table.location(), checkpoint_id, task_index, partition, self._segment_subdir)
         return self._locations.to_path(uri)
 
     def segments(self, key_groups: KeyGroupRange) -> list[SegmentFile]:
@@ -212,25 +232,121 @@ class IcebergStateTable:
         return None if self._snapshot is None else self._info(self._snapshot)
 
     def next_checkpoint_id(self) -> int:
-        """One more than the highest checkpoint id ever committed, abandoned lines included."""
+        """One more than the highest checkpoint id ever committed on this branch (for main: to
+        the table), abandoned lines included."""
         self._check_open()
-        return newest_checkpoint_id(self._table.metadata) + 1
+        return newest_checkpoint_id(self._table.metadata, self._branch) + 1
 
     def list_checkpoints(self) -> list[CheckpointInfo]:
-        """Checkpoints of the main line still in the table, oldest first."""
+        """Checkpoints of this branch's line still in the table, oldest first."""
         self._check_open()
-        return [self._info(s) for _, s in checkpoints_on_line(self._table.metadata)]
+        return [self._info(s) for _, s in checkpoints_on_line(self._table.metadata, self._branch)]
 
-    def restore(self, checkpoint_id: int | None = None) -> CheckpointInfo | None:
-        """Reopen at a retained checkpoint (the newest when None), reading only metadata.
+    def restore(self, checkpoint_id: int | None = None, *, savepoint: str | None = None) -> CheckpointInfo | None:
+        """Reopen at a retained checkpoint of this branch (the newest when None) or at a
+        savepoint, reading only metadata.
 
-        The next commit follows the restored checkpoint; newer checkpoints are then
-        abandoned and removed by retention.
+        The next commit follows the restored checkpoint; newer checkpoints of this branch
+        are then abandoned and removed by retention.
         """
         self._check_open()
+        _check_at(checkpoint_id, savepoint)
         self._table.refresh()
-        self._open_at(self._find_checkpoint(checkpoint_id))
+        _check_branch(self._table, self._branch)
+        self._open_at(self._find_checkpoint(checkpoint_id, savepoint))
         return self.current_checkpoint()
+
+    # --- savepoints and forks -------------------------------------------------------------
+
+    @property
+    def branch(self) -> str:
+        """The branch this table reads and commits: ``main`` or a fork."""
+        return self._branch
+
+    def savepoint(self, name: str, checkpoint_id: int | None = None) -> CheckpointInfo:
+        """Name a checkpoint of this branch (the opened one when None) as a savepoint: an
+        Iceberg tag that retention never expires. Open or restore at it with ``savepoint=``."""
+        self._check_open()
+        self._table.refresh()
+        _check_new_ref(self._table, name, "savepoint")
+        snapshot = self._snapshot if checkpoint_id is None else self._find_checkpoint(checkpoint_id)
+        if snapshot is None:
+            raise CheckpointNotFoundError(f"state table {self._name} has no checkpoint to save yet")
+        self._table.manage_snapshots().create_tag(snapshot.snapshot_id, name).commit()
+        return self._info(snapshot)
+
+    def savepoints(self) -> dict[str, CheckpointInfo]:
+        """Every savepoint of the table, by name."""
+        self._check_open()
+        self._table.refresh()
+        return {name: self._info(self._table.metadata.snapshot_by_id(ref.snapshot_id))
+                for name, ref in sorted(self._table.metadata.refs.items())
+                if ref.snapshot_ref_type == SnapshotRefType.TAG}
+
+    def remove_savepoint(self, name: str) -> None:
+        """Drop a savepoint; retention may then expire its checkpoint."""
+        self._check_open()
+        self._table.refresh()
+        ref = self._table.metadata.refs.get(name)
+        if ref is None or ref.snapshot_ref_type != SnapshotRefType.TAG:
+            raise CheckpointNotFoundError(f"state table {self._name} has no savepoint {name!r}")
+        self._table.manage_snapshots().remove_tag(name).commit()
+
+    def fork(self, name: str, checkpoint_id: int | None = None, *, savepoint: str | None = None) -> CheckpointInfo:
+        """Create the fork ``name`` (an Iceberg branch) at a checkpoint of this branch (the
+        opened one when both are None) or at a savepoint. Open it with ``branch=name``: its
+        commits never touch this branch."""
+        self._check_open()
+        _check_at(checkpoint_id, savepoint)
+        self._table.refresh()
+        _check_new_ref(self._table, name, "fork")
+        if checkpoint_id is None and savepoint is None:
+            snapshot = self._snapshot
+        else:
+            snapshot = self._find_checkpoint(checkpoint_id, savepoint)
+        if snapshot is None:
+            raise CheckpointNotFoundError(f"state table {self._name} has no checkpoint to fork yet")
+        tx = self._table.transaction()
+        ManageSnapshots(tx).create_branch(snapshot.snapshot_id, name).commit()
+        tx.set_properties({props.fork_base_key(name): str(snapshot.snapshot_id)})
+        tx.commit_transaction()
+        return self._info(snapshot)
+
+    def at_fork_point(self) -> bool:
+        """Whether this table is a fork opened at the checkpoint it was forked from (nothing
+        committed on the fork yet, or restored back to that point)."""
+        self._check_open()
+        if self._branch == MAIN_BRANCH or self._snapshot is None:
+            return False
+        base = self._table.metadata.properties.get(props.fork_base_key(self._branch))
+        return base is not None and int(base) == self._snapshot.snapshot_id
+
+    def forks(self) -> dict[str, CheckpointInfo | None]:
+        """Every branch of the table but main, with its newest checkpoint."""
+        self._check_open()
+        self._table.refresh()
+        out: dict[str, CheckpointInfo | None] = {}
+        for name, ref in sorted(self._table.metadata.refs.items()):
+            if name != MAIN_BRANCH and ref.snapshot_ref_type == SnapshotRefType.BRANCH:
+                line = checkpoints_on_line(self._table.metadata, name)
+                out[name] = self._info(line[-1][1]) if line else None
+        return out
+
+    def remove_fork(self, name: str) -> None:
+        """Drop a fork (not the branch this table commits to): its own checkpoints become
+        garbage that ``main``'s retention expires and deletes."""
+        self._check_open()
+        if name in (MAIN_BRANCH, self._branch):
+            raise ValueError(f"cannot remove branch {name!r} of state table {self._name}: it is main or this "
+                             "table's own branch")
+        self._table.refresh()
+        ref = self._table.metadata.refs.get(name)
+        if ref is None or ref.snapshot_ref_type != SnapshotRefType.BRANCH:
+            raise ValueError(f"state table {self._name} has no fork {name!r} (forks: {sorted(self.forks())})")
+        tx = self._table.transaction()
+        ManageSnapshots(tx).remove_branch(name).commit()
+        tx.remove_properties(props.fork_base_key(name), props.last_checkpoint_id_key(name))
+        tx.commit_transaction()
 
     def commit_checkpoint(
         self, checkpoint_id: int, segments: Sequence[SegmentFile], *, parallelism: int,
@@ -307,27 +423,44 @@ class IcebergStateTable:
 
     # --- opening at a checkpoint -----------------------------------------------------------
 
+    @property
+    def _segment_subdir(self) -> str | None:
+        # A fork's segments live apart, where main's orphan sweep (which lists data/ only)
+        # never sees a fork's files in flight.
+        return None if self._branch == MAIN_BRANCH else f"{BRANCHES_DIR}/{self._branch}"
+
     def _make_data_dir(self) -> None:
         # Tasks write segments with plain filesystem calls; a local filesystem does not
         # create parent directories on write (object stores have none to create).
         data_dir = f"{self._table.location().rstrip('/')}/{DATA_DIR}"
+        if self._segment_subdir:
+            data_dir = f"{data_dir}/{self._segment_subdir}"
         self.filesystem.create_dir(self._locations.to_path(data_dir), recursive=True)
 
-    def _find_checkpoint(self, checkpoint_id: int | None) -> Snapshot | None:
-        line = checkpoints_on_line(self._table.metadata)
+    def _find_checkpoint(self, checkpoint_id: int | None, savepoint: str | None = None) -> Snapshot | None:
+        if savepoint is not None:
+            return self._savepoint_snapshot(savepoint)
+        line = checkpoints_on_line(self._table.metadata, self._branch)
         if checkpoint_id is None:
             return line[-1][1] if line else None
         for cp, snapshot in line:
             if cp == checkpoint_id:
                 return snapshot
         raise CheckpointNotFoundError(
-            f"checkpoint {checkpoint_id} is not retained in state table {self._name} (retained: "
-            f"{[cp for cp, _ in line]}): restore one of those, or None for the newest"
+            f"checkpoint {checkpoint_id} is not retained on branch {self._branch!r} of state table {self._name} "
+            f"(retained: {[cp for cp, _ in line]}): restore one of those, None for the newest, or a savepoint"
         )
+
+    def _savepoint_snapshot(self, name: str) -> Snapshot:
+        ref = self._table.metadata.refs.get(name)
+        if ref is None or ref.snapshot_ref_type != SnapshotRefType.TAG:
+            tags = sorted(n for n, r in self._table.metadata.refs.items() if r.snapshot_ref_type == SnapshotRefType.TAG)
+            raise CheckpointNotFoundError(f"state table {self._name} has no savepoint {name!r} (savepoints: {tags})")
+        return self._table.metadata.snapshot_by_id(ref.snapshot_id)
 
     def _open_at(self, snapshot: Snapshot | None) -> None:
         self._snapshot = snapshot
-        head = self._table.metadata.snapshot_by_name(MAIN_BRANCH)
+        head = self._table.metadata.snapshot_by_name(self._branch)
         self._expected_head = None if head is None else head.snapshot_id
         entries = self._cache.live_files(snapshot).values() if snapshot is not None else ()
         self._set_index([self._segment(e) for e in entries])
@@ -373,7 +506,7 @@ class IcebergStateTable:
         self, checkpoint_id: int, segments: Sequence[SegmentFile], parallelism: int,
         batch_id: int | None, properties: dict[str, str],
     ) -> None:
-        newest = newest_checkpoint_id(self._table.metadata)
+        newest = newest_checkpoint_id(self._table.metadata, self._branch)
         if not _is_int(checkpoint_id) or checkpoint_id <= newest:
             raise ValueError(
                 f"checkpoint id {checkpoint_id!r} of state table {self._name} must be an int above every "
@@ -457,6 +590,7 @@ class IcebergStateTable:
         for attempt in range(COMMIT_ATTEMPTS_MAX):
             if attempt:
                 time.sleep(COMMIT_RETRY_WAIT_MS * 2 ** (attempt - 1) / 1000)
+            if attempt or self._has_other_writers():
                 self._table.refresh()
                 self._check_not_overtaken(checkpoint_id)
             parent, rollback = self._plan_parent()
@@ -464,13 +598,29 @@ class IcebergStateTable:
                 return self._commit_once(checkpoint_id, data_files, summary, parent, rollback)
             except CommitFailedException as e:
                 logger.warning("commit of checkpoint %s to %s lost a race (%s); retrying", checkpoint_id, self._name, e)
+            except (ValueError, FileNotFoundError) as e:
+                # The writer of another branch committed or expired snapshots since this table
+                # read the metadata: the catalog applies our updates to the newer metadata, where
+                # our sequence number is taken or a snapshot we expire is gone, or a manifest
+                # list of a snapshot we saw was deleted (pyiceberg raises ValueError there, not
+                # a commit conflict). Anything else is not a race.
+                if not self._has_other_writers() or (
+                        isinstance(e, ValueError) and not _is_stale_metadata_error(e)):
+                    raise
+                logger.info("commit of checkpoint %s to %s raced another branch's writer (%s); retrying",
+                            checkpoint_id, self._name, e)
         raise CommitConflictError(
             f"checkpoint {checkpoint_id} of state table {self._name} lost {COMMIT_ATTEMPTS_MAX} commit races to "
             "other writers; nothing was committed: retry the checkpoint, and check that one driver writes the table"
         )
 
+    def _has_other_writers(self) -> bool:
+        """Whether another branch of the table may have a writer (main and forks)."""
+        return any(name != self._branch and ref.snapshot_ref_type == SnapshotRefType.BRANCH
+                   for name, ref in self._table.metadata.refs.items())
+
     def _check_not_overtaken(self, checkpoint_id: int) -> None:
-        newest = newest_checkpoint_id(self._table.metadata)
+        newest = newest_checkpoint_id(self._table.metadata, self._branch)
         if newest >= checkpoint_id:
             raise CommitConflictError(
                 f"another writer committed checkpoint {newest} to state table {self._name} while this one was "
@@ -485,7 +635,7 @@ class IcebergStateTable:
         the table was opened at an older checkpoint than main's head (a restore), main is
         rolled back, abandoning the newer line; anything else is a second driver.
         """
-        head = self._table.metadata.snapshot_by_name(MAIN_BRANCH)
+        head = self._table.metadata.snapshot_by_name(self._branch)
         base = None if self._snapshot is None else self._snapshot.snapshot_id
         if head is None or head.snapshot_id == base:
             return base, False
@@ -494,7 +644,8 @@ class IcebergStateTable:
         if base is not None and self._adds_no_checkpoint(head, since=self._expected_head):
             return base, True
         raise CommitConflictError(
-            f"main branch of state table {self._name} moved to snapshot {head.snapshot_id}, which holds checkpoints "
+            f"branch {self._branch!r} of state table {self._name} moved to snapshot {head.snapshot_id}, which holds "
+            "checkpoints "
             "this table did not commit: another driver writes the same state; stop one and restore"
         )
 
@@ -515,18 +666,23 @@ class IcebergStateTable:
         for; returns the new snapshot, its commit UUID and the files the expiry leaves
         unreferenced (to delete once the commit is through)."""
         tx = self._table.transaction()
+        main = self._branch == MAIN_BRANCH
         if rollback:
             # Staged in the same transaction as the append, so the catalog switches to the
             # new checkpoint and abandons the newer line in one atomic step.
-            ManageSnapshots(tx).set_current_snapshot(snapshot_id=parent)
-        append = tx.update_snapshot(snapshot_properties=summary).merge_append()
+            if main:
+                ManageSnapshots(tx).set_current_snapshot(snapshot_id=parent)
+            else:
+                ManageSnapshots(tx).create_branch(parent, self._branch).commit()
+        append = tx.update_snapshot(snapshot_properties=summary, branch=self._branch).merge_append()
         # pyiceberg names the commit's manifests and manifest list after this UUID; tagging
         # it with the checkpoint id lets the orphan sweep recognise them after a crash.
-        append.commit_uuid = commit = commit_uuid(checkpoint_id)
+        append.commit_uuid = commit = commit_uuid(checkpoint_id, fork=not main)
         for data_file in data_files:
             append.append_data_file(data_file)
         append.commit()
-        tx.set_properties({props.LAST_CHECKPOINT_ID: str(checkpoint_id)})
+        key = props.LAST_CHECKPOINT_ID if main else props.last_checkpoint_id_key(self._branch)
+        tx.set_properties({key: str(checkpoint_id)})
         doomed = self._stage_expiry(tx)
         with _crash_before_catalog_switch(self._table):
             tx.commit_transaction()
@@ -539,7 +695,7 @@ class IcebergStateTable:
         pyiceberg's metadata deep copies) per checkpoint: measured 25 ms of a 40 ms commit.
         The files only expired snapshots reference are computed now, while their manifests
         are still listed, and deleted after the commit."""
-        plan = plan_retention(tx.table_metadata, self._retain)
+        plan = plan_retention(tx.table_metadata, self._retain, self._branch)
         if not plan.expired:
             return []
         doomed = unreferenced_files(self._cache, plan.expired, plan.retained)
@@ -562,9 +718,16 @@ class IcebergStateTable:
     # --- retention and garbage collection ------------------------------------------------------
 
     def _retain_and_collect(self, sweep: bool) -> None:
-        plan = plan_retention(self._table.metadata, self._retain)
+        sweep = sweep and self._branch == MAIN_BRANCH
+        plan = plan_retention(self._table.metadata, self._retain, self._branch)
         if plan.expired:
-            doomed = unreferenced_files(self._cache, plan.expired, plan.retained)
+            try:
+                doomed = unreferenced_files(self._cache, plan.expired, plan.retained)
+            except FileNotFoundError as e:
+                # Another branch's writer expired and deleted some of these since: the next commit retries.
+                logger.info("retention of %s skipped: the metadata changed under it (%s)", self._name, e)
+                self._table.refresh()
+                return
             if self._expire([s.snapshot_id for s in plan.expired]):
                 crash_point("snapshots_expired")
                 self._delete(doomed)
@@ -579,8 +742,9 @@ class IcebergStateTable:
     def _expire(self, snapshot_ids: list[int]) -> bool:
         try:
             self._table.maintenance.expire_snapshots().by_ids(snapshot_ids).commit()
-        except CommitFailedException as e:
-            # Housekeeping only: the checkpoint is committed; the next commit retries.
+        except (CommitFailedException, ValueError) as e:
+            # Housekeeping only: the checkpoint is committed; the next commit retries. (A
+            # ValueError: another branch's writer expired some of these snapshots first.)
             logger.warning("expiring %d snapshots of %s lost a race (%s)", len(snapshot_ids), self._name, e)
             self._table.refresh()
             return False
@@ -661,6 +825,41 @@ def _load_existing(catalog: Catalog, identifier: tuple[str, str]) -> Table:
             f"there is no state table {'.'.join(identifier)} in catalog {catalog.name}: check the names, or create "
             "it with IcebergStateTable.open(layout, ...)"
         ) from e
+
+
+def _is_stale_metadata_error(e: ValueError) -> bool:
+    text = str(e)
+    return "sequence number" in text or "does not exist" in text
+
+
+def _check_at(checkpoint_id: int | None, savepoint: str | None) -> None:
+    if checkpoint_id is not None and savepoint is not None:
+        raise ValueError("give checkpoint_id= or savepoint=, not both")
+
+
+def _check_branch(table: Table, branch: str) -> None:
+    if not isinstance(branch, str) or not branch:
+        raise ValueError(f"branch must be a non-empty string, got {branch!r}")
+    if branch == MAIN_BRANCH:
+        return
+    ref = table.metadata.refs.get(branch)
+    if ref is None or ref.snapshot_ref_type != SnapshotRefType.BRANCH:
+        forks = sorted(n for n, r in table.metadata.refs.items()
+                       if n != MAIN_BRANCH and r.snapshot_ref_type == SnapshotRefType.BRANCH)
+        raise ValueError(f"state table {'.'.join(table.name())} has no fork {branch!r} (forks: {forks}); "
+                         "create it with fork(name, checkpoint_id) on a table opened at main")
+
+
+_REF_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+def _check_new_ref(table: Table, name: str, what: str) -> None:
+    if not isinstance(name, str) or not _REF_NAME.match(name) or name == MAIN_BRANCH:
+        raise ValueError(f"{what} name {name!r} must be 1-100 letters, digits, '_', '.' or '-' (not 'main')")
+    ref = table.metadata.refs.get(name)
+    if ref is not None:
+        kind = "savepoint" if ref.snapshot_ref_type == SnapshotRefType.TAG else "fork"
+        raise ValueError(f"state table {'.'.join(table.name())} already has a {kind} named {name!r}")
 
 
 def _is_int(value: object) -> bool:

@@ -26,23 +26,28 @@ from pyiceberg.io import FileIO
 from pyiceberg.io.pyarrow import PyArrowFileIO
 
 # First 32 bits of every checkpoint commit UUID ("sTaT"); then 48 bits of checkpoint id and
-# 48 random bits. A random UUID carries this tag with probability 2**-32.
+# 48 random bits. A random UUID carries this tag with probability 2**-32. Commits to a fork
+# (a branch other than main) carry "sTaF" instead: their checkpoint ids are the fork's own,
+# so main's garbage collection must not read them as its own.
 _COMMIT_TAG = 0x73546154
+_FORK_COMMIT_TAG = 0x73546146
 _CHECKPOINT_BITS = 48
 _RANDOM_BITS = 48
 _UUID = re.compile(r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
 
 
-def commit_uuid(checkpoint_id: int) -> uuid.UUID:
-    """A fresh commit UUID tagged with ``checkpoint_id`` (0 <= id < 2**48)."""
+def commit_uuid(checkpoint_id: int, fork: bool = False) -> uuid.UUID:
+    """A fresh commit UUID tagged with ``checkpoint_id`` (0 <= id < 2**48), of main or of a fork."""
     if not 0 <= checkpoint_id < 1 << _CHECKPOINT_BITS:
         raise ValueError(f"checkpoint id {checkpoint_id} does not fit a commit tag (48 bits)")
-    value = (_COMMIT_TAG << (_CHECKPOINT_BITS + _RANDOM_BITS)) | (checkpoint_id << _RANDOM_BITS)
+    tag = _FORK_COMMIT_TAG if fork else _COMMIT_TAG
+    value = (tag << (_CHECKPOINT_BITS + _RANDOM_BITS)) | (checkpoint_id << _RANDOM_BITS)
     return uuid.UUID(int=value | secrets.randbits(_RANDOM_BITS))
 
 
 def checkpoint_of_commit_file(path: str) -> int | None:
-    """Checkpoint id of a manifest or manifest list written by a checkpoint commit, else None."""
+    """Checkpoint id of a manifest or manifest list written by a checkpoint commit to main,
+    else None (other files, and commits to forks)."""
     name = path.rsplit("/", 1)[-1]
     if not name.endswith(".avro"):
         return None

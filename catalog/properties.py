@@ -17,6 +17,17 @@ PARTITION_WIDTH = "statestore.partition-width"
 # of an abandoned line (restore to an older checkpoint) are expired.
 LAST_CHECKPOINT_ID = "statestore.last-checkpoint-id"
 
+
+def last_checkpoint_id_key(branch: str) -> str:
+    """The table property holding the highest checkpoint id committed on a fork (a branch
+    other than main; main's is ``LAST_CHECKPOINT_ID``)."""
+    return f"{LAST_CHECKPOINT_ID}@{branch}"
+
+
+def fork_base_key(branch: str) -> str:
+    """The table property holding the snapshot id a fork was created at."""
+    return f"statestore.fork-base@{branch}"
+
 # Snapshot summary properties of a checkpoint (stored: do not rename).
 SUMMARY_CHECKPOINT_ID = "statestore.checkpoint-id"
 SUMMARY_BATCH_ID = "statestore.batch-id"

@@ -1,10 +1,13 @@
 """Which snapshots a state table keeps, and which files may be deleted. Pure planning.
 
-Retention keeps, on the current line (the ancestors of the main branch head), the newest
-``retain`` checkpoints and every snapshot between them (a compaction snapshot between two
-retained checkpoints stays), plus the head of every other branch and tag (savepoints).
-Everything else is expired: older ancestors and snapshots of abandoned lines (what a
-restore to an older checkpoint left behind).
+Retention, run by the writer of one branch (``main`` for a stream, or a fork), keeps on
+that branch's line (the ancestors of its head) the newest ``retain`` checkpoints and every
+snapshot between them (a compaction snapshot between two retained checkpoints stays); the
+whole line of every other branch, which its own writer trims; and the snapshot of every
+tag (savepoints, never expired). Everything else is expired: older ancestors on the
+writer's line that no other branch shares, and snapshots of abandoned lines (what a restore
+to an older checkpoint left behind). A fork thus keeps the history it shares with ``main``
+until it is removed.
 
 pyiceberg's expiry deletes no file. Deleting is safe only for a file that no retained
 snapshot references, so the plan is computed over every retained snapshot:
@@ -29,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pyiceberg.table.metadata import TableMetadata
-from pyiceberg.table.refs import MAIN_BRANCH
+from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 
 from catalog import properties as props
@@ -46,22 +49,32 @@ def checkpoint_id_of(snapshot: Snapshot) -> int | None:
     return None if value is None else int(value)
 
 
-def main_line(metadata: TableMetadata) -> list[Snapshot]:
-    """Ancestors of the main branch head that are still in the metadata, newest first."""
-    return list(ancestors_of(metadata.snapshot_by_name(MAIN_BRANCH), metadata))
+def line(metadata: TableMetadata, branch: str = MAIN_BRANCH) -> list[Snapshot]:
+    """Ancestors of ``branch``'s head that are still in the metadata, newest first."""
+    return list(ancestors_of(metadata.snapshot_by_name(branch), metadata))
 
 
-def checkpoints_on_line(metadata: TableMetadata) -> list[tuple[int, Snapshot]]:
-    """(checkpoint id, snapshot) of the checkpoints on the main line, oldest first."""
-    found = [(checkpoint_id_of(s), s) for s in main_line(metadata)]
+def checkpoints_on_line(metadata: TableMetadata, branch: str = MAIN_BRANCH) -> list[tuple[int, Snapshot]]:
+    """(checkpoint id, snapshot) of the checkpoints on ``branch``'s line, oldest first."""
+    found = [(checkpoint_id_of(s), s) for s in line(metadata, branch)]
     return [(cp, s) for cp, s in reversed(found) if cp is not None]
 
 
-def newest_checkpoint_id(metadata: TableMetadata) -> int:
-    """Highest checkpoint id ever committed to the table (0 for none): the table property,
-    or a snapshot that carries a higher one (a table written before the property existed)."""
-    ids = [checkpoint_id_of(s) for s in metadata.snapshots]
-    recorded = int(metadata.properties.get(props.LAST_CHECKPOINT_ID, "0"))
+def newest_checkpoint_id(metadata: TableMetadata, branch: str = MAIN_BRANCH) -> int:
+    """Highest checkpoint id committed on ``branch`` (0 for none), which the next checkpoint
+    must exceed. For ``main``: of the whole table but the forks' own snapshots (the table
+    property, or a snapshot that carries a higher one: a table written before the property
+    existed), so ids stay monotonic after an abandoned line is expired. For a fork: its own property, or the
+    newest on its line (it continues the ids of the checkpoint it was forked from)."""
+    if branch == MAIN_BRANCH:
+        on_forks = {s.snapshot_id for name, ref in metadata.refs.items()
+                    if name != MAIN_BRANCH and ref.snapshot_ref_type == SnapshotRefType.BRANCH
+                    for s in line(metadata, name)} - {s.snapshot_id for s in line(metadata)}
+        ids = [checkpoint_id_of(s) for s in metadata.snapshots if s.snapshot_id not in on_forks]
+        recorded = int(metadata.properties.get(props.LAST_CHECKPOINT_ID, "0"))
+    else:
+        ids = [checkpoint_id_of(s) for s in line(metadata, branch)]
+        recorded = int(metadata.properties.get(props.last_checkpoint_id_key(branch), "0"))
     return max([recorded, *(i for i in ids if i is not None)])
 
 
@@ -71,16 +84,19 @@ class RetentionPlan:
     expired: tuple[Snapshot, ...]
 
 
-def plan_retention(metadata: TableMetadata, retain_checkpoints: int) -> RetentionPlan:
-    """Snapshots to keep and to expire; see the module docstring for the rule."""
+def plan_retention(metadata: TableMetadata, retain_checkpoints: int, branch: str = MAIN_BRANCH) -> RetentionPlan:
+    """Snapshots to keep and to expire by the writer of ``branch``; see the module docstring."""
     keep: set[int] = set()
     kept_checkpoints = 0
-    for snapshot in main_line(metadata):
+    for snapshot in line(metadata, branch):
         if kept_checkpoints == retain_checkpoints:
             break
         keep.add(snapshot.snapshot_id)
         kept_checkpoints += checkpoint_id_of(snapshot) is not None
-    keep |= {ref.snapshot_id for ref in metadata.refs.values()}
+    for name, ref in metadata.refs.items():
+        keep.add(ref.snapshot_id)
+        if name != branch and ref.snapshot_ref_type == SnapshotRefType.BRANCH:
+            keep |= {s.snapshot_id for s in line(metadata, name)}
     retained = tuple(s for s in metadata.snapshots if s.snapshot_id in keep)
     expired = tuple(s for s in metadata.snapshots if s.snapshot_id not in keep)
     return RetentionPlan(retained, expired)

@@ -145,13 +145,15 @@ OPT_NAMESPACE = "namespace"
 OPT_WAREHOUSE = "warehouse"
 OPT_STATE = "state"
 OPT_CHECKPOINT = "checkpoint"
+OPT_BRANCH = "branch"
+OPT_SAVEPOINT = "savepoint"
 OPT_NOW_MS = "now_ms"
 OPT_PARTITIONS = "partitions"
 OPT_PUSHDOWN = "pushdown"
 CATALOG_PREFIX = "catalog."
 CATALOG_NAME = "catalog.name"
-KNOWN_OPTIONS = (OPT_TABLE, OPT_PATH, OPT_NAMESPACE, OPT_WAREHOUSE, OPT_STATE, OPT_CHECKPOINT, OPT_NOW_MS,
-                 OPT_PARTITIONS, OPT_PUSHDOWN)
+KNOWN_OPTIONS = (OPT_TABLE, OPT_PATH, OPT_NAMESPACE, OPT_WAREHOUSE, OPT_STATE, OPT_CHECKPOINT, OPT_BRANCH,
+                 OPT_SAVEPOINT, OPT_NOW_MS, OPT_PARTITIONS, OPT_PUSHDOWN)
 
 # Key types whose pushed literals (str, bytes, int, bool, date) hash and compare exactly.
 _PUSHABLE_KEY = (pa.types.is_string, pa.types.is_binary, pa.types.is_integer, pa.types.is_boolean,
@@ -175,6 +177,8 @@ class ReadOptions:
     now_ms: int | None
     partitions: int | None
     pushdown: bool
+    branch: str = "main"
+    savepoint: str | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReadOptions:
@@ -217,11 +221,14 @@ class ReadOptions:
         if pushdown not in ("true", "false"):
             raise ValueError(f"icestate data source: option pushdown must be 'true' or 'false', got {pushdown!r}")
         partitions = _int_option(opts, OPT_PARTITIONS, minimum=1)
+        if opts.get(OPT_SAVEPOINT) and opts.get(OPT_CHECKPOINT):
+            raise ValueError("icestate data source: options checkpoint and savepoint both name what to read: give one")
         return cls(
             table=table, namespace=opts.get(OPT_NAMESPACE) or DEFAULT_NAMESPACE, warehouse=warehouse,
             catalog_properties=catalog_props, catalog_name=opts.get(CATALOG_NAME) or DEFAULT_CATALOG_NAME,
             state=opts.get(OPT_STATE) or None, checkpoint_id=_int_option(opts, OPT_CHECKPOINT, minimum=1),
             now_ms=_int_option(opts, OPT_NOW_MS, minimum=None), partitions=partitions, pushdown=pushdown == "true",
+            branch=opts.get(OPT_BRANCH) or "main", savepoint=opts.get(OPT_SAVEPOINT) or None,
         )
 
     @property
@@ -259,11 +266,11 @@ class ReadOptions:
         try:
             return IcebergStateTable.open_existing(
                 warehouse=self.warehouse, catalog=catalog, namespace=self.namespace, table_name=self.table,
-                checkpoint_id=self.checkpoint_id)
+                checkpoint_id=self.checkpoint_id, branch=self.branch, savepoint=self.savepoint)
         except CheckpointNotFoundError as e:
+            what = f"savepoint={self.savepoint}" if self.savepoint else f"checkpoint={self.checkpoint_id}"
             raise CheckpointNotFoundError(
-                f"icestate data source: option checkpoint={self.checkpoint_id}: {e}; or leave the option out to "
-                "read the newest checkpoint"
+                f"icestate data source: option {what}: {e}; or leave the option out to read the newest checkpoint"
             ) from e
         except ValueError as e:
             where = f"warehouse {self.warehouse!r}" if self.warehouse else f"catalog {self.catalog_name!r}"

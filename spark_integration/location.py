@@ -28,7 +28,10 @@ class StateLocation:
             for a shared catalog (REST, SQL on Postgres, Glue...). Executors load it themselves.
         max_parallelism: number of key groups, fixed when the table is created.
         parallelism: tasks of this run; may change at every restart (1..max_parallelism).
-        retain_checkpoints: checkpoints of the main line that retention keeps.
+        retain_checkpoints: checkpoints of the line that retention keeps.
+        branch: the line of the table this query reads and commits: ``main``, or a fork
+            (``IcebergStateTable.fork``), so that a new version of a job runs against a
+            copy of the state that costs no bytes and leaves ``main`` untouched.
     """
 
     table: str
@@ -39,6 +42,7 @@ class StateLocation:
     catalog_name: str | None = None
     catalog_properties: dict[str, str] = field(default_factory=dict)
     retain_checkpoints: int = DEFAULT_RETAIN_CHECKPOINTS
+    branch: str = "main"
 
     def __post_init__(self) -> None:
         if not isinstance(self.table, str) or not self.table:
@@ -65,12 +69,13 @@ class StateLocation:
     @property
     def identity(self) -> tuple:
         """Which table this is, whatever the parallelism."""
-        return (self.warehouse, self.catalog_name, tuple(sorted(self.catalog_properties.items())), self.identifier)
+        return (self.warehouse, self.catalog_name, tuple(sorted(self.catalog_properties.items())), self.identifier,
+                self.branch)
 
     def open(self, layout: StateLayout, checkpoint_id: int | None = None) -> IcebergStateTable:
         """Open (creating on first use) the state table at ``checkpoint_id`` (newest when None)."""
         common = dict(namespace=self.namespace, table_name=self.table, checkpoint_id=checkpoint_id,
-                      retain_checkpoints=self.retain_checkpoints)
+                      retain_checkpoints=self.retain_checkpoints, branch=self.branch)
         if self.warehouse is not None:
             return IcebergStateTable.open(layout, warehouse=self.warehouse, **common)
         from pyiceberg.catalog import load_catalog

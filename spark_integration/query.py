@@ -211,8 +211,8 @@ class StatefulRunner:
     def __call__(self, batch_df: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
         info = self.table.current_checkpoint()
-        self._check_same_query(info)
-        if info is not None and info.batch_id is not None and batch_id <= info.batch_id:
+        adopted = self._check_same_query(info)
+        if not adopted and info is not None and info.batch_id is not None and batch_id <= info.batch_id:
             log.info("batch %d is already in state checkpoint %d: skipped", batch_id, info.checkpoint_id)
             self.reports.append(BatchReport(batch_id, skipped=True, checkpoint_id=info.checkpoint_id))
             return
@@ -300,18 +300,26 @@ class StatefulRunner:
 
     # ------------------------------------------------------------------ steps
 
-    def _check_same_query(self, info: Any) -> None:
+    def _check_same_query(self, info: Any) -> bool:
         """Batch ids only mean something within one streaming query: refuse to continue a state
-        table that another query (another checkpointLocation) wrote, which would skip its batches."""
+        table that another query (another checkpointLocation) wrote, which would skip its batches.
+        A fork at the checkpoint it was forked from is the exception: a new query adopts that
+        state as its starting point (True: no batch of it is a replay)."""
         if self.query_id is None:
             self.query_id = _query_id(self.spark, self.checkpoint_location)
         owner = None if info is None else info.properties.get(QUERY_PROPERTY)
         if owner is not None and owner != self.query_id:
+            if self.table.at_fork_point():
+                log.info("fork %s of %s: this query starts from checkpoint %d of query %s", self.table.branch,
+                         self.table.identifier, info.checkpoint_id, owner)
+                return True
             raise StateStoreError(
                 f"state table {self.table.identifier} holds the state of streaming query {owner}, but this query "
                 f"({self.checkpoint_location}) is {self.query_id}: its batch ids would not line up with the "
-                "checkpoints. Restart with the original checkpointLocation, or give this query its own state table"
+                "checkpoints. Restart with the original checkpointLocation, give this query its own state table, "
+                "or fork the state (IcebergStateTable.fork) and run this query on the fork"
             )
+        return False
 
     def _plan(self, batch_id: int, info: Any) -> BatchPlan:
         meta = _offset_metadata(self.spark, self.checkpoint_location, batch_id)

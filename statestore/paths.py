@@ -11,6 +11,7 @@ import re
 import uuid
 
 DATA_DIR = "data"
+BRANCHES_DIR = "branches"  # under DATA_DIR: the segments of each fork (catalog.iceberg_table)
 _SEGMENT = re.compile(r"^seg-cp(\d{12})-t(\d{5})-p(\d{5})-([0-9a-f]{12})\.parquet$")
 
 
@@ -20,8 +21,11 @@ def segment_file_name(checkpoint_id: int, task_index: int, partition: int) -> st
     return f"seg-cp{checkpoint_id:012d}-t{task_index:05d}-p{partition:05d}-{uuid.uuid4().hex[:12]}.parquet"
 
 
-def segment_path(table_location: str, checkpoint_id: int, task_index: int, partition: int) -> str:
-    return f"{table_location.rstrip('/')}/{DATA_DIR}/{segment_file_name(checkpoint_id, task_index, partition)}"
+def segment_path(table_location: str, checkpoint_id: int, task_index: int, partition: int,
+                 subdir: str | None = None) -> str:
+    """A fresh segment URI under the table's data directory (or ``subdir`` of it)."""
+    directory = f"{table_location.rstrip('/')}/{DATA_DIR}" + (f"/{subdir}" if subdir else "")
+    return f"{directory}/{segment_file_name(checkpoint_id, task_index, partition)}"
 
 
 def parse_segment_name(path: str) -> tuple[int, int, int] | None:

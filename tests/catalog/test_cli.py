@@ -21,3 +21,26 @@ def test_checkpoints_and_sql_commands(open_table, warehouse):
                                 'SELECT count(*) AS n FROM state_count'])
     assert query.exit_code == 0, query.output
     assert "2" in query.output
+
+
+def test_savepoint_fork_and_refs_commands(open_table, warehouse):
+    table = open_table()
+    commit_next(table, [[1], [9]])
+    commit_next(table, [[1]])
+    table.close()
+    runner = CliRunner()
+    base = ["--warehouse", warehouse, "--table", "op"]
+    saved = runner.invoke(app, ["savepoint", "keep", *base, "--checkpoint", "1"])
+    assert saved.exit_code == 0, saved.output
+    forked = runner.invoke(app, ["fork", "v2", *base, "--savepoint", "keep"])
+    assert forked.exit_code == 0, forked.output
+    assert "branch='v2'" in forked.output
+    listed = runner.invoke(app, ["refs", *base])
+    assert listed.exit_code == 0, listed.output
+    assert "keep" in listed.output and "v2" in listed.output
+    on_fork = runner.invoke(app, ["checkpoints", *base, "--branch", "v2"])
+    assert on_fork.exit_code == 0 and "(v2)" in on_fork.output, on_fork.output
+    query = runner.invoke(app, ["sql", *base, "--savepoint", "keep", "SELECT count(*) AS n FROM state_count"])
+    assert query.exit_code == 0 and "2" in query.output, query.output
+    bad = runner.invoke(app, ["savepoint", "keep", *base])
+    assert bad.exit_code != 0 and "already has a savepoint" in str(bad.exception)

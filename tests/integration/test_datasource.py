@@ -441,3 +441,35 @@ def test_empty_table_reads_no_rows(icestate, warehouse: str):
     df = icestate.read.format("icestate").options(warehouse=warehouse, table="empty", state="pages").load()
     assert df.count() == 0
     assert df.columns == ["key_group", "user", "v_pages", "expire_at_ms", "ord"]
+
+
+def test_savepoints_and_forks_read_like_checkpoints(icestate, warehouse: str, tmp_path: Path):
+    """Options savepoint= and branch= read a savepoint and a fork's line (a copy of the
+    shared warehouse, so the other tests' table stays as it is)."""
+    import shutil
+
+    wh = str(tmp_path / "wh")
+    shutil.copytree(warehouse, wh)
+    table = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op")
+    table.savepoint("sp", 1)
+    table.fork("v2", 2)
+    table.close()
+    fork = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op", branch="v2")
+    owner = task_for_key_group(N, TASKS, assign_key_group(("u3",), LAYOUT.key_schema, N))
+    store = StateStore(fork, task_index=owner, parallelism=TASKS)
+    store.get_state("count").update_batch(_keys(["u3"]), pa.array([999], pa.int64()))
+    cp = fork.next_checkpoint_id()
+    fork.commit_checkpoint(cp, store.flush(cp), parallelism=TASKS, batch_id=cp)
+    store.checkpoint_complete(cp)
+    store.close()
+    fork.close()
+    at_savepoint = _spark_rows(_load(icestate, wh, state="count", savepoint="sp"))
+    assert at_savepoint == _spark_rows(_load(icestate, wh, state="count", checkpoint=1))
+    on_fork = {r["user"]: r["v_count"] for r in _spark_rows(_load(icestate, wh, state="count", branch="v2"))}
+    on_main = {r["user"]: r["v_count"] for r in _spark_rows(_load(icestate, wh, state="count"))}
+    forked = {r["user"]: r["v_count"] for r in _spark_rows(_load(icestate, wh, state="count", checkpoint=2))}
+    assert on_fork["u3"] == 999 and on_main.get("u3") != 999
+    assert {u: v for u, v in on_fork.items() if u != "u3"} == {u: v for u, v in forked.items() if u != "u3"}
+    assert on_main == {r["user"]: r["v_count"] for r in _spark_rows(_load(icestate, warehouse, state="count"))}
+    with pytest.raises(Exception, match="checkpoint and savepoint"):
+        _load(icestate, wh, state="count", savepoint="sp", checkpoint=1).collect()

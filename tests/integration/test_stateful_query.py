@@ -41,14 +41,16 @@ from statestore.errors import SchemaMismatchError, StateTableMismatchError, Unsu
 
 @pytest.fixture
 def where(tmp_path: Path):
-    def location(table: str = "state", parallelism: int = 2, max_parallelism: int = 16) -> StateLocation:
+    def location(table: str = "state", parallelism: int = 2, max_parallelism: int = 16,
+                 branch: str = "main") -> StateLocation:
         return StateLocation(table=table, warehouse=str(tmp_path / "wh"), parallelism=parallelism,
-                             max_parallelism=max_parallelism)
+                             max_parallelism=max_parallelism, branch=branch)
     return location
 
 
 def live_state(location: StateLocation, name: str) -> pl.DataFrame:
-    table = IcebergStateTable.open_existing(warehouse=location.warehouse, table_name=location.table)
+    table = IcebergStateTable.open_existing(warehouse=location.warehouse, table_name=location.table,
+                                            branch=location.branch)
     try:
         return pl.from_arrow(connect(table).sql(f"SELECT * FROM state_{name}").to_arrow_table())
     finally:
@@ -204,6 +206,37 @@ def test_rescale_at_restart_keeps_every_key(spark, tmp_path, where):
     table = IcebergStateTable.open_existing(warehouse=loc.warehouse, table_name=loc.table)
     try:
         assert [c.parallelism for c in table.list_checkpoints()] == [2, 2, 4, 1]
+    finally:
+        table.close()
+
+
+def test_a_new_query_on_a_fork_starts_from_the_forked_state_and_leaves_main_alone(spark, tmp_path, where):
+    """Fork the state of a running stream at a checkpoint; a new version of the job (its own
+    checkpointLocation, another parallelism) runs on the fork while main goes on."""
+    first, on_fork, on_main = key_batches(2, 40, 13), key_batches(2, 30, 13, offset=80), key_batches(1, 20, 13, 140)
+    main_in = tmp_path / "in-main"
+    write_batches(main_in, first)
+    run_to_end(spark, str(main_in), CountProcessor(), "key string, count long", location=where(),
+               checkpoint=str(tmp_path / "cp-main"))
+    table = IcebergStateTable.open_existing(warehouse=where().warehouse, table_name="state")
+    try:
+        forked = table.fork("v2")
+    finally:
+        table.close()
+    fork = where(parallelism=3, branch="v2")
+    runner = run_to_end(spark, write_batches(tmp_path / "in-fork", on_fork), CountProcessor(),
+                        "key string, count long", location=fork, checkpoint=str(tmp_path / "cp-fork"))
+    assert [r.skipped for r in runner.reports] == [False, False]  # batch ids 0, 1 of a new query: not replays
+    write_batches(main_in, first + on_main)
+    run_to_end(spark, str(main_in), CountProcessor(), "key string, count long", location=where(),
+               checkpoint=str(tmp_path / "cp-main"))
+    assert state_counts(fork) == counts(first + on_fork)
+    assert state_counts(where()) == counts(first + on_main)
+    table = IcebergStateTable.open_existing(warehouse=where().warehouse, table_name="state", branch="v2")
+    try:
+        line = table.list_checkpoints()
+        assert [c.checkpoint_id for c in line] == [1, 2, 3, 4] and line[1].snapshot_id == forked.snapshot_id
+        assert [c.parallelism for c in line] == [2, 2, 3, 3]
     finally:
         table.close()
 
