@@ -18,7 +18,7 @@ the executors.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -292,6 +292,19 @@ class StoreHandle:
             store.get_state(stateName).clear_batch(keys.cast(store.layout.key_schema))
 
 
+def _row_maker(columns: list[str]) -> Callable[[tuple], Row]:
+    """``Row(*columns)(*values)`` without its per-row overhead: the same Row (a tuple with
+    ``__fields__``), the field list shared by the rows of a batch."""
+    fields = list(columns)
+    new = tuple.__new__
+
+    def make(values: tuple) -> Row:
+        r = new(Row, values)
+        r.__dict__["__fields__"] = fields
+        return r
+    return make
+
+
 def run_processor(processor: StatefulProcessor, store: StateStore, timers: TimerService | None,
                   rows: pa.Table, key_groups: list[int], timer_values: TimerValues,
                   fire_upto_ms: int | None, initial: pa.Table | None = None) -> list[tuple]:
@@ -313,15 +326,15 @@ def run_processor(processor: StatefulProcessor, store: StateStore, timers: Timer
             _feed_initial(processor, store, initial, timer_values)
         columns = rows.column_names
         key_idx = [columns.index(n) for n in names]
-        R = Row(*columns)  # a Row class with the input's field names
+        row = _row_maker(columns)
         groups: dict[tuple, tuple[int, list]] = {}
         for kg, values in zip(key_groups, zip(*[c.to_pylist() for c in rows.columns], strict=True), strict=True):
             key = tuple(values[i] for i in key_idx)
             g = groups.get(key)
             if g is None:
-                groups[key] = (kg, [R(*values)])
+                groups[key] = (kg, [row(values)])
             else:
-                g[1].append(R(*values))
+                g[1].append(row(values))
         for key, (kg, key_rows) in groups.items():
             store.set_current_key(key, kg)
             result = processor.handleInputRows(key, iter(key_rows), timer_values)
@@ -348,11 +361,11 @@ def _feed_initial(processor: StatefulProcessor, store: StateStore, initial: pa.T
                   ) -> None:
     columns = initial.column_names
     key_idx = [columns.index(n) for n in store.key_names]
-    R = Row(*columns)  # a Row class with the input's field names
+    row = _row_maker(columns)
     for values in zip(*[c.to_pylist() for c in initial.columns], strict=True):
         key = tuple(values[i] for i in key_idx)
         store.set_current_key(key)
-        processor.handleInitialState(key, R(*values), timer_values)
+        processor.handleInitialState(key, row(values), timer_values)
 
 
 def rows_to_arrow(rows: list, schema: pa.Schema, what: str = "processor output") -> pa.Table:

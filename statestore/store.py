@@ -97,6 +97,7 @@ class StateStore:
             pa.types.is_string(f.type) or pa.types.is_binary(f.type) or pa.types.is_integer(f.type)
             or pa.types.is_boolean(f.type) or pa.types.is_date32(f.type) for f in self.layout.key_schema)
         self._handles: dict[str, KeyedState] = {}
+        self._point_index: dict[tuple[str, str, int], dict] = {}  # see _view_index
         # checkpoint id -> memtable watermark of a flush whose commit is not settled yet
         self._outstanding: dict[int, int] = {}
         self._current_key: tuple | None = None
@@ -168,6 +169,7 @@ class StateStore:
         """Append entries of state ``name`` (entry columns but ``ord``) to the memtable."""
         self.seal()
         self._memtable.add(name, key_groups, entries)
+        self._point_index.clear()
 
     def views(self, name: str, key_groups: Iterable[int], seal: bool = True) -> list[pl.DataFrame]:
         """Views of ``name`` for the given key groups (loading what is missing), up to date with
@@ -184,7 +186,7 @@ class StateStore:
         if len(stale) > 1:
             self._refresh_many(stale, name)
         out = [self._refresh(kg, name) for kg in kgs]
-        self._cache.trim(pinned=kgs)
+        self._trim(pinned=kgs)
         return out
 
     def live_view(self, name: str, key_groups: Iterable[int]) -> pl.DataFrame:
@@ -257,7 +259,14 @@ class StateStore:
         """A dict over the current view of ``name`` in ``key_group``, from its key tuples and
         ``columns`` rows; built on first use and again whenever the view object changes. Only
         for key columns whose plain Python values compare equal to what polars returns
-        (``_indexable``: strings, binaries, integers, booleans, dates)."""
+        (``_indexable``: strings, binaries, integers, booleans, dates).
+
+        ``_point_index`` remembers the dicts known current: a per-key loop over a batch reads
+        them with one lookup, and anything that can change a view (a memtable write, a
+        checkpoint completing, an eviction, a restore) forgets them all."""
+        fast = self._point_index.get((name, kind, key_group))
+        if fast is not None:
+            return fast
         view = self._current_view(name, key_group)
         group = self._cache.peek(key_group)
         slot = f"{name}\0{kind}" if kind else name
@@ -267,6 +276,7 @@ class StateStore:
             rows = zip(*[view.get_column(c).to_list() for c in columns], strict=True)
             index = group.indexes[slot] = (view, build(keys, rows))
             self._cache.resized(key_group)
+        self._point_index[(name, kind, key_group)] = index[1]
         return index[1]
 
     def _key_filter(self, name: str, key: tuple, key_group: int, columns: Sequence[str]) -> list[tuple]:
@@ -299,6 +309,7 @@ class StateStore:
             sealed = handle.seal_overlay()
             if sealed is not None:
                 self._memtable.add(handle.name, *sealed)
+                self._point_index.clear()
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -353,7 +364,8 @@ class StateStore:
                 group.pending.setdefault(name, []).extend(parts[applied:])
             group.applied[name] = max(0, applied - len(parts))
             self._cache.resized(kg)
-        self._cache.trim()
+        self._point_index.clear()
+        self._trim()
         if self._memtable.maybe_reset_sequence():
             # The ord sequence restarted: pending entries could sort after newer ones.
             self._cache.clear()
@@ -404,7 +416,14 @@ class StateStore:
 
     # ---------------------------------------------------------------- internals
 
+    def _trim(self, pinned: Iterable[int] = ()) -> None:
+        evictions = self._cache.evictions
+        self._cache.trim(pinned=pinned)
+        if self._cache.evictions != evictions:
+            self._point_index.clear()  # an evicted group's index must not outlive it
+
     def _reset(self) -> None:
+        self._point_index.clear()
         self._memtable.reset()
         self._outstanding.clear()
         self._cache.clear()

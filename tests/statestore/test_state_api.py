@@ -189,6 +189,35 @@ def test_per_key_write_then_batched_write_then_per_key_read(store):
     assert v.get_batch(keys_table(["a"])).to_pylist() == [3]
 
 
+@pytest.mark.parametrize("cache_size_bytes_max", [1, 1 << 20], ids=["evicting_cache", "cache"])
+def test_per_key_reads_after_every_kind_of_change_see_it(tmp_path, cache_size_bytes_max):
+    """Per-key reads go through remembered point indexes; a batched write, a sealed per-key
+    write, a completed checkpoint, an eviction and a restore must each make them see the change."""
+    store = open_store(tmp_path, cache_size_bytes_max=cache_size_bytes_max)
+    v, m = store.get_state("v"), store.get_state("m")
+    store.set_current_key("a")
+    assert v.get() is None and m.get("x") is None  # remembered: nothing
+    v.update_batch(keys_table(["a"]), [1])
+    m.put_batch(keys_table(["a"]), ["x"], [10])
+    store.set_current_key("a")
+    assert v.get() == 1 and m.get("x") == 10
+    store.set_current_key("b")
+    v.update(2)
+    v.get_batch(keys_table(["c"]))  # seals b's write into the memtable
+    store.set_current_key("b")
+    assert v.get() == 2
+    info = store.checkpoint()
+    store.set_current_key("a")
+    assert v.get() == 1 and m.get("x") == 10
+    v.update_batch(keys_table(["a"]), [3])
+    store.checkpoint()
+    store.set_current_key("a")
+    assert v.get() == 3
+    store.restore(info.checkpoint_id)
+    store.set_current_key("a")
+    assert v.get() == 1
+
+
 # --------------------------------------------------------------------------- list
 
 
