@@ -13,7 +13,9 @@ columns and types, the output schema, the state table's layout), then starts a
    segments (``spark_integration.tasks``).
 4. Commit the tasks' output files to the Iceberg output table (idempotent by batch id),
    call the user's ``foreach_batch(df, batch_id)``, then commit every task's segments as
-   one state checkpoint stamped with the batch id.
+   one state checkpoint stamped with the batch id. Without an output table, the callback's
+   DataFrame is the tasks' output itself: its action runs the tasks (one Spark job per
+   batch), whose reports come back through an accumulator.
 
 The batch's processing time and watermark come from Spark's offset log, so a replayed
 batch sees the same times (and the same TTL expiries) as its first run.
@@ -497,6 +499,9 @@ def start_stateful_query(
         trigger: ``DataStreamWriter.trigger`` keyword arguments, e.g. ``{"availableNow": True}``.
         foreach_batch: called with each batch's output rows as a DataFrame and the batch id,
             before that batch's state is committed (at least once; use the batch id to dedupe).
+            Without ``output_table`` the DataFrame computes the batch when read, as Spark's
+            own ``foreachBatch`` DataFrame of a stateful query does: each action on it runs
+            the tasks again (same rows); cache it to read it several times.
         output_table: ``namespace.name`` of an Iceberg table in the state table's catalog that
             receives the output rows exactly once (created when missing).
         time_mode: "None", "ProcessingTime" or "EventTime" (timers fire on the batch's
