@@ -19,6 +19,7 @@ import pytest
 from catalog import IcebergStateTable
 from statestore import (
     CorruptSegmentError,
+    KeyGroupRange,
     ListStateDescriptor,
     StateLayout,
     StateStore,
@@ -81,6 +82,34 @@ def test_restore_reads_no_segment_and_first_lookup_reads_one_key_group(warehouse
     assert stats["cache_key_groups"] == 1
     # One key group of 32: a small fraction of the state's bytes is read.
     assert 0 < stats["segment_bytes_read"] < total / 8
+
+
+@pytest.mark.parametrize("parallelism", range(1, 9))
+def test_rescale_is_metadata_and_each_task_reads_only_its_key_groups(warehouse: Path, parallelism: int):
+    """A state written by 1 task opened by ``parallelism`` tasks: nothing is written, every task
+    reads every one of its keys right, and what it reads is about its share of the state (each
+    row group is read by its owner only: the tasks' bytes add up to the state's once)."""
+    build(warehouse, n_keys=3000, checkpoints=2)
+    data = warehouse / "state" / "op" / "data"
+    before = {p: p.stat().st_mtime_ns for p in data.rglob("*")}
+    table = open_table(warehouse)
+    ids = np.arange(3000)
+    owner = task_for_key_group(N, parallelism, assign_key_groups(keys(ids), N).astype(np.int64))
+    total = sum(s.size_bytes for s in table.segments(KeyGroupRange.of(0, N - 1)))
+    read = []
+    for t in range(parallelism):
+        store = StateStore(table, task_index=t, parallelism=parallelism, config=StoreConfig(row_group_rows_min=64))
+        mine = ids[owner == t]
+        assert store.get_state(COUNT).get_batch(keys(mine)).to_pylist() == (mine + 1).tolist()
+        stats = store.stats()
+        r = store.key_group_range
+        share = (r.end - r.start + 1) / N
+        assert stats["segment_bytes_read"] <= total * share * 1.5 + 4096, (t, stats, share)
+        read.append(stats["segment_bytes_read"])
+        store.close()
+    table.close()
+    assert {p: p.stat().st_mtime_ns for p in data.rglob("*")} == before  # no file written or rewritten
+    assert sum(read) <= total  # every column chunk read once, by its owner
 
 
 def test_checkpoint_adds_files_and_changes_none(warehouse: Path):
