@@ -35,6 +35,7 @@ open the same table at any retained checkpoint of any branch, or any savepoint.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import time
@@ -62,9 +63,11 @@ from catalog.retention import (
     checkpoint_id_of,
     checkpoints_on_line,
     newest_checkpoint_id,
+    operator_files_of,
     orphans,
     plan_retention,
     unreferenced_files,
+    unreferenced_operator_files,
 )
 from catalog.schema import recorded_layout
 from statestore.errors import (
@@ -76,7 +79,16 @@ from statestore.errors import (
 from statestore.faults import crash_point
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import KEY_GROUP, StateLayout
-from statestore.paths import BRANCHES_DIR, DATA_DIR, parse_segment_name, segment_path
+from statestore.operator_state import OperatorStateFile
+from statestore.paths import (
+    BRANCHES_DIR,
+    DATA_DIR,
+    OPERATOR_DIR,
+    operator_file_name,
+    parse_operator_name,
+    parse_segment_name,
+    segment_path,
+)
 from statestore.table import CheckpointInfo, SegmentFile
 
 logger = logging.getLogger(__name__)
@@ -220,6 +232,23 @@ class IcebergStateTable:
         uri = segment_path(self._table.location(), checkpoint_id, task_index, partition, self._segment_subdir)
         return self._locations.to_path(uri)
 
+    def new_operator_state_path(self, checkpoint_id: int, task_index: int) -> str:
+        """A fresh filesystem path for a task's operator state file of an uncommitted checkpoint."""
+        return self._locations.to_path(f"{self._operator_dir_uri}/{operator_file_name(checkpoint_id, task_index)}")
+
+    def operator_state_files(self) -> list[OperatorStateFile]:
+        """The operator state of the opened checkpoint: one file per task of the job that
+        committed it (none when it committed no operator state)."""
+        self._check_open()
+        snapshot = self._snapshot
+        while snapshot is not None and checkpoint_id_of(snapshot) is None:  # a compaction: its parent's
+            parent = snapshot.parent_snapshot_id
+            snapshot = None if parent is None else self._table.metadata.snapshot_by_id(parent)
+        if snapshot is None:
+            return []
+        return [OperatorStateFile(**{**f, "path": self._locations.to_path(f["path"])})
+                for f in operator_files_of(snapshot)]
+
     def segments(self, key_groups: KeyGroupRange) -> list[SegmentFile]:
         """Segments of the opened checkpoint overlapping ``key_groups``, oldest checkpoint first."""
         self._check_open()
@@ -351,8 +380,10 @@ class IcebergStateTable:
     def commit_checkpoint(
         self, checkpoint_id: int, segments: Sequence[SegmentFile], *, parallelism: int,
         batch_id: int | None = None, properties: dict[str, str] | None = None,
+        operator_state: Sequence[OperatorStateFile] = (),
     ) -> CheckpointInfo:
-        """Commit ``segments`` of every task as checkpoint ``checkpoint_id`` in one snapshot.
+        """Commit ``segments`` of every task as checkpoint ``checkpoint_id`` in one snapshot,
+        with ``operator_state``: one file per task (``OperatorStateStore.flush``), or none.
 
         Raises:
             ValueError: bad arguments, or ``checkpoint_id`` not above every committed id.
@@ -365,6 +396,8 @@ class IcebergStateTable:
         self._check_commit_args(checkpoint_id, segments, parallelism, batch_id, properties or {})
         data_files = [self._data_file(s, checkpoint_id) for s in segments]
         summary = self._summary(checkpoint_id, parallelism, batch_id, properties or {})
+        if operator_state:
+            summary[props.SUMMARY_OPERATOR_STATE] = self._operator_summary(checkpoint_id, operator_state, parallelism)
         snapshot, commit, doomed = self._commit_with_retries(checkpoint_id, data_files, summary)
         self._advance_to(snapshot, data_files)
         crash_point("commit_done")
@@ -424,6 +457,31 @@ class IcebergStateTable:
     # --- opening at a checkpoint -----------------------------------------------------------
 
     @property
+    def _operator_dir_uri(self) -> str:
+        sub = f"/{self._segment_subdir}" if self._segment_subdir else ""
+        return f"{self._table.location().rstrip('/')}/{DATA_DIR}{sub}/{OPERATOR_DIR}"
+
+    def _operator_summary(self, checkpoint_id: int, files: Sequence[OperatorStateFile], parallelism: int) -> str:
+        """The snapshot summary value listing the operator state files (validated)."""
+        tasks = sorted(f.task_index for f in files)
+        if tasks != list(range(parallelism)):
+            raise ValueError(f"operator state of checkpoint {checkpoint_id} must hold one file per task "
+                             f"0..{parallelism - 1}, got tasks {tasks}")
+        out = []
+        for f in files:
+            if not isinstance(f, OperatorStateFile):
+                raise TypeError(f"operator_state must be OperatorStateFile values, got {type(f).__name__}")
+            parsed = parse_operator_name(f.path)
+            if parsed != (checkpoint_id, f.task_index) or f.checkpoint_id != checkpoint_id:
+                raise ValueError(f"operator state file {f.path} does not belong to task {f.task_index} of checkpoint "
+                                 f"{checkpoint_id}: write it with new_operator_state_path({checkpoint_id}, task)")
+            if self.filesystem.get_file_info(f.path).type != pafs.FileType.File:
+                raise CorruptSegmentError(f"operator state file {f.path} of checkpoint {checkpoint_id} does not "
+                                          "exist: the task that wrote it failed; rerun the checkpoint")
+            out.append({**f.to_json(), "path": self._locations.to_uri(f.path)})
+        return json.dumps(out, separators=(",", ":"))
+
+    @property
     def _segment_subdir(self) -> str | None:
         # A fork's segments live apart, where main's orphan sweep (which lists data/ only)
         # never sees a fork's files in flight.
@@ -436,6 +494,7 @@ class IcebergStateTable:
         if self._segment_subdir:
             data_dir = f"{data_dir}/{self._segment_subdir}"
         self.filesystem.create_dir(self._locations.to_path(data_dir), recursive=True)
+        self.filesystem.create_dir(self._locations.to_path(self._operator_dir_uri), recursive=True)
 
     def _find_checkpoint(self, checkpoint_id: int | None, savepoint: str | None = None) -> Snapshot | None:
         if savepoint is not None:
@@ -699,6 +758,7 @@ class IcebergStateTable:
         if not plan.expired:
             return []
         doomed = unreferenced_files(self._cache, plan.expired, plan.retained)
+        doomed += unreferenced_operator_files(plan.expired, plan.retained)
         ExpireSnapshots(tx).by_ids([s.snapshot_id for s in plan.expired]).commit()
         return doomed
 
@@ -723,6 +783,7 @@ class IcebergStateTable:
         if plan.expired:
             try:
                 doomed = unreferenced_files(self._cache, plan.expired, plan.retained)
+                doomed += unreferenced_operator_files(plan.expired, plan.retained)
             except FileNotFoundError as e:
                 # Another branch's writer expired and deleted some of these since: the next commit retries.
                 logger.info("retention of %s skipped: the metadata changed under it (%s)", self._name, e)
@@ -755,6 +816,7 @@ class IcebergStateTable:
         return orphans(
             self._list_files(f"{location}/{DATA_DIR}"), self._list_files(f"{location}/{METADATA_DIR}"),
             self._table.metadata, self._table.metadata_location, self._cache,
+            operator_files=self._list_files(f"{location}/{DATA_DIR}/{OPERATOR_DIR}"),
         )
 
     def _list_files(self, directory_uri: str) -> list[str]:

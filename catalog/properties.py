@@ -33,8 +33,10 @@ SUMMARY_CHECKPOINT_ID = "statestore.checkpoint-id"
 SUMMARY_BATCH_ID = "statestore.batch-id"
 SUMMARY_PARALLELISM = "statestore.parallelism"
 SUMMARY_MAX_PARALLELISM = "statestore.max-parallelism"
+# JSON list of the checkpoint's operator state files (statestore.operator_state), one per task.
+SUMMARY_OPERATOR_STATE = "statestore.operator-state"
 RESERVED_SUMMARY_KEYS = frozenset(
-    {SUMMARY_CHECKPOINT_ID, SUMMARY_BATCH_ID, SUMMARY_PARALLELISM, SUMMARY_MAX_PARALLELISM}
+    {SUMMARY_CHECKPOINT_ID, SUMMARY_BATCH_ID, SUMMARY_PARALLELISM, SUMMARY_MAX_PARALLELISM, SUMMARY_OPERATOR_STATE}
 )
 
 # Partitioning. A segment covers the key groups of one partition, truncate(key_group, W).

@@ -27,6 +27,7 @@ Metadata files of other writers are never touched.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from catalog import properties as props
 from catalog.manifests import ManifestCache
 from catalog.naming import checkpoint_of_commit_file
-from statestore.paths import parse_segment_name
+from statestore.paths import parse_operator_name, parse_segment_name
 
 _METADATA_JSON = re.compile(r"^(\d+)-[^/]*\.metadata\.json$")
 
@@ -113,6 +114,18 @@ def unreferenced_files(cache: ManifestCache, expired: Sequence[Snapshot], retain
     return sorted(candidates) + sorted(doomed) + sorted(lists)
 
 
+def operator_files_of(snapshot: Snapshot) -> list[dict]:
+    """The operator state files a checkpoint snapshot lists (``statestore.operator_state``)."""
+    value = snapshot.summary.additional_properties.get(props.SUMMARY_OPERATOR_STATE) if snapshot.summary else None
+    return [] if not value else json.loads(value)
+
+
+def unreferenced_operator_files(expired: Sequence[Snapshot], retained: Sequence[Snapshot]) -> list[str]:
+    """URIs of operator state files that only ``expired`` snapshots list."""
+    kept = {f["path"] for s in retained for f in operator_files_of(s)}
+    return sorted({f["path"] for s in expired for f in operator_files_of(s)} - kept)
+
+
 def live_files(cache: ManifestCache, snapshots: Iterable[Snapshot]) -> set[str]:
     """URIs of the data files any of ``snapshots`` holds."""
     manifests = {m.manifest_path: m for s in snapshots for m in cache.manifests(s)}
@@ -121,7 +134,7 @@ def live_files(cache: ManifestCache, snapshots: Iterable[Snapshot]) -> set[str]:
 
 def orphans(
     data_files: Iterable[str], metadata_files: Iterable[str], metadata: TableMetadata,
-    metadata_location: str, cache: ManifestCache,
+    metadata_location: str, cache: ManifestCache, operator_files: Iterable[str] = (),
 ) -> list[str]:
     """URIs among the listed files of the data and metadata directories that may be deleted.
 
@@ -135,10 +148,12 @@ def orphans(
     referenced = cache.manifest_paths(snapshots) | {s.manifest_list for s in snapshots}
     found += [p for p in metadata_files if _is_old_commit_file(p, newest) and p not in referenced]
     found += _stale_metadata_json(metadata_files, metadata, metadata_location)
+    listed = {f["path"] for s in snapshots for f in operator_files_of(s)}
+    found += [p for p in operator_files if p not in listed and _is_ours_and_old(parse_operator_name(p), newest)]
     return found
 
 
-def _is_ours_and_old(parsed: tuple[int, int, int] | None, newest_checkpoint: int) -> bool:
+def _is_ours_and_old(parsed: tuple[int, ...] | None, newest_checkpoint: int) -> bool:
     return parsed is not None and parsed[0] <= newest_checkpoint
 
 

@@ -40,6 +40,13 @@ from statestore.keygroups import (
     task_for_key_group,
 )
 from statestore.layout import StateLayout
+from statestore.operator_state import (
+    OperatorListState,
+    OperatorStateDescriptor,
+    OperatorStateFile,
+    OperatorStateStore,
+    Redistribution,
+)
 from statestore.state import AggregatingState, ListState, MapState, ReducingState, ValueState
 from statestore.store import StateStore
 from statestore.table import CheckpointInfo, SegmentFile, StateTable
@@ -62,6 +69,11 @@ __all__ = [
     "ListStateDescriptor",
     "MapState",
     "MapStateDescriptor",
+    "OperatorListState",
+    "OperatorStateDescriptor",
+    "OperatorStateFile",
+    "OperatorStateStore",
+    "Redistribution",
     "ReducingState",
     "ReducingStateDescriptor",
     "SchemaMismatchError",

@@ -12,6 +12,8 @@ import uuid
 
 DATA_DIR = "data"
 BRANCHES_DIR = "branches"  # under DATA_DIR: the segments of each fork (catalog.iceberg_table)
+OPERATOR_DIR = "operator"  # under DATA_DIR (or a fork's directory): operator state files
+_OPERATOR = re.compile(r"^op-cp(\d{12})-t(\d{5})-([0-9a-f]{12})\.parquet$")
 _SEGMENT = re.compile(r"^seg-cp(\d{12})-t(\d{5})-p(\d{5})-([0-9a-f]{12})\.parquet$")
 
 
@@ -26,6 +28,19 @@ def segment_path(table_location: str, checkpoint_id: int, task_index: int, parti
     """A fresh segment URI under the table's data directory (or ``subdir`` of it)."""
     directory = f"{table_location.rstrip('/')}/{DATA_DIR}" + (f"/{subdir}" if subdir else "")
     return f"{directory}/{segment_file_name(checkpoint_id, task_index, partition)}"
+
+
+def operator_file_name(checkpoint_id: int, task_index: int) -> str:
+    """An operator state file: ``op-cp<checkpoint id>-t<task>-<uuid>.parquet``."""
+    if checkpoint_id < 0 or task_index < 0:
+        raise ValueError(f"negative id in operator state file name: cp={checkpoint_id} task={task_index}")
+    return f"op-cp{checkpoint_id:012d}-t{task_index:05d}-{uuid.uuid4().hex[:12]}.parquet"
+
+
+def parse_operator_name(path: str) -> tuple[int, int] | None:
+    """(checkpoint id, task index) of an operator state file path, or None for other files."""
+    m = _OPERATOR.match(path.rsplit("/", 1)[-1])
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def parse_segment_name(path: str) -> tuple[int, int, int] | None:

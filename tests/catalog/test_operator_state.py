@@ -1,0 +1,167 @@
+"""Operator (non-keyed) state, FLIP-8: lists per task in the checkpoint's snapshot,
+redistributed (split, union, broadcast) at every parallelism from 1 to 8; the seed's Kafka
+example; retention and the orphan sweep of operator state files."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pytest
+from catalog_helpers import LAYOUT, commit_next, write_segment
+
+from catalog import IcebergStateTable
+from statestore import (
+    KeyGroupRange,
+    OperatorStateDescriptor,
+    OperatorStateStore,
+    Redistribution,
+    SchemaMismatchError,
+    StateStoreError,
+)
+from statestore.operator_state import redistribute
+
+OFFSET = pa.struct([("topic", pa.string()), ("partition", pa.int32()), ("offset", pa.int64())])
+KAFKA = OperatorStateDescriptor("offsets", OFFSET, Redistribution.SPLIT)
+SEEN = OperatorStateDescriptor("seen", pa.string(), Redistribution.UNION)
+RULES = OperatorStateDescriptor("rules", pa.int64(), Redistribution.BROADCAST)
+
+
+def commit_operator_state(table: IcebergStateTable, stores: list[OperatorStateStore], keyed: bool = True) -> int:
+    """One checkpoint: every task's operator state, and one keyed segment in the same snapshot."""
+    cp = table.next_checkpoint_id()
+    files = [s.flush(cp) for s in stores]
+    segments = [write_segment(table, cp, 0, [1])] if keyed else []
+    table.commit_checkpoint(cp, segments, parallelism=len(stores), operator_state=files)
+    return cp
+
+
+def stores_at(table: IcebergStateTable, parallelism: int, descriptors=(KAFKA, SEEN, RULES)) -> list[OperatorStateStore]:
+    return [OperatorStateStore(table, descriptors, task_index=t, parallelism=parallelism) for t in range(parallelism)]
+
+
+def offset(partition: int, value: int) -> dict:
+    return {"topic": "events", "partition": partition, "offset": value}
+
+
+def test_the_kafka_example_from_two_tasks_to_one_and_to_four(open_table):
+    """4 partition offsets held by 2 tasks; restored by 1 task (it gets all 4) and by 4 (one each)."""
+    table = open_table()
+    two = stores_at(table, 2, [KAFKA])
+    two[0].get_list_state(KAFKA).update([offset(0, 100), offset(1, 110)])
+    two[1].get_list_state(KAFKA).update([offset(2, 120), offset(3, 130)])
+    cp = commit_operator_state(table, two)
+    info = table.current_checkpoint()
+    assert info.checkpoint_id == cp and table.segments(KeyGroupRange.of(1, 1))
+    one = stores_at(table, 1, [KAFKA])
+    assert one[0].get_list_state(KAFKA).get() == [offset(p, 100 + 10 * p) for p in range(4)]
+    four = stores_at(table, 4, [KAFKA])
+    assert [s.get_list_state(KAFKA).get() for s in four] == [[offset(p, 100 + 10 * p)] for p in range(4)]
+
+
+@pytest.mark.parametrize("parallelism", range(1, 9))
+def test_every_mode_at_every_parallelism(open_table, parallelism):
+    table = open_table()
+    old = stores_at(table, 3)
+    lists = [[f"a{i}" for i in range(4)], [], [f"c{i}" for i in range(3)]]  # uneven, one task empty
+    for store, values in zip(old, lists, strict=True):
+        store.get_list_state(KAFKA).update([offset(int(v[1:]) + (0 if v[0] == "a" else 10), 1) for v in values])
+        store.get_list_state(SEEN).update(values)
+        store.get_list_state(RULES).update([7, 8])  # broadcast state: the same on every task
+    commit_operator_state(table, old)
+    new = stores_at(table, parallelism)
+    flat = [v for values in lists for v in values]
+    split = [s.get_list_state(KAFKA).get() for s in new]
+    assert [o["partition"] for part in split for o in part] == [0, 1, 2, 3, 10, 11, 12]  # all, once, in order
+    assert max(map(len, split)) - min(map(len, split)) <= 1
+    assert all(s.get_list_state(SEEN).get() == flat for s in new)
+    assert all(s.get_list_state(RULES).get() == [7, 8] for s in new)
+
+
+def test_redistribute_rules():
+    old = [[1, 2, 3], [4], []]
+    assert redistribute(old, 2, Redistribution.SPLIT) == [[1, 2], [3, 4]]
+    assert redistribute(old, 5, Redistribution.SPLIT) == [[1], [2], [3], [4], []]
+    assert redistribute(old, 2, Redistribution.UNION) == [[1, 2, 3, 4], [1, 2, 3, 4]]
+    assert redistribute(old, 4, Redistribution.BROADCAST) == [[1, 2, 3], [4], [], [1, 2, 3]]
+    assert redistribute([], 3, Redistribution.SPLIT) == [[], [], []]
+    with pytest.raises(ValueError, match="parallelism"):
+        redistribute(old, 0, Redistribution.SPLIT)
+
+
+def test_operator_state_follows_restores_and_the_keyed_state_of_the_same_snapshot(open_table):
+    table = open_table(retain_checkpoints=10)
+    stores = stores_at(table, 2, [SEEN])
+    stores[0].get_list_state(SEEN).add("x")
+    first = commit_operator_state(table, stores)
+    stores[1].get_list_state(SEEN).add_all(["y", "z"])
+    commit_operator_state(table, stores)
+    assert stores_at(table, 1, [SEEN])[0].get_list_state(SEEN).get() == ["x", "y", "z"]
+    table.restore(first)
+    assert stores_at(table, 1, [SEEN])[0].get_list_state(SEEN).get() == ["x"]
+    # a checkpoint without operator state (a keyed-only job) has none
+    commit_next(table)
+    assert table.operator_state_files() == []
+
+
+def test_expired_and_orphaned_operator_state_files_are_deleted(open_table):
+    table = open_table(retain_checkpoints=2)
+    stores = stores_at(table, 2, [SEEN])
+    written = []
+    for i in range(4):
+        stores[0].get_list_state(SEEN).update([str(i)])
+        commit_operator_state(table, stores)
+        written.append([f.path for f in table.operator_state_files()])
+    assert not any(os.path.exists(p) for files in written[:2] for p in files)  # expired with their checkpoints
+    assert all(os.path.exists(p) for files in written[2:] for p in files)
+    # an uncommitted flush (a crash before the commit) is an orphan once a later checkpoint committed
+    orphan = stores[0].flush(table.next_checkpoint_id())
+    commit_operator_state(table, stores)
+    table.collect_garbage()
+    assert not os.path.exists(orphan.path)
+    assert all(os.path.exists(f.path) for f in table.operator_state_files())
+
+
+def test_bad_operator_state_is_refused_before_anything_is_written(open_table):
+    table = open_table()
+    store = stores_at(table, 1, [KAFKA])[0]
+    with pytest.raises(SchemaMismatchError, match="offsets"):
+        store.get_list_state(KAFKA).add({"topic": "t", "partition": "not a number", "offset": 1})
+    with pytest.raises(ValueError, match="null"):
+        store.get_list_state(KAFKA).add(None)
+    with pytest.raises(StateStoreError, match="not declared"):
+        store.get_list_state("nope")
+    with pytest.raises(ValueError, match="twice"):
+        OperatorStateStore(table, [SEEN, SEEN])
+    with pytest.raises(ValueError, match="identifier"):
+        OperatorStateDescriptor("bad name", pa.int64())
+    cp = table.next_checkpoint_id()
+    f = store.flush(cp)
+    with pytest.raises(ValueError, match="one file per task"):
+        table.commit_checkpoint(cp, [], parallelism=2, operator_state=[f])
+    assert table.current_checkpoint() is None
+
+
+def test_a_fork_keeps_its_own_operator_state(open_table):
+    main = open_table()
+    stores = stores_at(main, 1, [SEEN])
+    stores[0].get_list_state(SEEN).add("base")
+    commit_operator_state(main, stores)
+    main.fork("f")
+    fork = open_table(branch="f")
+    on_fork = stores_at(fork, 2, [SEEN])
+    assert [s.get_list_state(SEEN).get() for s in on_fork] == [["base"], ["base"]]
+    on_fork[1].get_list_state(SEEN).add("fork-only")
+    commit_operator_state(fork, on_fork)
+    assert all("/data/branches/f/operator/" in f.path for f in fork.operator_state_files())
+    assert stores_at(main, 1, [SEEN])[0].get_list_state(SEEN).get() == ["base"]
+    assert stores_at(fork, 1, [SEEN])[0].get_list_state(SEEN).get() == ["base", "base", "fork-only"]
+
+
+def test_layout_is_untouched(open_table):
+    """Operator state needs no column of the keyed table: other readers see nothing new."""
+    table = open_table()
+    schema = table.iceberg_table.schema()
+    commit_operator_state(table, stores_at(table, 2, [SEEN]))
+    assert table.iceberg_table.schema() == schema
+    assert table.layout == LAYOUT
