@@ -224,6 +224,21 @@ class IcebergStateTable:
             raise ValueError(f"key group {key_group} is outside [0, {self._layout.max_parallelism - 1}]")
         return key_group // self._width
 
+    def partition_key_groups(self, partition: int) -> KeyGroupRange:
+        """The key groups of one partition (``truncate(key_group, W)``)."""
+        lo = partition * self._width
+        return KeyGroupRange.of(lo, min(self._layout.max_parallelism - 1, lo + self._width - 1))
+
+    def partition_count(self) -> int:
+        return -(-self._layout.max_parallelism // self._width)
+
+    def data_path(self, name: str) -> str:
+        """The filesystem path of a file named ``name`` in the table's data directory."""
+        return self._locations.to_path(f"{self._table.location().rstrip('/')}/{DATA_DIR}/{name}")
+
+    def to_uri(self, path: str) -> str:
+        return self._locations.to_uri(path)
+
     def new_segment_path(self, checkpoint_id: int, task_index: int, partition: int) -> str:
         """A fresh filesystem path (see ``filesystem``) under the table's data directory."""
         partitions = -(-self._layout.max_parallelism // self._width)
@@ -501,7 +516,16 @@ class IcebergStateTable:
             return self._savepoint_snapshot(savepoint)
         line = checkpoints_on_line(self._table.metadata, self._branch)
         if checkpoint_id is None:
-            return line[-1][1] if line else None
+            if not line:
+                return None
+            # The newest checkpoint, or the head above it when only compactions follow it
+            # (the same state in fewer files).
+            head = self._table.metadata.snapshot_by_name(self._branch)
+            newest = line[-1][1]
+            if head is not None and head.snapshot_id != newest.snapshot_id and \
+                    self._adds_no_checkpoint(head, since=newest.snapshot_id):
+                return head
+            return newest
         for cp, snapshot in line:
             if cp == checkpoint_id:
                 return snapshot
@@ -548,6 +572,9 @@ class IcebergStateTable:
         return (checkpoint_id_of(added_by) or 0) if added_by is not None else 0
 
     def _info(self, snapshot: Snapshot) -> CheckpointInfo:
+        while checkpoint_id_of(snapshot) is None and snapshot.parent_snapshot_id is not None:
+            # a compaction above a checkpoint holds that checkpoint's state
+            snapshot = self._table.metadata.snapshot_by_id(snapshot.parent_snapshot_id)
         summary = snapshot.summary.additional_properties if snapshot.summary else {}
         batch_id = summary.get(props.SUMMARY_BATCH_ID)
         return CheckpointInfo(

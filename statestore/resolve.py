@@ -54,16 +54,24 @@ def resolve(entries: pl.DataFrame, desc: StateDescriptor, keys: list[str], now_m
     """The view of ``desc`` over ``entries`` (see the module docstring)."""
     v = desc.value_column
     if desc.kind is StateKind.LIST:
+        return survivors(entries, desc, keys, now_ms).select([*keys, v, EXPIRE_AT_MS, ORD])
+    if desc.kind is StateKind.MAP:
+        return survivors(entries, desc, keys, now_ms).select([*keys, desc.user_key_column, v, EXPIRE_AT_MS])
+    return survivors(entries, desc, keys, now_ms).select([*keys, v, EXPIRE_AT_MS])
+
+
+def survivors(entries: pl.DataFrame, desc: StateDescriptor, keys: list[str], now_ms: int) -> pl.DataFrame:
+    """The entries of ``desc`` that are visible at ``now_ms``, whole (every column kept): what
+    ``resolve`` turns into the view, and what compaction keeps when it holds every entry of
+    these keys. Tombstones, hidden and expired entries are not among them."""
+    if desc.kind is StateKind.LIST:
         live = _after_clear(entries, keys, pl.col(OP) == OP_DELETE)
-        live = live.filter(pl.col(OP) == OP_APPEND).sort(ORD)
-        return live_rows(live.select([*keys, v, EXPIRE_AT_MS, ORD]), now_ms)
+        return live_rows(live.filter(pl.col(OP) == OP_APPEND).sort(ORD), now_ms)
     if desc.kind is StateKind.MAP:
         mk = desc.user_key_column
         live = _after_clear(entries, keys, (pl.col(OP) == OP_DELETE) & pl.col(mk).is_null())
-        newest = _newest(live, [*keys, mk]).filter(pl.col(OP) == OP_PUT)
-        return live_rows(newest.select([*keys, mk, v, EXPIRE_AT_MS]), now_ms)
-    newest = _newest(entries, keys).filter(pl.col(OP) == OP_PUT)
-    return live_rows(newest.select([*keys, v, EXPIRE_AT_MS]), now_ms)
+        return live_rows(_newest(live, [*keys, mk]).filter(pl.col(OP) == OP_PUT), now_ms)
+    return live_rows(_newest(entries, keys).filter(pl.col(OP) == OP_PUT), now_ms)
 
 
 def view_as_entries(view: pl.DataFrame, desc: StateDescriptor) -> pl.DataFrame:

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from statestore.errors import CorruptSegmentError
 from statestore.faults import crash_point
-from statestore.layout import KEY_GROUP, SEQ, STATE
+from statestore.layout import CHECKPOINT_ID, KEY_GROUP, SEQ, STATE
 from statestore.table import SegmentFile, StateTable
 
 PARQUET_COMPRESSION = "zstd"
@@ -69,6 +69,19 @@ def write_segments(
         files.append(_write_one(table.filesystem, path, part, kgs[lo:hi], checkpoint_id, rows_min, rows_max))
         crash_point("segment_written")
     return files
+
+
+def write_segment_file(table: StateTable, entries: pa.Table, path: str, rows_min: int = 4096,
+                       rows_max: int = 128 * 1024) -> SegmentFile:
+    """Write ``entries`` (entry schema, any order, key groups of one partition) as one file at
+    ``path``, sorted and with row groups aligned to key groups like a segment (compaction's
+    output: entries of many checkpoints, each keeping its own checkpoint id and seq)."""
+    sort_keys = [KEY_GROUP, *table.layout.key_names, STATE, CHECKPOINT_ID, SEQ]
+    entries = entries.sort_by([(c, "ascending") for c in sort_keys])
+    entries = entries.select(table.file_schema().names).cast(table.file_schema())
+    kgs = entries.column(KEY_GROUP).to_numpy()
+    newest = int(pc.max(entries.column(CHECKPOINT_ID)).as_py())
+    return _write_one(table.filesystem, path, entries, kgs, newest, rows_min, rows_max)
 
 
 def _write_one(fs: pafs.FileSystem, path: str, part: pa.Table, kgs: np.ndarray, checkpoint_id: int,

@@ -34,8 +34,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from catalog import IcebergStateTable
+from catalog.compaction import compact_partition
 from statestore import (
     CheckpointNotFoundError,
+    KeyGroupRange,
     ListStateDescriptor,
     StateLayout,
     StateStore,
@@ -157,6 +159,17 @@ class RescaleMachine(RuleBasedStateMachine):
                 return
             raise AssertionError(f"checkpoint {cp} restored though retention removed it ({retained})")
         self._reopen(cp)
+
+    @precondition(lambda self: len(self.table.segments(KeyGroupRange.of(0, N - 1))) >= 2)
+    @rule()
+    def compact(self):
+        other = IcebergStateTable.open(LAYOUT, warehouse=str(self.dir / "wh"), table_name="op",
+                                       retain_checkpoints=RETAIN)
+        try:
+            result = compact_partition(other, 0)  # None: the newest state is compacted already
+            assert result is None or result.files_out <= 1
+        finally:
+            other.close()
 
     @precondition(lambda self: self.table.current_checkpoint() is not None)
     @rule()
