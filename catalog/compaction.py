@@ -85,9 +85,9 @@ def compact_partition(table: IcebergStateTable, partition: int = 0, *, now_ms: i
         if len(inputs) < 2:
             return None
         entries = _read_all(table, inputs, kgs)
-        if policy is not None and not _needed(policy, len(inputs), entries, table, now_ms):
-            return None
         kept = _survivors(table, entries, _now(table, now_ms))
+        if policy is not None and not _needed(policy, len(inputs), entries.height, kept.num_rows):
+            return None
         out = _write(table, kept, partition)
         try:
             snapshot_id = _commit(table, head.snapshot_id, inputs, out)
@@ -131,11 +131,10 @@ def _survivors(table: IcebergStateTable, entries: pl.DataFrame, now_ms: int) -> 
     return frame.drop(ORD).to_arrow()
 
 
-def _needed(policy: CompactionPolicy, n_segments: int, entries: pl.DataFrame, table, now_ms) -> bool:
+def _needed(policy: CompactionPolicy, n_segments: int, entries: int, live: int) -> bool:
     if n_segments >= policy.min_segments:
         return True
-    live = _survivors(table, entries, _now(table, now_ms)).num_rows
-    return entries.height and (entries.height - live) / entries.height >= policy.min_shadowed_ratio
+    return entries > 0 and (entries - live) / entries >= policy.min_shadowed_ratio
 
 
 def _write(table: IcebergStateTable, kept: pa.Table, partition: int) -> list[str]:

@@ -224,7 +224,9 @@ class StatefulRunner:
         if plan.inline_outputs:
             self._run_with_callback(batch_df, plan, report)
         else:
+            ran = time.perf_counter()
             rows = self._task_frame(batch_df, plan).collect()
+            report.tasks_ms = (time.perf_counter() - ran) * 1000
             self._commit(plan, [(r[0], r[1], r[2]) for r in rows], report)
         report.duration_ms = (time.perf_counter() - started) * 1000
         self.reports.append(report)

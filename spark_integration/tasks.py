@@ -356,7 +356,7 @@ def _conform(output: pa.Table, schema: pa.Schema) -> pa.Table:
 
 
 def _write_output(plan: BatchPlan, task: int, token: str, output: pa.Table | None) -> list[dict]:
-    if plan.inline_outputs or plan.output_dir is None or output is None or output.num_rows == 0:
+    if plan.output_dir is None or output is None or output.num_rows == 0:
         return []
     fs, root = pafs.FileSystem.from_uri(plan.output_dir)
     fs.create_dir(root, recursive=True)

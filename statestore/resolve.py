@@ -90,11 +90,14 @@ def merge(view: pl.DataFrame | None, new_entries: list[pl.DataFrame], desc: Stat
           keys: list[str], now_ms: int, entry_schema: pl.Schema) -> pl.DataFrame:
     """The view after applying ``new_entries`` (each with ``ord``) on top of ``view``.
 
-    ``entry_schema`` is the polars schema of the variable's entries (``entry_columns``).
+    ``entry_schema`` is the polars schema of the variable's entries (``entry_columns``);
+    ``keys`` may lead with a key-group column to merge the views of many key groups at once.
     """
     cols = entry_columns(desc, keys)
     parts = [] if view is None else [view_as_entries(view, desc).select(cols)]
-    parts += [p.select(cols).cast(entry_schema) for p in new_entries]
+    if new_entries:
+        # One select and cast over all new parts: per part, they would cost more than the merge.
+        parts.append(pl.concat(new_entries, how="diagonal_relaxed").select(cols).cast(entry_schema))
     if not parts:
         return pl.DataFrame(schema=entry_schema).select(view_columns(desc, keys))
     return resolve(pl.concat(parts, how="vertical"), desc, keys, now_ms)

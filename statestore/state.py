@@ -91,16 +91,11 @@ def _arrow(values: Any, dtype: pa.DataType, what: str) -> pa.Array:
     return arr
 
 
-def _plainly_fits(value: Any, dtype: pa.DataType) -> bool:
-    """True when ``value`` certainly converts to ``dtype`` (plain Python scalars and dicts
-    of them); False means "ask Arrow". Saves ~10 us per per-key write."""
-    return _fits_checker(dtype)(value)
-
-
 @functools.lru_cache(maxsize=1024)
 def _fits_checker(dtype: pa.DataType) -> Callable[[Any], bool]:
-    """The ``_plainly_fits`` test of one type, decided once per type (the type tests cost
-    more than the check itself, once per per-key write)."""
+    """Whether a value certainly converts to ``dtype`` (plain Python scalars and dicts of them;
+    False means "ask Arrow"), as a test decided once per type: the type tests cost more than
+    the check itself, once per per-key write."""
     if pa.types.is_int64(dtype) or pa.types.is_int32(dtype):
         lo, hi = -(1 << (dtype.bit_width - 1)), 1 << (dtype.bit_width - 1)
         return lambda v: v is None or (type(v) is int and lo <= v < hi)
@@ -132,7 +127,7 @@ def _check_value(value: Any, dtype: pa.DataType, what: str) -> None:
     stored would otherwise fail later, at the seal, and take the whole overlay with it."""
     if value is None:
         raise ValueError(f"{what} must not be null")
-    if _plainly_fits(value, dtype):
+    if _fits_checker(dtype)(value):
         return
     try:
         pa.scalar(value, type=dtype)

@@ -38,7 +38,6 @@ from statestore.resolve import (
     make_ord,
     merge,
     resolve,
-    view_as_entries,
     view_columns,
 )
 from statestore.segment import SegmentReader, write_segments
@@ -183,9 +182,9 @@ class StateStore:
             self._cache.misses += len(missing)
             self._load(missing)
         stale = [kg for kg in kgs if self._is_stale(kg, name)]
-        if len(stale) > 1:
-            self._refresh_many(stale, name)
-        out = [self._refresh(kg, name) for kg in kgs]
+        if stale:
+            self._refresh(stale, name)
+        out = [self._cache.get(kg).views[name] for kg in kgs]
         self._trim(pinned=kgs)
         return out
 
@@ -457,12 +456,11 @@ class StateStore:
         group = self._cache.peek(kg)
         return len(self._memtable.parts(name, kg)) > group.applied.get(name, 0) or bool(group.pending.get(name))
 
-    def _refresh_many(self, kgs: Sequence[int], name: str) -> None:
-        """``_refresh`` of several key groups in one resolution: the per-call cost of a few
-        polars operations is paid once, not once per key group (a task owns many)."""
+    def _refresh(self, kgs: Sequence[int], name: str) -> None:
+        """Apply the memtable parts and pending entries that the views of ``name`` in ``kgs``
+        miss, in one resolution over all of them: the per-call cost of a few polars
+        operations is paid once, not once per key group (a task owns many)."""
         desc = self.layout.descriptor(name)
-        cols = entry_columns(desc, self.key_names)
-        schema = self._entry_schemas[name]
         views, new = [], []
         for kg in kgs:
             group = self._cache.get(kg)
@@ -472,33 +470,15 @@ class StateStore:
             views.append(group.views[name])
         heights = [v.height for v in views]
         old = pl.concat(views, how="vertical") if sum(heights) else None
-        frames = []
         if old is not None:
-            old = view_as_entries(old, desc).select(cols).with_columns(
-                pl.Series(KG, np.repeat(np.asarray(kgs, np.int32), heights)))
-            frames.append(old.select([KG, *cols]))
-        keyed = pl.Schema({KG: pl.Int32, **schema})
-        if new:
-            frames.append(pl.concat(new, how="diagonal_relaxed").select([KG, *cols]).cast(keyed))
-        resolved = resolve(pl.concat(frames, how="vertical"), desc, [KG, *self.key_names], self.now_ms())
+            old = old.with_columns(pl.Series(KG, np.repeat(np.asarray(kgs, np.int32), heights)))
+        keyed = pl.Schema({KG: pl.Int32, **self._entry_schemas[name]})
+        resolved = merge(old, new, desc, [KG, *self.key_names], self.now_ms(), keyed)
         by_kg = resolved.partition_by(KG, as_dict=True, include_key=False)
         empty = self.empty_view(desc)
         for kg in kgs:
             self._cache.peek(kg).views[name] = by_kg.get((kg,), empty)
             self._cache.resized(kg)
-
-    def _refresh(self, kg: int, name: str) -> pl.DataFrame:
-        group = self._cache.get(kg)
-        parts = self._memtable.parts(name, kg)
-        applied = group.applied.get(name, 0)
-        if len(parts) > applied or group.pending.get(name):
-            desc = self.layout.descriptor(name)
-            new = group.pending.pop(name, []) + parts[applied:]
-            group.views[name] = merge(group.views[name], new, desc, self.key_names, self.now_ms(),
-                                      self._entry_schemas[name])
-            group.applied[name] = len(parts)
-            self._cache.resized(kg)
-        return group.views[name]
 
     def _load(self, kgs: Sequence[int]) -> None:
         """Read the segments of ``kgs`` and resolve every variable's view of each."""
