@@ -1,40 +1,59 @@
-"""Compaction of a state table's segments, off the streaming critical path (issue 3; work in
-progress on this branch).
+"""Compaction of a state table's segments, off the streaming critical path.
 
-``compact_partition`` rewrites every segment of one partition (``truncate(key_group, W)``)
-into one file per partition holding only the entries that are still visible: the newest
-entry per key (and map user key), the live list elements after the last whole-key clear;
-tombstones and entries whose TTL passed are dropped. The kept entries keep their own
-``checkpoint_id`` and ``seq``, so every reader resolves them exactly as before (invariant 5).
-The output is named ``cmp-...parquet`` (not a segment name), so no orphan sweep mistakes an
-output in flight for a crashed checkpoint's file.
+A checkpoint adds one segment per task and partition, so a unit of key groups gathers a
+segment per checkpoint and a lookup opens every one of them. Compaction rewrites some of a
+unit's segments into one file. The *unit* is a partition (``truncate(key_group, W)``) cut
+at the key-group ranges of the newest checkpoint's tasks: the range one task reads, even
+when the table has a single partition.
 
-The rewrite commits as one Iceberg overwrite on main's head that deletes exactly the files
-it read and adds its output; the snapshot carries no checkpoint id, and the stream's next
-checkpoint follows it (``IcebergStateTable._plan_parent``). When a checkpoint commits in
-between, the catalog's compare-and-swap fails: the compaction re-plans on the new head and
-retries, bounded; it never blocks or fails a checkpoint.
+What to merge (``CompactionPolicy``): nothing until a unit has ``min_segments`` segments;
+then, size-tiered (as RocksDB's universal compaction), the newest segments, joined by each
+older one whose bytes are at most ``size_ratio`` times the bytes merged so far. A large old
+base is thus rewritten only when the deltas above it have grown to its size: a live entry
+is rewritten about log2(state / delta) times, not once per compaction.
+
+What is kept (invariant 5: every reader resolves the output exactly as the inputs, since
+entries keep their own ``checkpoint_id`` and ``seq``):
+
+* when the merge holds every segment of the unit, the entries still visible
+  (``resolve.survivors``): tombstones, hidden entries and entries expired at the newest
+  checkpoint's commit time are dropped;
+* otherwise, the entries no other merged entry hides (``resolve.newest_entries``):
+  tombstones stay, since they hide entries in older segments left out.
+
+The rewrite commits as one Iceberg overwrite of the branch's head that deletes exactly the
+files it read and adds its outputs; its snapshot carries no checkpoint id, and the writer's
+next checkpoint follows it (``IcebergStateTable._plan_parent``). When a checkpoint commits
+in between, the catalog's compare-and-swap fails and the compaction commits the same
+outputs again on the new head, provided every file it read is still live there (a
+checkpoint only adds files; a restore or another compaction may have removed some: then it
+re-plans). It gives up after ``ATTEMPTS_MAX`` tries or once ``COMPACTION_GRACE_CHECKPOINTS``
+checkpoints passed its plan, after which garbage collection may take its outputs. It never
+blocks or fails a checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-import uuid
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.io.pyarrow import parquet_file_to_data_file
-from pyiceberg.table.refs import MAIN_BRANCH
 
 from catalog.iceberg_table import IcebergStateTable
-from statestore.keygroups import KeyGroupRange
+from catalog.retention import newest_checkpoint_id
+from statestore.keygroups import KeyGroupRange, compute_key_group_range_for_task
 from statestore.layout import CHECKPOINT_ID, KEY_GROUP, SEQ, STATE
-from statestore.resolve import ORD, make_ord, survivors
+from statestore.paths import COMPACTION_GRACE_CHECKPOINTS
+from statestore.resolve import ORD, make_ord, newest_entries, survivors
 from statestore.segment import SegmentReader, write_segment_file
+from statestore.table import SegmentFile
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +63,49 @@ ATTEMPTS_MAX = 5
 
 @dataclass(frozen=True)
 class CompactionPolicy:
-    """When a partition needs compaction: at least ``min_segments`` segments, or, with at least
-    two, a share of shadowed entries (entries a newer one hides) of ``min_shadowed_ratio``."""
+    """When a unit needs compaction, and which of its segments to merge (module docstring).
+
+    Args:
+        min_segments: a unit with fewer segments is left alone.
+        size_ratio: an older segment joins the merge when its bytes are at most this many
+            times the bytes of the newer segments merged so far (larger: fewer files, more
+            rewriting).
+        max_merge: at most this many segments per unit in one merge (None: no limit), to
+            bound the work of one compaction.
+    """
 
     min_segments: int = 8
-    min_shadowed_ratio: float = 0.5
+    size_ratio: float = 1.0
+    max_merge: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_segments, int) or self.min_segments < 2:
+            raise ValueError(f"CompactionPolicy.min_segments must be an int of at least 2, got {self.min_segments!r}")
+        if not isinstance(self.size_ratio, int | float) or not self.size_ratio > 0:
+            raise ValueError(f"CompactionPolicy.size_ratio must be a positive number, got {self.size_ratio!r}")
+        if self.max_merge is not None and (not isinstance(self.max_merge, int) or self.max_merge < 2):
+            raise ValueError(f"CompactionPolicy.max_merge must be None or an int of at least 2, got {self.max_merge!r}")
+
+    def select(self, segments: Sequence[SegmentFile]) -> list[SegmentFile]:
+        """The segments of one unit to merge, oldest first; empty when it needs no compaction."""
+        if len(segments) < self.min_segments:
+            return []
+        ordered = sorted(segments, key=_age)
+        run, merged = [ordered[-1]], ordered[-1].size_bytes
+        for s in reversed(ordered[:-1]):
+            if s.size_bytes > self.size_ratio * merged or len(run) == (self.max_merge or len(ordered)):
+                break
+            run.append(s)
+            merged += s.size_bytes
+        return sorted(run, key=_age) if len(run) >= 2 else []
 
 
 @dataclass(frozen=True)
 class CompactionResult:
-    partition: int
-    key_groups: KeyGroupRange
+    """One committed compaction (possibly of several units)."""
+
+    units: tuple[KeyGroupRange, ...]
+    full_units: int  # units whose every segment was merged (tombstones dropped)
     files_in: int
     bytes_in: int
     entries_in: int
@@ -63,96 +114,224 @@ class CompactionResult:
     entries_out: int
     attempts: int
     snapshot_id: int | None
+    seconds: float = 0.0
+    partitions: tuple[int, ...] = field(default=())
 
     @property
     def rewrite_ratio(self) -> float:
-        """Bytes written per byte read (below 1: the partition shrank)."""
+        """Bytes written per byte read (below 1: the state shrank)."""
         return self.bytes_out / self.bytes_in if self.bytes_in else 0.0
+
+    def summary(self) -> dict[str, int]:
+        return {"units": len(self.units), "full_units": self.full_units, "files_in": self.files_in,
+                "bytes_in": self.bytes_in, "entries_in": self.entries_in, "files_out": self.files_out,
+                "bytes_out": self.bytes_out, "entries_out": self.entries_out}
+
+
+def units(table: IcebergStateTable) -> list[KeyGroupRange]:
+    """The table's compaction units: partitions cut at the key-group ranges of the tasks of
+    the opened checkpoint (every partition whole when the table holds none)."""
+    n = table.layout.max_parallelism
+    info = table.current_checkpoint()
+    parallelism = 1 if info is None else min(info.parallelism, n)
+    found = []
+    for task in range(parallelism):
+        owned = compute_key_group_range_for_task(n, parallelism, task)
+        for p in range(table.partition_of(owned.start), table.partition_of(owned.end) + 1):
+            part = owned.intersection(table.partition_key_groups(p))
+            if not part.is_empty():
+                found.append(part)
+    return found
+
+
+def needs_compaction(table: IcebergStateTable, policy: CompactionPolicy) -> bool:
+    """Whether any unit of the opened checkpoint needs compaction (metadata only, no I/O)."""
+    return any(policy.select(table.segments(u)) for u in units(table))
+
+
+def compact(table: IcebergStateTable, *, policy: CompactionPolicy | None = None,
+            key_groups: KeyGroupRange | None = None, now_ms: int | None = None) -> CompactionResult | None:
+    """Compact ``table``'s branch at its newest state, in one commit.
+
+    ``table`` is a table object of its own (a compaction runs in its own process or thread,
+    never on the stream's). With a ``policy``, each unit merges what the policy selects;
+    without one, every unit with two or more segments is merged whole. ``key_groups``
+    limits the work to the units overlapping that range. Returns None when there is
+    nothing to do (or every attempt lost its race with checkpoints).
+    """
+    started = time.perf_counter()
+    planned: _Plan | None = None
+    for attempt in range(1, ATTEMPTS_MAX + 1):
+        table.restore()  # the newest checkpoint, and the head snapshot above it
+        if planned is not None and not planned.still_valid(table):
+            planned.discard(table)
+            planned = None
+        if planned is None:
+            planned = _plan_and_write(table, policy, key_groups, now_ms)
+            if planned is None:
+                return None
+        try:
+            snapshot_id = _commit(table, planned)
+        except CommitFailedException as e:
+            log.info("compaction of %s raced a checkpoint (%s); committing again on the new head",
+                     table.identifier, e)
+            time.sleep(0.02 * attempt)
+            continue
+        return planned.result(table, attempt, snapshot_id, time.perf_counter() - started)
+    if planned is not None:
+        planned.discard(table)
+    log.warning("compaction of %s gave up after %d races with checkpoints", table.identifier, ATTEMPTS_MAX)
+    return None
 
 
 def compact_partition(table: IcebergStateTable, partition: int = 0, *, now_ms: int | None = None,
                       policy: CompactionPolicy | None = None) -> CompactionResult | None:
-    """Compact one partition of ``table`` (its own table object: a compaction runs in its own
-    process or thread, never on the stream's). Returns None when there is nothing to do (or
-    the policy says it is not needed)."""
-    for attempt in range(1, ATTEMPTS_MAX + 1):
-        table.restore()  # main's newest checkpoint, and the head snapshot above it
-        head = table.iceberg_table.metadata.snapshot_by_name(MAIN_BRANCH)
-        if head is None:
-            return None
-        kgs = table.partition_key_groups(partition)
-        inputs = [s for s in table.segments(kgs) if table.partition_of(s.key_group_min) == partition]
-        if len(inputs) < 2:
-            return None
-        entries = _read_all(table, inputs, kgs)
-        kept = _survivors(table, entries, _now(table, now_ms))
-        if policy is not None and not _needed(policy, len(inputs), entries.height, kept.num_rows):
-            return None
-        out = _write(table, kept, partition)
-        try:
-            snapshot_id = _commit(table, head.snapshot_id, inputs, out)
-        except CommitFailedException as e:
-            log.info("compaction of partition %d lost a race to a checkpoint (%s); re-planning", partition, e)
-            for f in out:
-                table.filesystem.delete_file(f)
-            time.sleep(0.05 * attempt)
-            continue
+    """``compact`` limited to one partition."""
+    return compact(table, policy=policy, key_groups=table.partition_key_groups(partition), now_ms=now_ms)
+
+
+# --- planning and writing ---------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    base_checkpoint_id: int
+    head_id: int
+    inputs: list[SegmentFile]
+    outputs: list[SegmentFile]
+    units: list[KeyGroupRange]
+    full_units: int
+    entries_in: int
+    partitions: list[int]
+
+    def still_valid(self, table: IcebergStateTable) -> bool:
+        """Whether the outputs may commit on ``table``'s (refreshed) head: it still holds every
+        input live, and not too many checkpoints passed (the outputs' grace)."""
+        metadata = table.iceberg_table.metadata
+        if table.snapshot is None or metadata.snapshot_by_name(table.branch).snapshot_id != table.snapshot.snapshot_id:
+            return False
+        if newest_checkpoint_id(metadata, table.branch) >= self.base_checkpoint_id + COMPACTION_GRACE_CHECKPOINTS:
+            return False
+        live = {s.path for s in table.segments(KeyGroupRange.of(0, table.layout.max_parallelism - 1))}
+        return all(s.path in live for s in self.inputs)
+
+    def discard(self, table: IcebergStateTable) -> None:
+        for f in self.outputs:
+            try:
+                table.filesystem.delete_file(f.path)
+            except OSError as e:  # an orphan then, which garbage collection takes later
+                log.info("could not delete compaction output %s (%s)", f.path, e)
+
+    def result(self, table: IcebergStateTable, attempts: int, snapshot_id: int, seconds: float) -> CompactionResult:
         return CompactionResult(
-            partition=partition, key_groups=kgs, files_in=len(inputs), bytes_in=sum(s.size_bytes for s in inputs),
-            entries_in=entries.height, files_out=len(out),
-            bytes_out=sum(table.filesystem.get_file_info(f).size for f in out), entries_out=kept.num_rows,
-            attempts=attempt, snapshot_id=snapshot_id)
-    log.warning("compaction of partition %d gave up after %d races with checkpoints", partition, ATTEMPTS_MAX)
-    return None
+            units=tuple(self.units), full_units=self.full_units, files_in=len(self.inputs),
+            bytes_in=sum(s.size_bytes for s in self.inputs), entries_in=self.entries_in,
+            files_out=len(self.outputs), bytes_out=sum(s.size_bytes for s in self.outputs),
+            entries_out=sum(s.record_count for s in self.outputs), attempts=attempts, snapshot_id=snapshot_id,
+            seconds=seconds, partitions=tuple(self.partitions))
 
 
-def _now(table: IcebergStateTable, now_ms: int | None) -> int:
-    """Entries expired before the newest checkpoint's commit are invisible to every later batch."""
-    if now_ms is not None:
-        return now_ms
+def _age(s: SegmentFile) -> tuple[int, str]:
+    return s.checkpoint_id, s.path
+
+
+def _plan_and_write(table: IcebergStateTable, policy: CompactionPolicy | None, key_groups: KeyGroupRange | None,
+                    now_ms: int | None) -> _Plan | None:
+    """Select each unit's segments, then merge, per unit, the entries of every selected segment
+    that fall in it (a segment written at another parallelism may span several units: its
+    rows in a unit that selected nothing are rewritten there, merged with whatever else
+    was selected of that unit, so no row is lost and no output spans two units)."""
+    head = table.snapshot
     info = table.current_checkpoint()
-    return info.timestamp_ms if info is not None else 0
+    if head is None or info is None:
+        return None
+    todo = [u for u in units(table) if key_groups is None or not u.intersection(key_groups).is_empty()]
+    chosen: dict[str, SegmentFile] = {}
+    for u in todo:
+        segments = table.segments(u)
+        run = policy.select(segments) if policy is not None else (segments if len(segments) >= 2 else [])
+        chosen.update((s.path, s) for s in run)
+    if not chosen:
+        return None
+    inputs = sorted(chosen.values(), key=_age)
+    base = newest_checkpoint_id(table.iceberg_table.metadata, table.branch)
+    now = now_ms if now_ms is not None else info.timestamp_ms
+    plan = _Plan(base_checkpoint_id=base, head_id=head.snapshot_id, inputs=inputs, outputs=[], units=[],
+                 full_units=0, entries_in=0, partitions=[])
+    try:
+        for partition in sorted({table.partition_of(s.key_group_min) for s in inputs}):
+            _merge_partition(table, plan, partition, now)
+    except BaseException:
+        plan.discard(table)
+        raise
+    return plan
 
 
-def _read_all(table: IcebergStateTable, inputs, kgs: KeyGroupRange) -> pl.DataFrame:
+def _merge_partition(table: IcebergStateTable, plan: _Plan, partition: int, now_ms: int) -> None:
+    kgs = table.partition_key_groups(partition)
+    inputs = [s for s in plan.inputs if table.partition_of(s.key_group_min) == partition]
+    entries = _read_all(table, inputs, kgs)
+    plan.entries_in += entries.height
+    plan.partitions.append(partition)
+    for u in (u for u in units(table) if not u.intersection(kgs).is_empty()):
+        merged = [s for s in inputs if s.key_group_min <= u.end and s.key_group_max >= u.start]
+        if not merged:
+            continue
+        full = {s.path for s in table.segments(u)} <= {s.path for s in merged}
+        part = entries.filter(pl.col(KEY_GROUP).is_between(u.start, u.end))
+        kept = _kept(table, part, now_ms, full)
+        plan.units.append(u)
+        plan.full_units += full
+        if kept.num_rows:
+            path = table.new_compaction_path(plan.base_checkpoint_id, partition)
+            plan.outputs.append(write_segment_file(table, kept, path))
+
+
+def _read_all(table: IcebergStateTable, inputs: Sequence[SegmentFile], kgs: KeyGroupRange) -> pl.DataFrame:
     reader = SegmentReader(table.filesystem)
     wanted = np.arange(kgs.start, kgs.end + 1, dtype=np.int64)
     names = table.file_schema().names
-    tables = reader.read(inputs, wanted, names)
-    data = pa.concat_tables(tables, promote_options="permissive")
+    data = pa.concat_tables(reader.read(inputs, wanted, names), promote_options="permissive")
     return pl.from_arrow(data).with_columns(make_ord(pl.col(CHECKPOINT_ID), pl.col(SEQ)))
 
 
-def _survivors(table: IcebergStateTable, entries: pl.DataFrame, now_ms: int) -> pa.Table:
+def _kept(table: IcebergStateTable, entries: pl.DataFrame, now_ms: int, full: bool) -> pa.Table:
     keys = [KEY_GROUP, *table.layout.key_names]
-    parts = [survivors(entries.filter(pl.col(STATE) == d.name), d, keys, now_ms) for d in table.layout.descriptors]
+    parts = []
+    for d in table.layout.descriptors:
+        of_d = entries.filter(pl.col(STATE) == d.name)
+        if of_d.height:
+            parts.append(survivors(of_d, d, keys, now_ms) if full else newest_entries(of_d, d, keys))
     parts = [p for p in parts if p.height]
     frame = pl.concat(parts, how="vertical") if parts else entries.clear()
     return frame.drop(ORD).to_arrow()
 
 
-def _needed(policy: CompactionPolicy, n_segments: int, entries: int, live: int) -> bool:
-    if n_segments >= policy.min_segments:
-        return True
-    return entries > 0 and (entries - live) / entries >= policy.min_shadowed_ratio
-
-
-def _write(table: IcebergStateTable, kept: pa.Table, partition: int) -> list[str]:
-    if kept.num_rows == 0:
-        return []
-    path = table.data_path(f"cmp-p{partition:05d}-{uuid.uuid4().hex[:12]}.parquet")
-    return [write_segment_file(table, kept, path).path]
-
-
-def _commit(table: IcebergStateTable, head_id: int, inputs, out: list[str]) -> int:
-    """One overwrite on main's head: delete exactly ``inputs``, add ``out``."""
+def _commit(table: IcebergStateTable, plan: _Plan) -> int:
+    """One overwrite on the branch's head: delete exactly the inputs, add the outputs."""
     ice = table.iceberg_table
-    by_path = {task.file.file_path: task.file for task in ice.scan(snapshot_id=head_id).plan_files()}
+    head = ice.metadata.snapshot_by_name(table.branch)
+    by_path = {task.file.file_path: task.file for task in ice.scan(snapshot_id=head.snapshot_id).plan_files()}
+    summary = {SUMMARY_COMPACTION: json.dumps(plan.result(table, 0, 0, 0.0).summary())}
     tx = ice.transaction()
-    with tx.update_snapshot(snapshot_properties={SUMMARY_COMPACTION: "rewrite"}).overwrite() as ow:
-        for s in inputs:
+    with tx.update_snapshot(snapshot_properties=summary, branch=table.branch).overwrite() as ow:
+        for s in plan.inputs:
             ow.delete_data_file(by_path[table.to_uri(s.path)])
-        for f in out:
-            ow.append_data_file(parquet_file_to_data_file(ice.io, ice.metadata, table.to_uri(f)))
+        for f in plan.outputs:
+            ow.append_data_file(parquet_file_to_data_file(ice.io, ice.metadata, table.to_uri(f.path)))
     tx.commit_transaction()
-    return ice.metadata.snapshot_by_name(MAIN_BRANCH).snapshot_id
+    return ice.metadata.snapshot_by_name(table.branch).snapshot_id
+
+
+def compactions(table: IcebergStateTable) -> list[dict]:
+    """The compactions committed on the table's branch line, oldest first: the figures of each
+    (``CompactionResult.summary``) with ``snapshot_id`` and ``timestamp_ms``."""
+    from catalog.retention import line
+
+    found = []
+    for s in reversed(line(table.iceberg_table.metadata, table.branch)):
+        value = s.summary.additional_properties.get(SUMMARY_COMPACTION) if s.summary else None
+        if value:
+            figures = json.loads(value) if value.startswith("{") else {}
+            found.append({**figures, "snapshot_id": s.snapshot_id, "timestamp_ms": s.timestamp_ms})
+    return found

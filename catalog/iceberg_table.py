@@ -84,7 +84,9 @@ from statestore.paths import (
     BRANCHES_DIR,
     DATA_DIR,
     OPERATOR_DIR,
+    compaction_file_name,
     operator_file_name,
+    parse_compaction_name,
     parse_operator_name,
     parse_segment_name,
     segment_path,
@@ -246,6 +248,11 @@ class IcebergStateTable:
             raise ValueError(f"partition {partition} is outside [0, {partitions - 1}] of state table {self._name}")
         uri = segment_path(self._table.location(), checkpoint_id, task_index, partition, self._segment_subdir)
         return self._locations.to_path(uri)
+
+    def new_compaction_path(self, base_checkpoint_id: int, partition: int) -> str:
+        """A fresh filesystem path for a compaction's output, beside this branch's segments."""
+        name = compaction_file_name(base_checkpoint_id, partition)
+        return self.data_path(f"{self._segment_subdir}/{name}" if self._segment_subdir else name)
 
     def new_operator_state_path(self, checkpoint_id: int, task_index: int) -> str:
         """A fresh filesystem path for a task's operator state file of an uncommitted checkpoint."""
@@ -562,10 +569,11 @@ class IcebergStateTable:
         )
 
     def _checkpoint_of(self, entry: FileEntry) -> int:
-        # Segments name their checkpoint. Other files (a future compaction's output, files
-        # appended by other tools) take the checkpoint of the snapshot that added them, or
-        # 0 (oldest) when that snapshot is gone: entries carry their own checkpoint_id column.
-        parsed = parse_segment_name(entry.path)
+        # Segments name their checkpoint, a compaction's output the checkpoint it was planned
+        # on (no entry in it is newer). Other files (appended by other tools) take the
+        # checkpoint of the snapshot that added them, or 0 (oldest) when that snapshot is gone:
+        # entries carry their own checkpoint_id column.
+        parsed = parse_segment_name(entry.path) or parse_compaction_name(entry.path)
         if parsed is not None:
             return parsed[0]
         added_by = None if entry.snapshot_id is None else self._table.metadata.snapshot_by_id(entry.snapshot_id)

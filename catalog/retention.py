@@ -21,7 +21,10 @@ of files to delete. ``orphans`` finds such files (and those of crashed commits) 
 name: segments carry their checkpoint id (``statestore.paths``), manifests and manifest
 lists of checkpoint commits carry it in their commit UUID (``catalog.naming``). A file is
 an orphan only when no snapshot in the metadata references it and its checkpoint id is
-at most the newest committed one, so files of a checkpoint being written now are safe.
+at most the newest committed one, so files of a checkpoint being written now are safe. A
+compaction's output names the checkpoint it was planned on: it is an orphan only once
+``COMPACTION_GRACE_CHECKPOINTS`` newer checkpoints are committed (the compaction can no
+longer commit it, ``statestore.paths``).
 Metadata files of other writers are never touched.
 """
 
@@ -39,7 +42,12 @@ from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from catalog import properties as props
 from catalog.manifests import ManifestCache
 from catalog.naming import checkpoint_of_commit_file
-from statestore.paths import parse_operator_name, parse_segment_name
+from statestore.paths import (
+    COMPACTION_GRACE_CHECKPOINTS,
+    parse_compaction_name,
+    parse_operator_name,
+    parse_segment_name,
+)
 
 _METADATA_JSON = re.compile(r"^(\d+)-[^/]*\.metadata\.json$")
 
@@ -144,7 +152,9 @@ def orphans(
     newest = newest_checkpoint_id(metadata)
     snapshots = metadata.snapshots
     live = live_files(cache, snapshots)
-    found = [p for p in data_files if _is_ours_and_old(parse_segment_name(p), newest) and p not in live]
+    settled = newest - COMPACTION_GRACE_CHECKPOINTS  # a compaction planned at or before it can no longer commit
+    found = [p for p in data_files if p not in live and (
+        _is_ours_and_old(parse_segment_name(p), newest) or _is_ours_and_old(parse_compaction_name(p), settled))]
     referenced = cache.manifest_paths(snapshots) | {s.manifest_list for s in snapshots}
     found += [p for p in metadata_files if _is_old_commit_file(p, newest) and p not in referenced]
     found += _stale_metadata_json(metadata_files, metadata, metadata_location)

@@ -3,6 +3,13 @@
 A segment is ``<table location>/data/seg-cp<checkpoint id>-t<task>-p<partition>-<uuid>.parquet``.
 The checkpoint id in the name lets garbage collection recognise files of checkpoints
 that never committed (stored on disk: keep the format readable by ``parse_segment_name``).
+
+A compaction's output is ``cmp-cp<base checkpoint id>-p<partition>-<uuid>.parquet``, the base
+being the newest checkpoint when the compaction planned. A compaction commits its output
+only while the newest checkpoint is below base + ``COMPACTION_GRACE_CHECKPOINTS`` (it
+re-commits the same files on top of checkpoints that raced it, and gives up after that), so
+an output that no snapshot references once that many checkpoints passed can never commit:
+garbage collection may take it (``parse_compaction_name``).
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ DATA_DIR = "data"
 BRANCHES_DIR = "branches"  # under DATA_DIR: the segments of each fork (catalog.iceberg_table)
 OPERATOR_DIR = "operator"  # under DATA_DIR (or a fork's directory): operator state files
 _OPERATOR = re.compile(r"^op-cp(\d{12})-t(\d{5})-([0-9a-f]{12})\.parquet$")
+COMPACTION_GRACE_CHECKPOINTS = 16
+_COMPACTION = re.compile(r"^cmp-cp(\d{12})-p(\d{5})-([0-9a-f]{12})\.parquet$")
 _SEGMENT = re.compile(r"^seg-cp(\d{12})-t(\d{5})-p(\d{5})-([0-9a-f]{12})\.parquet$")
 
 
@@ -47,3 +56,15 @@ def parse_segment_name(path: str) -> tuple[int, int, int] | None:
     """(checkpoint id, task index, partition) of a segment path, or None for other files."""
     m = _SEGMENT.match(path.rsplit("/", 1)[-1])
     return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
+def compaction_file_name(base_checkpoint_id: int, partition: int) -> str:
+    if base_checkpoint_id < 0 or partition < 0:
+        raise ValueError(f"negative id in compaction file name: cp={base_checkpoint_id} part={partition}")
+    return f"cmp-cp{base_checkpoint_id:012d}-p{partition:05d}-{uuid.uuid4().hex[:12]}.parquet"
+
+
+def parse_compaction_name(path: str) -> tuple[int, int] | None:
+    """(base checkpoint id, partition) of a compaction output path, or None for other files."""
+    m = _COMPACTION.match(path.rsplit("/", 1)[-1])
+    return (int(m.group(1)), int(m.group(2))) if m else None

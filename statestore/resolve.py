@@ -74,6 +74,32 @@ def survivors(entries: pl.DataFrame, desc: StateDescriptor, keys: list[str], now
     return live_rows(_newest(entries, keys).filter(pl.col(OP) == OP_PUT), now_ms)
 
 
+def newest_entries(entries: pl.DataFrame, desc: StateDescriptor, keys: list[str]) -> pl.DataFrame:
+    """The entries of ``desc`` that no other entry among ``entries`` hides, whole, tombstones and
+    expired entries included: what a compaction of *some* of a key group's segments keeps.
+    Older entries may sit in segments it did not read, so the tombstones that hide them must
+    stay, and so must expired entries (which, TTL settings having changed, might otherwise
+    uncover an older one that expires later)."""
+    if desc.kind is StateKind.LIST:
+        return _from_newest_clear(entries, keys, pl.col(OP) == OP_DELETE).sort(ORD)
+    if desc.kind is StateKind.MAP:
+        mk = desc.user_key_column
+        clear = (pl.col(OP) == OP_DELETE) & pl.col(mk).is_null()
+        kept = _from_newest_clear(entries, keys, clear)
+        return pl.concat([kept.filter(clear), _newest(kept.filter(~clear), [*keys, mk])], how="vertical")
+    return _newest(entries, keys)
+
+
+def _from_newest_clear(entries: pl.DataFrame, keys: list[str], clear_mask: pl.Expr) -> pl.DataFrame:
+    """Each key's newest whole-key tombstone and the entries newer than it (all entries of a
+    key without one)."""
+    clears = entries.filter(clear_mask).group_by(keys).agg(pl.col(ORD).max().alias(CLEAR_ORD))
+    if clears.height == 0:
+        return entries
+    joined = entries.join(clears, on=keys, how="left", nulls_equal=True)
+    return joined.filter(pl.col(CLEAR_ORD).is_null() | (pl.col(ORD) >= pl.col(CLEAR_ORD))).drop(CLEAR_ORD)
+
+
 def view_as_entries(view: pl.DataFrame, desc: StateDescriptor) -> pl.DataFrame:
     """A view as entries older than any real entry (``ord`` < 0; list order kept)."""
     if desc.kind is StateKind.LIST:

@@ -8,7 +8,7 @@ import pytest
 
 from catalog import IcebergStateTable, connect
 from catalog import compaction as compaction_module
-from catalog.compaction import CompactionPolicy, compact_partition
+from catalog.compaction import CompactionPolicy, compact, compact_partition
 from statestore import (
     KeyGroupRange,
     ListStateDescriptor,
@@ -102,7 +102,8 @@ def test_a_checkpoint_committed_during_compaction_wins_and_compaction_retries(tm
     assert other.current_checkpoint().checkpoint_id == raced[0]  # the checkpoint stands
     con = connect(other, now_ms=clock[0])
     assert con.sql("SELECT v_v FROM state_v WHERE k = 'k1'").fetchall() == [(12345,)]
-    assert len(other.segments(ALL)) == 1  # it re-planned over the new checkpoint's segment too
+    # it committed the same output again on top of the checkpoint, without re-reading anything
+    assert len(other.segments(ALL)) == 2
     other.close()
     store.close()
     table.close()
@@ -112,7 +113,7 @@ def test_policy_skips_a_partition_that_does_not_need_it(tmp_path):
     clock = [0]
     table, store = build(str(tmp_path / "wh"), clock)
     other = IcebergStateTable.open(LAYOUT, warehouse=str(tmp_path / "wh"), table_name="op")
-    assert compact_partition(other, 0, policy=CompactionPolicy(min_segments=50, min_shadowed_ratio=0.99)) is None
+    assert compact_partition(other, 0, policy=CompactionPolicy(min_segments=50)) is None
     assert compact_partition(other, 0, policy=CompactionPolicy(min_segments=5)) is not None
     other.close()
     store.close()
@@ -127,5 +128,38 @@ def test_nothing_to_compact(tmp_path, segments):
         store.get_state("v").update_batch(keys(["a"]), [c])
         store.checkpoint()
     assert compact_partition(table, 0) is None
+    store.close()
+    table.close()
+
+
+def test_a_partial_merge_keeps_the_tombstones_that_hide_older_segments(tmp_path):
+    """Merging only the newest segments must keep a clear that hides a value (or list, or map
+    entry) in an older segment left out; a whole merge afterwards drops both."""
+    wh = str(tmp_path / "wh")
+    table = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op")
+    store = StateStore(table)
+    store.get_state("v").update_batch(keys(["a", "b"]), [1, 2])
+    store.get_state("l").add_batch(keys(["a"]), ["x"])
+    store.get_state("m").put_batch(keys(["a", "a"]), ["u1", "u2"], [1, 2])
+    store.checkpoint()  # the older segment, left out of the merge
+    store.get_state("v").clear_batch(keys(["a"]))
+    store.get_state("l").clear_batch(keys(["a"]))
+    store.get_state("m").remove_batch(keys(["a"]), ["u1"])
+    store.checkpoint()
+    store.get_state("v").update_batch(keys(["c"]), [3])
+    store.checkpoint()
+    expected = snapshot_state(table, 0)
+    other = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op")
+    result = compact(other, policy=CompactionPolicy(min_segments=2, max_merge=2))
+    assert result is not None and (result.files_in, result.files_out, result.full_units) == (2, 1, 0)
+    other.restore()
+    assert len(other.segments(ALL)) == 2
+    assert snapshot_state(other, 0) == expected
+    full = compact(other)
+    assert full is not None and full.full_units == 1 and full.entries_out < full.entries_in
+    other.restore()
+    assert len(other.segments(ALL)) == 1
+    assert snapshot_state(other, 0) == expected
+    other.close()
     store.close()
     table.close()

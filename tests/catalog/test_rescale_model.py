@@ -10,7 +10,8 @@ Strategy
     random parallelism from 1 to 8. ``restore`` goes back to a retained checkpoint (or
     tries one retention removed), ``savepoint`` names the newest checkpoint and
     ``restore_savepoint`` goes back to one, even after retention moved past it. The model
-    is a dict per checkpoint. Compaction joins this machine when it exists (issue 3).
+    is a dict per checkpoint. ``compact`` (in its own table object, as another process would)
+    merges whole units or some of their newest segments, over all key groups or a range.
 
 Invariants (after every step)
     1. Every key of the pool, read through its owning task (batched for half the keys,
@@ -34,7 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from catalog import IcebergStateTable
-from catalog.compaction import compact_partition
+from catalog.compaction import CompactionPolicy, compact
 from statestore import (
     CheckpointNotFoundError,
     KeyGroupRange,
@@ -140,6 +141,17 @@ class RescaleMachine(RuleBasedStateMachine):
             s.checkpoint_complete(cp)
         self.committed[cp] = copy.deepcopy(self.model)
 
+    @rule(writes=st.lists(st.tuples(st.sampled_from(KEYS), st.integers(-50, 50) | st.none()), min_size=1,
+                          max_size=6))
+    def batch(self, writes):
+        """A micro-batch: puts (None: a clear) on a few keys, then a checkpoint."""
+        for key, value in writes:
+            if value is None:
+                self.clear(key)
+            else:
+                self.put(key, value, batched=True)
+        self.checkpoint()
+
     @rule(parallelism=st.integers(1, N))
     def rescale(self, parallelism):
         self.parallelism = parallelism
@@ -161,15 +173,21 @@ class RescaleMachine(RuleBasedStateMachine):
         self._reopen(cp)
 
     @precondition(lambda self: len(self.table.segments(KeyGroupRange.of(0, N - 1))) >= 2)
-    @rule()
-    def compact(self):
+    @rule(tiered=st.booleans(), size_ratio=st.sampled_from([0.5, 1.0, 10.0]), max_merge=st.integers(2, 4),
+          first=st.integers(0, N - 1), width=st.integers(1, N), restart=st.booleans())
+    def compact(self, tiered, size_ratio, max_merge, first, width, restart):
+        """Whole units, or merges of their newest segments (tombstones kept: older segments are
+        left out), over all key groups or a range of them."""
         other = IcebergStateTable.open(LAYOUT, warehouse=str(self.dir / "wh"), table_name="op",
                                        retain_checkpoints=RETAIN)
+        policy = CompactionPolicy(min_segments=2, size_ratio=size_ratio, max_merge=max_merge) if tiered else None
         try:
-            result = compact_partition(other, 0)  # None: the newest state is compacted already
-            assert result is None or result.files_out <= 1
+            result = compact(other, policy=policy, key_groups=KeyGroupRange.of(first, min(N - 1, first + width - 1)))
+            assert result is None or result.files_out <= len(result.units)
         finally:
             other.close()
+        if result is not None and restart:  # the tasks restart on the compacted files
+            self._reopen()
 
     @precondition(lambda self: self.table.current_checkpoint() is not None)
     @rule()
@@ -204,5 +222,5 @@ class RescaleMachine(RuleBasedStateMachine):
 
 
 TestRescaleModel = RescaleMachine.TestCase
-TestRescaleModel.settings = settings(max_examples=15, stateful_step_count=40, derandomize=True, deadline=None,
+TestRescaleModel.settings = settings(max_examples=30, stateful_step_count=40, derandomize=True, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
