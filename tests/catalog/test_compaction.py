@@ -1,5 +1,6 @@
-"""Compaction (work in progress): a partition's segments rewritten into one, same state for
-every reader; a checkpoint committed during a compaction wins and the compaction retries."""
+"""Compaction: a unit's segments rewritten into one (whole, or its newest segments), the same
+state for every reader; a checkpoint committed during a compaction wins and the compaction
+commits again above it; crashed outputs are collected; forks compact on their own line."""
 
 from __future__ import annotations
 
@@ -36,11 +37,15 @@ def snapshot_state(table: IcebergStateTable, now_ms: int) -> dict:
     return {d.name: sorted(map(repr, con.sql(f"SELECT * FROM state_{d.name}").fetchall())) for d in DESCRIPTORS}
 
 
-def build(warehouse: str, clock: list[int]) -> tuple[IcebergStateTable, StateStore]:
+def store_config(clock: list[int]):
     from statestore import StoreConfig
 
+    return StoreConfig(clock_ms=lambda: clock[0])
+
+
+def build(warehouse: str, clock: list[int]) -> tuple[IcebergStateTable, StateStore]:
     table = IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name="op", retain_checkpoints=50)
-    store = StateStore(table, config=StoreConfig(clock_ms=lambda: clock[0]))
+    store = StateStore(table, config=store_config(clock))
     ks = [f"k{i}" for i in range(40)]
     for c in range(10):
         clock[0] = 1000 * c
@@ -161,5 +166,80 @@ def test_a_partial_merge_keeps_the_tombstones_that_hide_older_segments(tmp_path)
     assert len(other.segments(ALL)) == 1
     assert snapshot_state(other, 0) == expected
     other.close()
+    store.close()
+    table.close()
+
+
+def test_a_crashed_compactions_output_is_collected_only_once_it_can_no_longer_commit(tmp_path, monkeypatch):
+    from statestore.paths import COMPACTION_GRACE_CHECKPOINTS
+
+    clock = [0]
+    wh = str(tmp_path / "wh")
+    table, store = build(wh, clock)
+    other = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op")
+
+    def crash(*args):
+        raise RuntimeError("compaction process died before its commit")
+
+    monkeypatch.setattr(compaction_module, "_commit", crash)
+    with pytest.raises(RuntimeError):
+        compact(other)
+    monkeypatch.undo()
+    outputs = list((tmp_path / "wh").rglob("cmp-*.parquet"))
+    assert len(outputs) == 1
+
+    def checkpoint_with_sweep():  # a new table object sweeps orphans at its first commit
+        writer = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op", retain_checkpoints=50)
+        s = StateStore(writer)
+        s.get_state("v").update_batch(keys(["k0"]), [1])
+        s.checkpoint()
+        s.close()
+        writer.close()
+
+    store.close()
+    table.close()
+    checkpoint_with_sweep()
+    assert outputs[0].exists()  # still within its grace: a live compaction could commit it
+    for _ in range(COMPACTION_GRACE_CHECKPOINTS):
+        checkpoint_with_sweep()
+    assert not outputs[0].exists()
+    # and compaction still works afterwards, with its own outputs kept
+    assert compact(other) is not None
+    other.restore()
+    assert [p.name for p in (tmp_path / "wh").rglob("cmp-*.parquet")] == [
+        s.path.rsplit("/", 1)[-1] for s in other.segments(ALL)]
+    other.close()
+
+
+def test_compaction_of_a_fork_leaves_main_untouched(tmp_path):
+    clock = [0]
+    wh = str(tmp_path / "wh")
+    table, store = build(wh, clock)
+    main_files = {s.path for s in table.segments(ALL)}
+    table.fork("v2")
+    fork = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op", branch="v2")
+    fork_store = StateStore(fork, config=store_config(clock))
+    fork_store.get_state("v").update_batch(keys(["k0"]), [-1])
+    fork_store.checkpoint()
+    expected_fork = snapshot_state(fork, clock[0])
+    expected_main = snapshot_state(table, clock[0])
+    compactor = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op", branch="v2")
+    result = compact(compactor, now_ms=clock[0])
+    assert result is not None and result.files_out == 1
+    compactor.restore()
+    out = compactor.segments(ALL)
+    assert len(out) == 1 and "/branches/v2/cmp-" in out[0].path
+    assert snapshot_state(compactor, clock[0]) == expected_fork
+    table.restore()
+    assert {s.path for s in table.segments(ALL)} == main_files
+    assert snapshot_state(table, clock[0]) == expected_main
+    # the fork's writer goes on above its compaction
+    fork_store.get_state("v").update_batch(keys(["k1"]), [-2])
+    fork_store.checkpoint()
+    compactor.restore()
+    assert len(compactor.segments(ALL)) == 2
+    for t in (compactor, fork):
+        t.close()
+    fork_store.close()
     store.close()
     table.close()
