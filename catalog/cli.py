@@ -6,6 +6,7 @@
     icestate savepoint --warehouse ./warehouse --table demo_running_count before-upgrade
     icestate fork --warehouse ./warehouse --table demo_running_count v2 --savepoint before-upgrade
     icestate refs --warehouse ./warehouse --table demo_running_count
+    icestate compact --warehouse ./warehouse --table demo_running_count [--follow 10]
 """
 
 from __future__ import annotations
@@ -140,6 +141,55 @@ def refs(
             out.add_row("fork", name, *(("-", "-", "-") if c is None else
                                         (str(c.checkpoint_id), str(c.batch_id), str(c.snapshot_id))))
     console.print(out)
+
+
+@app.command()
+def compact(
+    warehouse: str = typer.Option("./warehouse"),
+    table: str = typer.Option(..., help="state table name"),
+    namespace: str = typer.Option("state"),
+    branch: str = typer.Option("main", help="the line: main or a fork"),
+    min_segments: int | None = typer.Option(None, help="policy: compact units with at least this many segments "
+                                            "(default: every unit with 2 or more, merged whole)"),
+    size_ratio: float = typer.Option(1.0, help="policy: an older segment joins a merge when its bytes are at most "
+                                     "this times the newer ones'"),
+    key_groups: str | None = typer.Option(None, help="only the units overlapping this key-group range, e.g. 0-31"),
+    follow: float | None = typer.Option(None, help="keep compacting every this many seconds (beside a writer)"),
+    as_json: bool = typer.Option(False, "--json", help="print the figures as JSON"),
+) -> None:
+    """Compact a state table's segments now (a writer's next checkpoint follows the compaction)."""
+    import time
+
+    from catalog.compaction import CompactionPolicy
+    from catalog.compaction import compact as run
+    from catalog.iceberg_table import IcebergStateTable
+    from statestore.keygroups import KeyGroupRange
+
+    try:
+        policy = None if min_segments is None else CompactionPolicy(min_segments=min_segments, size_ratio=size_ratio)
+        if min_segments is None and size_ratio != 1.0:
+            policy = CompactionPolicy(min_segments=2, size_ratio=size_ratio)
+        kgs = None if key_groups is None else KeyGroupRange.of(*map(int, key_groups.split("-", 1)))
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    with IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table,
+                                         branch=branch) as t:
+        while True:
+            result = run(t, policy=policy, key_groups=kgs)
+            figures = None if result is None else {**result.summary(), "attempts": result.attempts,
+                                                   "seconds": round(result.seconds, 3)}
+            if as_json:
+                print(json.dumps(figures), flush=True)
+            elif figures is None:
+                console.print("nothing to compact")
+            else:
+                console.print(f"compacted {figures['units']} unit(s): {figures['files_in']} files "
+                              f"({figures['bytes_in']:,} bytes, {figures['entries_in']:,} entries) into "
+                              f"{figures['files_out']} ({figures['bytes_out']:,} bytes, {figures['entries_out']:,} "
+                              f"entries) in {figures['seconds']} s")
+            if follow is None:
+                return
+            time.sleep(follow)
 
 
 if __name__ == "__main__":

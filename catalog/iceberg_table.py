@@ -177,7 +177,7 @@ class IcebergStateTable:
     def open_existing(
         cls, *, warehouse: str | None = None, catalog: Catalog | None = None, namespace: str = DEFAULT_NAMESPACE,
         table_name: str, checkpoint_id: int | None = None, retain_checkpoints: int = DEFAULT_RETAIN_CHECKPOINTS,
-        branch: str = MAIN_BRANCH, savepoint: str | None = None,
+        branch: str = MAIN_BRANCH, savepoint: str | None = None, close_catalog: bool = False,
     ) -> IcebergStateTable:
         """Open an existing state table with the layout recorded in it, changing nothing.
 
@@ -188,6 +188,7 @@ class IcebergStateTable:
         _check_open_args(None, table_name, retain_checkpoints, None)
         _check_at(checkpoint_id, savepoint)
         catalog, owns = _catalog_for(warehouse, catalog)
+        owns = owns or close_catalog
         try:
             table = _load_existing(catalog, (namespace, table_name))
             layout = recorded_layout(".".join(table.name()), table.schema(), table.properties)

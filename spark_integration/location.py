@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from catalog.compactor import TableSpec
 from catalog.defaults import DEFAULT_NAMESPACE
 from catalog.iceberg_table import DEFAULT_RETAIN_CHECKPOINTS, IcebergStateTable
 from statestore.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
@@ -71,6 +72,12 @@ class StateLocation:
         """Which table this is, whatever the parallelism."""
         return (self.warehouse, self.catalog_name, tuple(sorted(self.catalog_properties.items())), self.identifier,
                 self.branch)
+
+    def table_spec(self) -> TableSpec:
+        """How another process (the compactor) opens this table."""
+        return TableSpec(table=self.table, namespace=self.namespace, warehouse=self.warehouse,
+                         catalog_name=self.catalog_name, catalog_properties=dict(self.catalog_properties),
+                         branch=self.branch)
 
     def open(self, layout: StateLayout, checkpoint_id: int | None = None) -> IcebergStateTable:
         """Open (creating on first use) the state table at ``checkpoint_id`` (newest when None)."""

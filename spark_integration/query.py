@@ -42,6 +42,8 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 from pyspark.sql.types import StructType
 
+from catalog.compaction import CompactionPolicy
+from catalog.compactor import CompactorProcess
 from spark_integration.compat import declare, spark_struct
 from spark_integration.location import StateLocation
 from spark_integration.outputs import OutputTable
@@ -185,7 +187,7 @@ class StatefulRunner:
                  output_schema: pa.Schema, layout: StateLayout, location: StateLocation, checkpoint_location: str,
                  foreach_batch: Callable[[DataFrame, int], None] | None, output: OutputTable | None,
                  time_mode: str, event_time_column: str | None, initial_state: DataFrame | None,
-                 store_config: StoreConfig):
+                 store_config: StoreConfig, compaction: CompactionPolicy | None = None):
         self.spark = spark
         self.keys = keys
         self.processor = processor
@@ -207,6 +209,8 @@ class StatefulRunner:
         self._part_values: list[int] | None = None
         self._reports = spark.sparkContext.accumulator([], ReportParam())
         self.reports: list[BatchReport] = []
+        # Compaction beside the stream, in a process of its own started when a unit needs it.
+        self.compactor = None if compaction is None else CompactorProcess(location.table_spec(), compaction)
 
     # ------------------------------------------------------------------ the batch function
 
@@ -298,6 +302,8 @@ class StatefulRunner:
         for task, stats in report.tasks.items():
             self.task_tokens[task] = (plan.checkpoint_id, stats["token"])
         _kill_if_asked("state_committed", batch_id)
+        if self.compactor is not None:
+            self.compactor.checkpoint_committed(self.table)
         if spare:
             self._delete_files(uris)
         report.commit_ms = (time.perf_counter() - commit_started) * 1000
@@ -416,12 +422,17 @@ class StatefulRunner:
                 fs.delete_file(path)
 
     def close(self) -> None:
+        """Release the state table and output table, and stop the compactor (after the
+        compaction it may be running). Called when the query terminates."""
+        if self.compactor is not None:
+            self.compactor.close()
         self.table.close()
         if self.output is not None:
             self.output.close()
 
 
 _RUNNERS: dict[str, StatefulRunner] = {}
+DEFAULT_COMPACTION = CompactionPolicy()
 
 
 def runner_of(query: StreamingQuery) -> StatefulRunner:
@@ -486,6 +497,7 @@ def start_stateful_query(
     foreach_batch: Callable[[DataFrame, int], None] | None = None, output_table: str | None = None,
     time_mode: str = "None", event_time_column: str | None = None, initial_state: DataFrame | None = None,
     query_name: str | None = None, store_config: StoreConfig | None = None, warm_workers: bool = True,
+    compaction: CompactionPolicy | None = DEFAULT_COMPACTION,
 ) -> StreamingQuery:
     """Start a streaming query that runs ``processor`` per key with state in an Iceberg table.
 
@@ -516,6 +528,10 @@ def start_stateful_query(
         warm_workers: while the query starts, run a small job that starts Python workers on
             the executors, imports the store's modules in them and opens the state table, so
             the first batch's tasks find warm workers (Spark reuses them).
+        compaction: the policy of the compaction that runs beside the query, in a process
+            of its own started when a unit of the state table needs it and stopped with the
+            query (``catalog.compactor``); None turns it off (``icestate compact`` then
+            compacts on demand).
 
     Raises (before any state is written): SchemaMismatchError for missing key columns or
     an output that does not fit, UnsupportedKeyTypeError, StateTableMismatchError when the
@@ -577,7 +593,7 @@ def start_stateful_query(
         spark, keys=keys, processor=processor, input_schema=run_schema, output_schema=out_schema, layout=layout,
         location=location, checkpoint_location=checkpoint_location, foreach_batch=foreach_batch, output=output,
         time_mode=mode, event_time_column=event_time_column, initial_state=initial_state,
-        store_config=store_config or StoreConfig(),
+        store_config=store_config or StoreConfig(), compaction=compaction,
     )
     if warm_workers:
         threading.Thread(target=_warm_workers, args=(spark, location, layout), name="icestate-warm-workers",
@@ -589,4 +605,14 @@ def start_stateful_query(
         writer = writer.trigger(**trigger)
     query = writer.start()
     _RUNNERS[query.id] = runner
+    threading.Thread(target=_close_when_terminated, args=(query, runner), name="icestate-query-watch",
+                     daemon=True).start()
     return query
+
+
+def _close_when_terminated(query: StreamingQuery, runner: StatefulRunner) -> None:
+    """Stop the runner's compactor when the query stops (a stopped query commits no more)."""
+    with contextlib.suppress(Exception):  # a failed query raises here: it is terminated too
+        query.awaitTermination()
+    if runner.compactor is not None:
+        runner.compactor.close()

@@ -210,6 +210,35 @@ def test_rescale_at_restart_keeps_every_key(spark, tmp_path, where):
         table.close()
 
 
+def test_compaction_runs_beside_the_stream_in_its_own_process(spark, tmp_path, where):
+    """Default-on compaction, with a policy that fires early: a compactor process compacts
+    while the stream checkpoints (before and after a rescale 2 -> 3, so old segments span
+    the new units); every batch commits, state and outputs are exact, files stay few."""
+    from catalog.compaction import CompactionPolicy, compactions, units
+
+    batches = key_batches(8, 40, 37)
+    input_dir, cp, seen = tmp_path / "in", str(tmp_path / "cp"), []
+    policy = CompactionPolicy(min_segments=2)
+    for parallelism, files in ((2, batches[:5]), (3, batches[5:])):
+        write_batches(input_dir, seen + files)
+        seen += files
+        loc = where(parallelism=parallelism)
+        runner = run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=loc,
+                            checkpoint=cp, output_table="out.counts", compaction=policy)
+        runner.compactor.close()  # wait for a compaction in flight
+        assert runner.compactor.notified > 0
+        assert state_counts(loc) == counts(seen)
+    out = output_rows(loc, "out.counts")
+    assert out.num_rows == sum(len(set(b["key"].to_pylist())) for b in batches)
+    table = IcebergStateTable.open_existing(warehouse=loc.warehouse, table_name=loc.table)
+    try:
+        assert [c.batch_id for c in table.list_checkpoints()][-1] == 7
+        assert compactions(table), "no compaction committed"
+        assert max(len(table.segments(u)) for u in units(table)) <= 3  # 8 without compaction
+    finally:
+        table.close()
+
+
 def test_a_new_query_on_a_fork_starts_from_the_forked_state_and_leaves_main_alone(spark, tmp_path, where):
     """Fork the state of a running stream at a checkpoint; a new version of the job (its own
     checkpointLocation, another parallelism) runs on the fork while main goes on."""

@@ -1,0 +1,190 @@
+"""The compactor process beside a writer: real processes, one real table.
+
+* A writer commits checkpoints as fast as it can while its compactor process (started by
+  ``CompactorProcess``) compacts the same table: every checkpoint commits, the state equals a
+  dict model at every checkpoint, compactions committed between checkpoints, and the files
+  per unit stay bounded.
+* The compactor exits when its writer process is killed (its input closes).
+* ``icestate compact`` compacts on demand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from catalog import IcebergStateTable, connect
+from catalog.compaction import CompactionPolicy, compactions, units
+from catalog.compactor import CompactorProcess, TableSpec
+from statestore import (
+    ListStateDescriptor,
+    StateLayout,
+    StateStore,
+    ValueStateDescriptor,
+    assign_key_groups,
+    task_for_key_group,
+)
+
+N = 16
+LAYOUT = StateLayout.of(pa.schema([("k", pa.int64())]),
+                        [ValueStateDescriptor("v", pa.int64()), ListStateDescriptor("l", pa.int64())], N)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def ks(values) -> pa.Table:
+    return pa.table({"k": pa.array(list(values), pa.int64())})
+
+
+def owner(k: int, parallelism: int = 2) -> int:
+    return int(task_for_key_group(N, parallelism, int(assign_key_groups(ks([k]), N)[0])))
+
+
+def state_of(table: IcebergStateTable) -> tuple[dict, dict]:
+    con = connect(table)
+    values = dict(con.sql("SELECT k, v_v FROM state_v").fetchall())
+    lists: dict[int, list] = {}
+    for k, v in con.sql("SELECT k, v_l FROM state_l ORDER BY k, ord").fetchall():
+        lists.setdefault(k, []).append(v)
+    return values, lists
+
+
+def test_a_compactor_process_compacts_while_the_writer_checkpoints(tmp_path):
+    wh = str(tmp_path / "wh")
+    table = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op", retain_checkpoints=5)
+    stores = [StateStore(table, task_index=t, parallelism=2) for t in range(2)]
+    compactor = CompactorProcess(TableSpec("op", warehouse=wh), CompactionPolicy(min_segments=3))
+    model_v: dict[int, int] = {}
+    model_l: dict[int, list] = {}
+    checked = {}
+    try:
+        for batch in range(40):
+            keys = [(batch * 7 + i * 13) % 200 for i in range(30)]
+            for store in stores:
+                mine = [k for k in keys if owner(k) == store.task_index]
+                if not mine:
+                    continue
+                store.get_state("v").update_batch(ks(mine), [batch] * len(mine))
+                store.get_state("l").add_batch(ks(mine[:3]), [batch] * len(mine[:3]))
+                gone = mine[-2:]
+                store.get_state("v").clear_batch(ks(gone))
+                store.get_state("l").clear_batch(ks(gone))
+            for k in keys:
+                model_v[k] = batch
+            for store in stores:
+                for k in [k for k in keys if owner(k) == store.task_index][:3]:
+                    model_l.setdefault(k, []).append(batch)
+                for k in [k for k in keys if owner(k) == store.task_index][-2:]:
+                    model_v.pop(k, None)
+                    model_l.pop(k, None)
+            cp = table.next_checkpoint_id()
+            segments = [seg for s in stores for seg in s.flush(cp)]
+            table.commit_checkpoint(cp, segments, parallelism=2, batch_id=batch)  # never fails nor waits
+            for s in stores:
+                s.checkpoint_complete(cp)
+            compactor.checkpoint_committed(table)
+            if batch % 10 == 9:
+                checked[cp] = ({k: v for k, v in model_v.items()}, {k: list(v) for k, v in model_l.items()})
+        assert compactor.pid is not None  # the policy asked for compaction, so the process runs
+    finally:
+        compactor.close()
+    reader = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op")
+    done = compactions(reader)
+    assert done, "the compactor committed no compaction"
+    assert state_of(reader) == (model_v, model_l)
+    for cp, expected in checked.items():  # retained checkpoints read the same, compacted or not
+        if cp in {c.checkpoint_id for c in reader.list_checkpoints()}:
+            reader.restore(cp)
+            assert state_of(reader) == expected
+    reader.restore()
+    per_unit = [len(reader.segments(u)) for u in units(reader)]
+    assert max(per_unit) <= 40 // 2  # without compaction: 40 per unit
+    assert [c.checkpoint_id for c in reader.list_checkpoints()] == list(range(36, 41))
+    reader.close()
+    for s in stores:
+        s.close()
+    table.close()
+
+
+WRITER = textwrap.dedent("""
+    import sys, time
+    import pyarrow as pa
+    sys.path.insert(0, {root!r})
+    from catalog import IcebergStateTable
+    from catalog.compaction import CompactionPolicy
+    from catalog.compactor import CompactorProcess, TableSpec
+    from statestore import StateLayout, StateStore, ValueStateDescriptor
+    layout = StateLayout.of(pa.schema([("k", pa.int64())]), [ValueStateDescriptor("v", pa.int64())], 16)
+    table = IcebergStateTable.open(layout, warehouse={wh!r}, table_name="op")
+    store = StateStore(table)
+    compactor = CompactorProcess(TableSpec("op", warehouse={wh!r}), CompactionPolicy(min_segments=2))
+    for b in range(3):
+        store.get_state("v").update_batch(pa.table({{"k": pa.array([b], pa.int64())}}), [b])
+        store.checkpoint(batch_id=b)
+        compactor.checkpoint_committed(table)
+    print(compactor.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_the_compactor_exits_when_its_writer_is_killed(tmp_path):
+    wh = str(tmp_path / "wh")
+    writer = subprocess.Popen([sys.executable, "-c", WRITER.format(root=str(ROOT), wh=wh)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(writer.stdout.readline())
+        assert _alive(pid)
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid), "the compactor outlived its killed writer"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_icestate_compact_on_demand(tmp_path):
+    wh = str(tmp_path / "wh")
+    table = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op")
+    store = StateStore(table)
+    for b in range(6):
+        store.get_state("v").update_batch(ks(range(b, b + 20)), [b] * 20)
+        store.checkpoint(batch_id=b)
+    before = state_of(table)
+    cli = [sys.executable, "-m", "spark_integration.cli", "compact", "--warehouse", wh, "--table", "op"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([*cli, "--min-segments", "10", "--json"], capture_output=True, text=True, env=env,
+                         cwd=ROOT, check=True)
+    assert json.loads(out.stdout) is None  # 6 segments: the policy says no
+    out = subprocess.run([*cli, "--json"], capture_output=True, text=True, env=env, cwd=ROOT, check=True)
+    figures = json.loads(out.stdout)
+    assert (figures["files_in"], figures["files_out"]) == (6, 1)
+    table.restore()
+    assert len(table.segments(units(table)[0])) == 1
+    assert state_of(table) == before
+    store.close()
+    table.close()
+
+
+@pytest.mark.parametrize("bad", ["--min-segments=1", "--size-ratio=0"])
+def test_icestate_compact_refuses_a_bad_policy(tmp_path, bad):
+    cli = [sys.executable, "-m", "spark_integration.cli", "compact", "--warehouse", str(tmp_path), "--table", "op"]
+    out = subprocess.run([*cli, bad], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         cwd=ROOT)
+    assert out.returncode != 0 and "CompactionPolicy" in out.stderr
