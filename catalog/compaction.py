@@ -48,6 +48,7 @@ from pyiceberg.io.pyarrow import parquet_file_to_data_file
 
 from catalog.iceberg_table import IcebergStateTable
 from catalog.retention import newest_checkpoint_id
+from statestore.faults import crash_point
 from statestore.keygroups import KeyGroupRange, compute_key_group_range_for_task
 from statestore.layout import CHECKPOINT_ID, KEY_GROUP, SEQ, STATE
 from statestore.paths import COMPACTION_GRACE_CHECKPOINTS
@@ -128,6 +129,10 @@ class CompactionResult:
                 "bytes_out": self.bytes_out, "entries_out": self.entries_out}
 
 
+def _epoch_ms() -> int:
+    return int(time.time() * 1000)
+
+
 def units(table: IcebergStateTable) -> list[KeyGroupRange]:
     """The table's compaction units: partitions cut at the key-group ranges of the tasks of
     the opened checkpoint (every partition whole when the table holds none)."""
@@ -203,6 +208,7 @@ class _Plan:
     full_units: int
     entries_in: int
     partitions: list[int]
+    started_ms: int = field(default_factory=_epoch_ms)
 
     def still_valid(self, table: IcebergStateTable) -> bool:
         """Whether the outputs may commit on ``table``'s (refreshed) head: it still holds every
@@ -264,6 +270,7 @@ def _plan_and_write(table: IcebergStateTable, policy: CompactionPolicy | None, k
     except BaseException:
         plan.discard(table)
         raise
+    crash_point("compaction_outputs_written")
     return plan
 
 
@@ -285,6 +292,7 @@ def _merge_partition(table: IcebergStateTable, plan: _Plan, partition: int, now_
         if kept.num_rows:
             path = table.new_compaction_path(plan.base_checkpoint_id, partition)
             plan.outputs.append(write_segment_file(table, kept, path))
+            crash_point("compaction_output_written")
 
 
 def _read_all(table: IcebergStateTable, inputs: Sequence[SegmentFile], kgs: KeyGroupRange) -> pl.DataFrame:
@@ -312,7 +320,9 @@ def _commit(table: IcebergStateTable, plan: _Plan) -> int:
     ice = table.iceberg_table
     head = ice.metadata.snapshot_by_name(table.branch)
     by_path = {task.file.file_path: task.file for task in ice.scan(snapshot_id=head.snapshot_id).plan_files()}
-    summary = {SUMMARY_COMPACTION: json.dumps(plan.result(table, 0, 0, 0.0).summary())}
+    # started_ms: when its planning began (with the snapshot's timestamp, the span it ran)
+    figures = {**plan.result(table, 0, 0, 0.0).summary(), "started_ms": plan.started_ms}
+    summary = {SUMMARY_COMPACTION: json.dumps(figures)}
     tx = ice.transaction()
     with tx.update_snapshot(snapshot_properties=summary, branch=table.branch).overwrite() as ow:
         for s in plan.inputs:
@@ -320,6 +330,7 @@ def _commit(table: IcebergStateTable, plan: _Plan) -> int:
         for f in plan.outputs:
             ow.append_data_file(parquet_file_to_data_file(ice.io, ice.metadata, table.to_uri(f.path)))
     tx.commit_transaction()
+    crash_point("compaction_committed")
     return ice.metadata.snapshot_by_name(table.branch).snapshot_id
 
 

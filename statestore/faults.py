@@ -25,6 +25,13 @@ CHECKPOINT_CRASH_POINTS = (
     "files_deleted",          # retention finished
 )
 
+# Every crash point of a compaction (catalog.compaction), in order.
+COMPACTION_CRASH_POINTS = (
+    "compaction_output_written",   # the first output file written, nothing committed
+    "compaction_outputs_written",  # every output written, nothing committed
+    "compaction_committed",        # the overwrite committed, nothing else left to do
+)
+
 
 def crash_point(name: str) -> None:
     if os.environ.get(CRASH_ENV) == name:

@@ -6,6 +6,7 @@
   per unit stay bounded.
 * The compactor exits when its writer process is killed (its input closes).
 * ``icestate compact`` compacts on demand.
+* A compaction process killed at each crash point loses no state and leaks no file.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from statestore import (
     assign_key_groups,
     task_for_key_group,
 )
+from statestore.faults import COMPACTION_CRASH_POINTS, CRASH_ENV, CRASH_EXIT_CODE
+from statestore.paths import COMPACTION_GRACE_CHECKPOINTS
 
 N = 16
 LAYOUT = StateLayout.of(pa.schema([("k", pa.int64())]),
@@ -121,6 +124,8 @@ WRITER = textwrap.dedent("""
     from catalog import IcebergStateTable
     from catalog.compaction import CompactionPolicy
     from catalog.compactor import CompactorProcess, TableSpec
+from statestore.faults import COMPACTION_CRASH_POINTS, CRASH_ENV, CRASH_EXIT_CODE
+from statestore.paths import COMPACTION_GRACE_CHECKPOINTS
     from statestore import StateLayout, StateStore, ValueStateDescriptor
     layout = StateLayout.of(pa.schema([("k", pa.int64())]), [ValueStateDescriptor("v", pa.int64())], 16)
     table = IcebergStateTable.open(layout, warehouse={wh!r}, table_name="op")
@@ -188,3 +193,54 @@ def test_icestate_compact_refuses_a_bad_policy(tmp_path, bad):
     out = subprocess.run([*cli, bad], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
                          cwd=ROOT)
     assert out.returncode != 0 and "CompactionPolicy" in out.stderr
+
+
+CRASHING = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from catalog import IcebergStateTable
+    from catalog.compaction import compact
+    table = IcebergStateTable.open_existing(warehouse={wh!r}, table_name="op")
+    compact(table)
+""")
+
+
+@pytest.mark.parametrize("point", COMPACTION_CRASH_POINTS)
+def test_a_compaction_killed_at_any_point_loses_nothing_and_leaks_nothing(tmp_path, point):
+    """The compaction process dies (os._exit) at each crash point: the state reads the same,
+    the writer goes on, and after the outputs' grace the orphan sweep leaves exactly the files
+    the snapshots reference."""
+    wh = str(tmp_path / "wh")
+    table = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op", retain_checkpoints=2)
+    store = StateStore(table)
+    for b in range(6):
+        store.get_state("v").update_batch(ks(range(b, b + 20)), [b] * 20)
+        store.get_state("v").clear_batch(ks([b * 3]))
+        store.checkpoint(batch_id=b)
+    before = state_of(table)
+    child = subprocess.run([sys.executable, "-c", CRASHING.format(root=str(ROOT), wh=wh)],
+                           env={**os.environ, CRASH_ENV: point}, capture_output=True, text=True, timeout=120)
+    assert child.returncode == CRASH_EXIT_CODE, child.stderr
+    committed = point == "compaction_committed"
+    table.restore()
+    assert state_of(table) == before
+    assert len(table.segments(units(table)[0])) == (1 if committed else 6)
+    store.close()
+    table.close()
+    for b in range(6, 6 + COMPACTION_GRACE_CHECKPOINTS + 1):
+        writer = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op", retain_checkpoints=2)
+        s = StateStore(writer)  # a new table object: its first commit sweeps orphans
+        s.get_state("v").update_batch(ks([1000 + b]), [b])
+        s.checkpoint(batch_id=b)
+        s.close()
+        writer.close()
+    reader = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op")
+    on_disk = {str(p) for p in Path(wh).rglob("*.parquet")}
+    referenced = {s.path for s in reader.segments(units(reader)[0])}
+    retained = set()
+    for c in reader.list_checkpoints():
+        reader.restore(c.checkpoint_id)
+        retained |= {s.path for s in reader.segments(units(reader)[0])}
+    assert on_disk == retained | referenced
+    assert state_of(reader)[0] == {**before[0], **{1000 + b: b for b in range(6, 6 + COMPACTION_GRACE_CHECKPOINTS + 1)}}
+    reader.close()
