@@ -2,7 +2,8 @@
 
 A job of 4 tasks (max parallelism 128, one partition: units are the tasks' key-group ranges)
 loads a base state of ``keys`` keys (a value and a list per key), then commits
-``checkpoints`` checkpoints of ``delta`` updated keys each (puts, list appends, a few clears).
+``checkpoints`` checkpoints of ``delta`` updated keys each (puts, list appends, a few clears),
+one every ``interval`` seconds at most, as a stream's trigger paces them.
 Measured, in the same run:
 
 1. *Lookups and files.* After the deltas, without compaction: segments per unit, and the
@@ -123,11 +124,15 @@ def _build(warehouse: str, name: str, keys: int) -> Job:
     return job
 
 
-def _run_deltas(job: Job, keys: int, checkpoints: int, delta: int, label: str,
+def _run_deltas(job: Job, keys: int, checkpoints: int, delta: int, label: str, interval: float,
                 compactor: CompactorProcess | None = None) -> list[tuple[float, float, float]]:
-    """(start epoch s, end epoch s, seconds) of each checkpoint."""
+    """(start epoch s, end epoch s, seconds) of each checkpoint, one every ``interval`` seconds
+    at most (a stream's trigger interval)."""
     times = []
+    tick = time.monotonic()
     for c, ids, cleared in track(list(_deltas(keys, checkpoints, delta)), description=label, console=console):
+        tick += interval
+        time.sleep(max(0.0, tick - time.monotonic()))
         job.write(ids, c + 1, cleared)
         t0 = time.time()
         seconds = job.checkpoint(batch_id=c + 1)
@@ -172,6 +177,7 @@ def main(
     delta: int = typer.Option(2_000, help="keys updated per checkpoint"),
     probe: int = typer.Option(1_000, help="keys of the lookup"),
     repeat: int = typer.Option(5, help="repetitions of each lookup"),
+    interval: float = typer.Option(0.5, help="seconds between checkpoint starts (a stream's trigger interval)"),
     quick: bool = typer.Option(False, help="a small run (100k keys, 60 checkpoints)"),
     plot: bool = typer.Option(True, help="write bench_compaction.png"),
 ) -> None:
@@ -179,14 +185,14 @@ def main(
         keys, checkpoints = 100_000, 60
     root = Path(tempfile.mkdtemp(prefix="bench_compaction_"))
     wh = str(root / "wh")
-    results: dict = {"keys": keys, "checkpoints": checkpoints, "delta": delta, "probe": probe,
+    results: dict = {"keys": keys, "checkpoints": checkpoints, "delta": delta, "probe": probe, "interval_s": interval,
                      "parallelism": PARALLELISM, "max_parallelism": MAX_PARALLELISM,
                      "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
                      "date": time.strftime("%Y-%m-%d %H:%M")}
     try:
         # 1 + 2a: no compaction at all
         job = _build(wh, "plain", keys)
-        plain = _run_deltas(job, keys, checkpoints, delta, "deltas, no compaction")
+        plain = _run_deltas(job, keys, checkpoints, delta, "deltas, no compaction", interval)
         plain_bytes = job.bytes_written
         job.close()
         files_before = _files_per_unit(wh, "plain")
@@ -210,7 +216,7 @@ def main(
             job = _build(wh, name, keys)
             base_bytes = job.bytes_written
             compactor = CompactorProcess(TableSpec(name, warehouse=wh), policy)
-            times = _run_deltas(job, keys, checkpoints, delta, f"deltas, compactor ({name})", compactor)
+            times = _run_deltas(job, keys, checkpoints, delta, f"deltas, compactor ({name})", interval, compactor)
             compactor.close()
             with IcebergStateTable.open(LAYOUT, warehouse=wh, table_name=name) as table:
                 done = compactions(table)

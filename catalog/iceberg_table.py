@@ -82,6 +82,7 @@ from statestore.layout import KEY_GROUP, StateLayout
 from statestore.operator_state import OperatorStateFile
 from statestore.paths import (
     BRANCHES_DIR,
+    COMPACTION_GRACE_SECONDS,
     DATA_DIR,
     OPERATOR_DIR,
     compaction_file_name,
@@ -849,16 +850,24 @@ class IcebergStateTable:
 
     def _orphans(self) -> list[str]:
         location = self._table.location().rstrip("/")
+        data = self._list_file_infos(f"{location}/{DATA_DIR}")
+        young = time.time() - COMPACTION_GRACE_SECONDS
         return orphans(
-            self._list_files(f"{location}/{DATA_DIR}"), self._list_files(f"{location}/{METADATA_DIR}"),
+            list(data), self._list_files(f"{location}/{METADATA_DIR}"),
             self._table.metadata, self._table.metadata_location, self._cache,
             operator_files=self._list_files(f"{location}/{DATA_DIR}/{OPERATOR_DIR}"),
+            settled=lambda uri: data[uri] is not None and data[uri] < young,
         )
 
     def _list_files(self, directory_uri: str) -> list[str]:
+        return list(self._list_file_infos(directory_uri))
+
+    def _list_file_infos(self, directory_uri: str) -> dict[str, float | None]:
+        """URI -> modification time (epoch seconds; None when the filesystem has none)."""
         selector = pafs.FileSelector(self._locations.to_path(directory_uri), allow_not_found=True)
         infos = self.filesystem.get_file_info(selector)
-        return [self._locations.to_uri(i.path) for i in infos if i.type == pafs.FileType.File]
+        return {self._locations.to_uri(i.path): (None if i.mtime is None else i.mtime.timestamp())
+                for i in infos if i.type == pafs.FileType.File}
 
     def _delete(self, uris: list[str]) -> None:
         for uri in uris:

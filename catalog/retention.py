@@ -23,8 +23,10 @@ lists of checkpoint commits carry it in their commit UUID (``catalog.naming``). 
 an orphan only when no snapshot in the metadata references it and its checkpoint id is
 at most the newest committed one, so files of a checkpoint being written now are safe. A
 compaction's output names the checkpoint it was planned on: it is an orphan only once
-``COMPACTION_GRACE_CHECKPOINTS`` newer checkpoints are committed (the compaction can no
-longer commit it, ``statestore.paths``).
+``COMPACTION_GRACE_CHECKPOINTS`` newer checkpoints are committed (the compaction no longer
+tries to commit it, ``statestore.paths``) and the file is older than
+``COMPACTION_GRACE_SECONDS`` (an attempt begun before may still be retrying inside
+pyiceberg; Iceberg's own orphan removal keeps files younger than days for this reason).
 Metadata files of other writers are never touched.
 """
 
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from pyiceberg.table.metadata import TableMetadata
@@ -143,18 +145,22 @@ def live_files(cache: ManifestCache, snapshots: Iterable[Snapshot]) -> set[str]:
 def orphans(
     data_files: Iterable[str], metadata_files: Iterable[str], metadata: TableMetadata,
     metadata_location: str, cache: ManifestCache, operator_files: Iterable[str] = (),
+    settled: Callable[[str], bool] = lambda uri: True,
 ) -> list[str]:
     """URIs among the listed files of the data and metadata directories that may be deleted.
 
     ``data_files`` and ``metadata_files`` are URIs of the files found in the table's data
     and metadata directories; see the module docstring for what counts as an orphan.
+    ``settled(uri)`` says whether a compaction output is old enough to be past any commit
+    attempt of its compaction (``COMPACTION_GRACE_SECONDS``).
     """
     newest = newest_checkpoint_id(metadata)
     snapshots = metadata.snapshots
     live = live_files(cache, snapshots)
-    settled = newest - COMPACTION_GRACE_CHECKPOINTS  # a compaction planned at or before it can no longer commit
+    past_grace = newest - COMPACTION_GRACE_CHECKPOINTS  # a compaction planned at or before it can no longer commit
     found = [p for p in data_files if p not in live and (
-        _is_ours_and_old(parse_segment_name(p), newest) or _is_ours_and_old(parse_compaction_name(p), settled))]
+        _is_ours_and_old(parse_segment_name(p), newest)
+        or (_is_ours_and_old(parse_compaction_name(p), past_grace) and settled(p)))]
     referenced = cache.manifest_paths(snapshots) | {s.manifest_list for s in snapshots}
     found += [p for p in metadata_files if _is_old_commit_file(p, newest) and p not in referenced]
     found += _stale_metadata_json(metadata_files, metadata, metadata_location)

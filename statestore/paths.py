@@ -8,8 +8,9 @@ A compaction's output is ``cmp-cp<base checkpoint id>-p<partition>-<uuid>.parque
 being the newest checkpoint when the compaction planned. A compaction commits its output
 only while the newest checkpoint is below base + ``COMPACTION_GRACE_CHECKPOINTS`` (it
 re-commits the same files on top of checkpoints that raced it, and gives up after that), so
-an output that no snapshot references once that many checkpoints passed can never commit:
-garbage collection may take it (``parse_compaction_name``).
+an output that no snapshot references once that many checkpoints passed, and older than
+``COMPACTION_GRACE_SECONDS`` (far beyond the time one commit call with pyiceberg's own
+retries takes), can never commit: garbage collection may take it (``parse_compaction_name``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ BRANCHES_DIR = "branches"  # under DATA_DIR: the segments of each fork (catalog.
 OPERATOR_DIR = "operator"  # under DATA_DIR (or a fork's directory): operator state files
 _OPERATOR = re.compile(r"^op-cp(\d{12})-t(\d{5})-([0-9a-f]{12})\.parquet$")
 COMPACTION_GRACE_CHECKPOINTS = 16
+COMPACTION_GRACE_SECONDS = 3600.0
 _COMPACTION = re.compile(r"^cmp-cp(\d{12})-p(\d{5})-([0-9a-f]{12})\.parquet$")
 _SEGMENT = re.compile(r"^seg-cp(\d{12})-t(\d{5})-p(\d{5})-([0-9a-f]{12})\.parquet$")
 

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pytest
 
 from catalog import IcebergStateTable, connect
+from catalog import iceberg_table as iceberg_table_module
 from catalog.compaction import CompactionPolicy, compactions, units
 from catalog.compactor import CompactorProcess, TableSpec
 from statestore import (
@@ -124,8 +125,6 @@ WRITER = textwrap.dedent("""
     from catalog import IcebergStateTable
     from catalog.compaction import CompactionPolicy
     from catalog.compactor import CompactorProcess, TableSpec
-from statestore.faults import COMPACTION_CRASH_POINTS, CRASH_ENV, CRASH_EXIT_CODE
-from statestore.paths import COMPACTION_GRACE_CHECKPOINTS
     from statestore import StateLayout, StateStore, ValueStateDescriptor
     layout = StateLayout.of(pa.schema([("k", pa.int64())]), [ValueStateDescriptor("v", pa.int64())], 16)
     table = IcebergStateTable.open(layout, warehouse={wh!r}, table_name="op")
@@ -206,7 +205,7 @@ CRASHING = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("point", COMPACTION_CRASH_POINTS)
-def test_a_compaction_killed_at_any_point_loses_nothing_and_leaks_nothing(tmp_path, point):
+def test_a_compaction_killed_at_any_point_loses_nothing_and_leaks_nothing(tmp_path, point, monkeypatch):
     """The compaction process dies (os._exit) at each crash point: the state reads the same,
     the writer goes on, and after the outputs' grace the orphan sweep leaves exactly the files
     the snapshots reference."""
@@ -221,6 +220,7 @@ def test_a_compaction_killed_at_any_point_loses_nothing_and_leaks_nothing(tmp_pa
     child = subprocess.run([sys.executable, "-c", CRASHING.format(root=str(ROOT), wh=wh)],
                            env={**os.environ, CRASH_ENV: point}, capture_output=True, text=True, timeout=120)
     assert child.returncode == CRASH_EXIT_CODE, child.stderr
+    monkeypatch.setattr(iceberg_table_module, "COMPACTION_GRACE_SECONDS", 0.0)  # its grace in seconds: none
     committed = point == "compaction_committed"
     table.restore()
     assert state_of(table) == before
