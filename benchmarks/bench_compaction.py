@@ -44,7 +44,7 @@ from rich.progress import track
 from rich.table import Table
 
 from catalog import IcebergStateTable
-from catalog.compaction import CompactionPolicy, compact, compactions, units
+from catalog.compaction import CompactionPolicy, compact, units
 from catalog.compactor import CompactorProcess, TableSpec
 from statestore import (
     ListStateDescriptor,
@@ -218,10 +218,10 @@ def main(
             compactor = CompactorProcess(TableSpec(name, warehouse=wh), policy)
             times = _run_deltas(job, keys, checkpoints, delta, f"deltas, compactor ({name})", interval, compactor)
             compactor.close()
+            done = compactor.results  # every compaction (retention expires old snapshots' summaries)
             with IcebergStateTable.open(LAYOUT, warehouse=wh, table_name=name) as table:
-                done = compactions(table)
                 files = [len(table.segments(u)) for u in units(table)]
-            spans = [(c["started_ms"] / 1000, c["timestamp_ms"] / 1000) for c in done]
+            spans = [(c["started_ms"] / 1000, c["finished_ms"] / 1000) for c in done]
             during = [s for a, b, s in times if any(a < e and b > st for st, e in spans)]
             delta_bytes = job.bytes_written - base_bytes
             compacted = sum(c["bytes_out"] for c in done)

@@ -6,11 +6,14 @@ unit's segments into one file. The *unit* is a partition (``truncate(key_group, 
 at the key-group ranges of the newest checkpoint's tasks: the range one task reads, even
 when the table has a single partition.
 
-What to merge (``CompactionPolicy``): nothing until a unit has ``min_segments`` segments;
-then, size-tiered (as RocksDB's universal compaction), the newest segments, joined by each
-older one whose bytes are at most ``size_ratio`` times the bytes merged so far. A large old
-base is thus rewritten only when the deltas above it have grown to its size: a live entry
-is rewritten about log2(state / delta) times, not once per compaction.
+What to merge (``CompactionPolicy``), size-tiered as RocksDB's universal compaction: the
+run of the newest segments, each older one joining while its bytes are at most
+``size_ratio`` times the bytes merged so far; merged once that run holds ``min_segments``
+segments (or the unit ``max_segments``). Equal deltas thus merge 8 at a time, and merged
+files join when as many bytes of newer deltas gathered above them, like a binary counter:
+a live entry is rewritten about log2(state / (8 deltas)) times, a large base only once the
+deltas above it have grown to its size, and a unit holds about ``min_segments`` +
+log2(state / delta) files.
 
 What is kept (invariant 5: every reader resolves the output exactly as the inputs, since
 entries keep their own ``checkpoint_id`` and ``seq``):
@@ -73,11 +76,14 @@ class CompactionPolicy:
             rewriting).
         max_merge: at most this many segments per unit in one merge (None: no limit), to
             bound the work of one compaction.
+        max_segments: a unit with this many segments (None: 4 x ``min_segments``) is merged
+            even when the size ratio finds no run of ``min_segments`` (very uneven sizes).
     """
 
     min_segments: int = 8
     size_ratio: float = 1.0
     max_merge: int | None = None
+    max_segments: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_segments, int) or self.min_segments < 2:
@@ -86,19 +92,28 @@ class CompactionPolicy:
             raise ValueError(f"CompactionPolicy.size_ratio must be a positive number, got {self.size_ratio!r}")
         if self.max_merge is not None and (not isinstance(self.max_merge, int) or self.max_merge < 2):
             raise ValueError(f"CompactionPolicy.max_merge must be None or an int of at least 2, got {self.max_merge!r}")
+        if self.max_segments is not None and (
+                not isinstance(self.max_segments, int) or self.max_segments < self.min_segments):
+            raise ValueError(f"CompactionPolicy.max_segments must be None or an int of at least min_segments, got "
+                             f"{self.max_segments!r}")
 
     def select(self, segments: Sequence[SegmentFile]) -> list[SegmentFile]:
         """The segments of one unit to merge, oldest first; empty when it needs no compaction."""
         if len(segments) < self.min_segments:
             return []
         ordered = sorted(segments, key=_age)
+        cap = self.max_merge or len(ordered)
         run, merged = [ordered[-1]], ordered[-1].size_bytes
         for s in reversed(ordered[:-1]):
-            if s.size_bytes > self.size_ratio * merged or len(run) == (self.max_merge or len(ordered)):
+            if s.size_bytes > self.size_ratio * merged or len(run) == cap:
                 break
             run.append(s)
             merged += s.size_bytes
-        return sorted(run, key=_age) if len(run) >= 2 else []
+        if len(run) < min(self.min_segments, cap):
+            if len(ordered) < (self.max_segments or 4 * self.min_segments):
+                return []
+            run = ordered[-cap:]  # too many files of uneven sizes: merge the newest regardless
+        return sorted(run, key=_age)
 
 
 @dataclass(frozen=True)

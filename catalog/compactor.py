@@ -26,6 +26,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 from catalog.compaction import CompactionPolicy, CompactionResult, compact, needs_compaction
@@ -81,9 +82,13 @@ class CompactorProcess:
         self.spec = spec
         self.policy = policy or CompactionPolicy()
         self._process: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
         self.notified = 0
+        # Figures of each compaction the process committed (``CompactionResult.summary`` plus
+        # started_ms, finished_ms, attempts), read from its stdout.
+        self.results: list[dict] = []
 
     def checkpoint_committed(self, table: IcebergStateTable) -> bool:
         """Tell the compactor that ``table`` (the writer's, just committed) may need compaction;
@@ -133,6 +138,8 @@ class CompactorProcess:
         except subprocess.TimeoutExpired:
             log.warning("the compactor of %s did not stop within %.0f s; killed", self.spec.table, timeout_s)
             self._stop(kill=True)
+        if self._reader is not None:
+            self._reader.join(timeout=10)  # the last results, written before it exited
         self._process = None
 
     def _started(self) -> subprocess.Popen:
@@ -143,11 +150,19 @@ class CompactorProcess:
                         self._process.returncode)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "catalog.compactor", self.spec.to_json(), policy_to_json(self.policy)],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=_project_root(),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=_project_root(),
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_project_root(),
                                                                               os.environ.get("PYTHONPATH")]))},
         )
+        self._reader = threading.Thread(target=self._read_results, args=(self._process.stdout,),
+                                        name="icestate-compactor-results", daemon=True)
+        self._reader.start()
         return self._process
+
+    def _read_results(self, stream) -> None:
+        for line in stream:
+            with contextlib.suppress(ValueError):
+                self.results.append(json.loads(line))
 
     def _stop(self, kill: bool) -> None:
         if self._process is not None and kill:
@@ -162,9 +177,10 @@ def _project_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def serve(spec: TableSpec, policy: CompactionPolicy, lines) -> list[CompactionResult]:
+def serve(spec: TableSpec, policy: CompactionPolicy, lines, report=None) -> list[CompactionResult]:
     """The compactor process's loop: compact after each notification in ``lines`` (a text
-    stream), those that arrived meanwhile coalesced; return at its end."""
+    stream), those that arrived meanwhile coalesced; return at its end. Each result's figures
+    go to ``report`` (a text stream) as a JSON line."""
     notes: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
@@ -193,6 +209,12 @@ def serve(spec: TableSpec, policy: CompactionPolicy, lines) -> list[CompactionRe
             if result is not None:
                 results.append(result)
                 log.info("compacted %s: %s", spec.table, result.summary())
+                if report is not None:
+                    finished = time.time()
+                    report.write(json.dumps({**result.summary(), "attempts": result.attempts,
+                                             "started_ms": int((finished - result.seconds) * 1000),
+                                             "finished_ms": int(finished * 1000)}) + "\n")
+                    report.flush()
         return results
     finally:
         table.close()
@@ -204,7 +226,7 @@ def main(argv: list[str]) -> int:
     with contextlib.suppress(OSError):
         os.nice(NICE_INCREMENT)
     spec, policy = TableSpec.from_json(argv[0]), policy_from_json(argv[1])
-    serve(spec, policy, sys.stdin)
+    serve(spec, policy, sys.stdin, sys.stdout)
     return 0
 
 
