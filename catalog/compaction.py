@@ -50,7 +50,7 @@ from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.io.pyarrow import parquet_file_to_data_file
 
 from catalog.iceberg_table import IcebergStateTable
-from catalog.retention import newest_checkpoint_id
+from catalog.retention import line, newest_checkpoint_id
 from statestore.faults import crash_point
 from statestore.keygroups import KeyGroupRange, compute_key_group_range_for_task
 from statestore.layout import CHECKPOINT_ID, KEY_GROUP, SEQ, STATE
@@ -352,8 +352,6 @@ def _commit(table: IcebergStateTable, plan: _Plan) -> int:
 def compactions(table: IcebergStateTable) -> list[dict]:
     """The compactions committed on the table's branch line, oldest first: the figures of each
     (``CompactionResult.summary``) with ``snapshot_id`` and ``timestamp_ms``."""
-    from catalog.retention import line
-
     found = []
     for s in reversed(line(table.iceberg_table.metadata, table.branch)):
         value = s.summary.additional_properties.get(SUMMARY_COMPACTION) if s.summary else None
