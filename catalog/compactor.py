@@ -6,10 +6,10 @@ that needs compaction in the writer's own table object (metadata the writer hold
 no I/O), the compactor process is started (once, lazily: a writer whose units never fill
 up never pays for it) and told, one line on its standard input. The process, niced below
 the writer, coalesces the lines that arrived while it worked and runs ``compaction.compact``
-on its own table object; the compaction commits as its own snapshot and never blocks or
-fails a checkpoint (``catalog.compaction``). The process exits when its standard input
-closes: when the writer closes it, and also when the writer's process dies, so it never
-outlives its writer.
+on its own table object, round after round until the policy selects nothing; each
+compaction commits as its own snapshot and never blocks or fails a checkpoint
+(``catalog.compaction``). The process exits when its standard input closes: when the
+writer closes it, and also when the writer's process dies, so it never outlives its writer.
 
 ``python -m catalog.compactor '<TableSpec json>' '<CompactionPolicy json>'`` is that process;
 ``icestate compact`` runs compactions on demand (or every few seconds, ``--follow``).
@@ -36,6 +36,7 @@ from catalog.iceberg_table import IcebergStateTable
 log = logging.getLogger(__name__)
 
 NICE_INCREMENT = 10  # the compactor yields the cores to the stream's tasks
+ROUNDS_MAX = 8  # compactions per notification, until the policy is satisfied
 
 
 @dataclass(frozen=True)
@@ -201,12 +202,7 @@ def serve(spec: TableSpec, policy: CompactionPolicy, lines, report=None) -> list
             ended = None in batch
             if not any(n is not None for n in batch):
                 continue
-            try:
-                result = compact(table, policy=policy)
-            except Exception:  # housekeeping: report, and try again at the next notification
-                log.exception("compaction of %s failed; the next checkpoint retries", spec.table)
-                continue
-            if result is not None:
+            for result in _settle(spec, table, policy):
                 results.append(result)
                 log.info("compacted %s: %s", spec.table, result.summary())
                 if report is not None:
@@ -218,6 +214,24 @@ def serve(spec: TableSpec, policy: CompactionPolicy, lines, report=None) -> list
         return results
     finally:
         table.close()
+
+
+def _settle(spec: TableSpec, table: IcebergStateTable, policy: CompactionPolicy):
+    """Compact until the policy selects nothing (at most ``ROUNDS_MAX`` commits): one merge
+    can make a run of its own with the segments below it (a tiered policy's carry), so a
+    single round does not always leave the units settled. Yields each committed result."""
+    for _ in range(ROUNDS_MAX):
+        try:
+            result = compact(table, policy=policy)
+        except Exception:  # housekeeping: report, and try again at the next notification
+            log.exception("compaction of %s failed; the next checkpoint retries", spec.table)
+            return
+        if result is None:
+            return
+        yield result
+        table.restore()  # the head with this compaction (and any checkpoint since)
+        if not needs_compaction(table, policy):
+            return
 
 
 def main(argv: list[str]) -> int:

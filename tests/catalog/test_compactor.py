@@ -186,6 +186,34 @@ def test_icestate_compact_on_demand(tmp_path):
     table.close()
 
 
+def test_one_notification_compacts_until_the_policy_is_satisfied(tmp_path):
+    """A merge can make a run with the segments below it (the tiered policy's carry): one
+    notification compacts round after round until the policy selects nothing."""
+    import io
+
+    from catalog.compaction import needs_compaction
+    from catalog.compactor import serve
+
+    wh = str(tmp_path / "wh")
+    table = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op")
+    store = StateStore(table)
+    for b in range(4):
+        store.get_state("v").update_batch(ks(range(100 * b, 100 * b + 50)), [b] * 50)
+        store.checkpoint(batch_id=b)
+    before = state_of(table)
+    policy = CompactionPolicy(min_segments=2, max_merge=2)
+    assert needs_compaction(table, policy)
+    report = io.StringIO()
+    results = serve(TableSpec(table="op", warehouse=wh), policy, io.StringIO("3\n"), report)
+    assert len(results) >= 2  # 4 equal segments, 2 per merge: the first merge alone leaves a run
+    assert len(report.getvalue().splitlines()) == len(results)
+    table.restore()
+    assert not needs_compaction(table, policy)
+    assert state_of(table) == before
+    store.close()
+    table.close()
+
+
 @pytest.mark.parametrize("bad", ["--min-segments=1", "--size-ratio=0"])
 def test_icestate_compact_refuses_a_bad_policy(tmp_path, bad):
     cli = [sys.executable, "-m", "spark_integration.cli", "compact", "--warehouse", str(tmp_path), "--table", "op"]
