@@ -205,15 +205,24 @@ def serve(spec: TableSpec, policy: CompactionPolicy, lines, report=None) -> list
             for result in _settle(spec, table, policy):
                 results.append(result)
                 log.info("compacted %s: %s", spec.table, result.summary())
-                if report is not None:
-                    finished = time.time()
-                    report.write(json.dumps({**result.summary(), "attempts": result.attempts,
-                                             "started_ms": int((finished - result.seconds) * 1000),
-                                             "finished_ms": int(finished * 1000)}) + "\n")
-                    report.flush()
+                if report is not None and not _report(report, result):
+                    return results  # the writer is gone (its end of the pipe closed): so is its input
         return results
     finally:
         table.close()
+
+
+def _report(report, result: CompactionResult) -> bool:
+    """Write ``result``'s figures to ``report`` as a JSON line; False when the reader is gone."""
+    finished = time.time()
+    line = json.dumps({**result.summary(), "attempts": result.attempts,
+                       "started_ms": int((finished - result.seconds) * 1000), "finished_ms": int(finished * 1000)})
+    try:
+        report.write(line + "\n")
+        report.flush()
+    except (BrokenPipeError, ValueError):
+        return False
+    return True
 
 
 def _settle(spec: TableSpec, table: IcebergStateTable, policy: CompactionPolicy):
@@ -241,6 +250,11 @@ def main(argv: list[str]) -> int:
         os.nice(NICE_INCREMENT)
     spec, policy = TableSpec.from_json(argv[0]), policy_from_json(argv[1])
     serve(spec, policy, sys.stdin, sys.stdout)
+    with contextlib.suppress(OSError):
+        sys.stdout.flush()
+    # A writer that died closed its end of the pipe: nothing more to say to it, and nothing
+    # for the interpreter's exit to fail on.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

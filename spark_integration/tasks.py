@@ -255,7 +255,7 @@ def _task_of(rows: pa.Table) -> int:
 
 def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
          ) -> tuple[list[tuple], pa.Table | None]:
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     ts = task_store(plan, task)
     opened = time.perf_counter()
     ts.dirty = True
@@ -303,6 +303,7 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
         "timers": ts.timers.count() if ts.timers is not None else 0,
         "elapsed_ms": _ms(started), "open_ms": _ms(started, opened), "process_ms": _ms(opened, processed),
         "flush_ms": _ms(processed, flushed), "output_ms": _ms(flushed),
+        "cpu_ms": round((time.process_time() - cpu_started) * 1000, 1),  # the worker's, all its threads
     }
     report = [(task, "task", json.dumps(stats))]
     report += [(task, "segment", json.dumps(dataclasses.asdict(s))) for s in segments]

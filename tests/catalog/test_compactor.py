@@ -214,6 +214,34 @@ def test_one_notification_compacts_until_the_policy_is_satisfied(tmp_path):
     table.close()
 
 
+def test_the_compactor_stops_quietly_when_its_writer_stopped_reading(tmp_path):
+    """The writer's end of the results pipe closed (the writer died): the compactor keeps the
+    compaction it committed and returns, with no traceback to show for it."""
+    import io
+
+    from catalog.compactor import serve
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    wh = str(tmp_path / "wh")
+    table = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op")
+    store = StateStore(table)
+    for b in range(4):
+        store.get_state("v").update_batch(ks(range(100 * b, 100 * b + 50)), [b] * 50)
+        store.checkpoint(batch_id=b)
+    before = state_of(table)
+    policy = CompactionPolicy(min_segments=2, max_merge=2)
+    results = serve(TableSpec(table="op", warehouse=wh), policy, io.StringIO("3\n3\n"), Closed())
+    assert len(results) == 1  # one committed, then it noticed nobody reads its results
+    table.restore()
+    assert len(compactions(table)) == 1
+    assert state_of(table) == before
+    store.close()
+    table.close()
+
+
 @pytest.mark.parametrize("bad", ["--min-segments=1", "--size-ratio=0"])
 def test_icestate_compact_refuses_a_bad_policy(tmp_path, bad):
     cli = [sys.executable, "-m", "spark_integration.cli", "compact", "--warehouse", str(tmp_path), "--table", "op"]
