@@ -174,8 +174,10 @@ def main(
             work.mkdir()
             out = root / f"{name}.json"
             console.log(f"running {name}")
+            # benchmarks/ on the path of Spark's Python workers too: they unpickle bench_spark's processors
+            path = os.pathsep.join([str(bs.REPO), str(Path(__file__).parent)])
             subprocess.run([sys.executable, __file__, "--worker", f"{name},{root / 'main'},{work},{out}"],
-                           check=True, env={**os.environ, "PYTHONPATH": str(bs.REPO)})
+                           check=True, env={**os.environ, "PYTHONPATH": path})
             result = json.loads(out.read_text())
             result["events"] = data.events
             results["runs"].append(result)
