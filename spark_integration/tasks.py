@@ -16,7 +16,9 @@ restores the base checkpoint, which reads only metadata.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import os
 import time
@@ -323,9 +325,27 @@ def _run_compat(plan: BatchPlan, ts: _TaskStore, data: pa.Table, kgs: np.ndarray
 
     timer_values = TimerValues(*((-1, -1) if plan.time_mode == "none" else
                                  (plan.processing_time_ms, plan.watermark_ms)))
-    out = run_processor(plan.processor, ts.store, ts.timers, data, kgs.tolist(), timer_values,
-                        plan.fire_upto_ms, initial)
-    return rows_to_arrow(out, plan.output_schema)
+    with _no_cyclic_gc():
+        out = run_processor(plan.processor, ts.store, ts.timers, data, kgs.tolist(), timer_values,
+                            plan.fire_upto_ms, initial)
+        return rows_to_arrow(out, plan.output_schema)
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a processor runs key by key. The loop
+    allocates a Row per input row and tuples per key and call, so the collector's
+    generation-2 passes, each walking the worker's whole heap (the store's caches), ran
+    dozens of times per task: 80% of the grouping loop's time (measured: 462 -> 77 ms for a
+    50k-row task). Reference counting still frees everything that is not a cycle; the
+    cycles a processor makes are collected when the collector resumes, after the task."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _event_time(plan: BatchPlan, rows: pa.Table) -> tuple[int | None, pa.Array | None]:

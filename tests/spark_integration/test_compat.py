@@ -607,3 +607,26 @@ def test_named_row_and_dict_values_read_back_in_schema_order_before_and_after_a_
     after_reload = run(Named(), open_store(tmp_path, layout), pa.table({"k": ["a"], "op": ["read"]}))
     assert after_reload == [want]
     assert same_batch == [want]
+
+
+def test_the_cyclic_collector_pauses_while_a_processor_runs_and_resumes_after():
+    """``tasks._no_cyclic_gc`` (the compat path's speed-up): off inside, back as it was after,
+    also when the processor raises; a collector the user turned off stays off."""
+    import gc
+
+    from spark_integration.tasks import _no_cyclic_gc
+
+    assert gc.isenabled()
+    with _no_cyclic_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), _no_cyclic_gc():
+        raise RuntimeError("processor failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _no_cyclic_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
