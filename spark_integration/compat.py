@@ -377,6 +377,9 @@ def rows_to_arrow(rows: list, schema: pa.Schema, what: str = "processor output")
     tuples = []
     for r in rows:
         if isinstance(r, Row) and hasattr(r, "__fields__"):
+            if r.__fields__ == names:  # named in the schema's order: the Row is that tuple
+                tuples.append(r)
+                continue
             r = r.asDict()  # a named Row matches by name, as Spark's worker does
         if isinstance(r, dict):
             extra = [k for k in r if k not in names]

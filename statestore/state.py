@@ -191,16 +191,21 @@ class KeyedState:
         """Turn the overlay into (key groups, entries in write order) and empty it."""
         if not self._overlay:
             return None
-        rows: list[tuple[tuple, int, int, Any, Any, int | None]] = []
-        for key, p in self._overlay.items():
-            rows.extend(self._pending_entries(key, p))
+        rows = self._overlay_rows()
         self._overlay = {}
         if not rows:
             return None
         return self._entries_frame(rows)
 
+    def _overlay_rows(self) -> list[tuple[tuple, int, int, Any, Any, int | None]]:
+        """(key, key group, op, user key, value, expire) rows of every key's pending writes."""
+        rows: list[tuple[tuple, int, int, Any, Any, int | None]] = []
+        for key, p in self._overlay.items():
+            rows.extend(self._pending_entries(key, p))
+        return rows
+
     def _pending_entries(self, key: tuple, p: _Pending):
-        """(key, key group, op, user key, value, expire) rows of one key's pending writes."""
+        """The rows of one key's pending writes (``_overlay_rows``)."""
         if p.cleared:
             yield key, p.key_group, OP_DELETE, None, None, None
         if p.has_value:
@@ -260,6 +265,17 @@ class KeyedState:
 
 class _ValueLike(KeyedState):
     """Value, reducing and aggregating state: one stored value per key."""
+
+    def _overlay_rows(self) -> list[tuple[tuple, int, int, Any, Any, int | None]]:
+        # ``KeyedState._pending_entries`` inlined: a generator per key cost more than the rows.
+        rows: list[tuple[tuple, int, int, Any, Any, int | None]] = []
+        append = rows.append
+        for key, p in self._overlay.items():
+            if p.cleared:
+                append((key, p.key_group, OP_DELETE, None, None, None))
+            if p.has_value:
+                append((key, p.key_group, OP_PUT, None, p.value, p.expire_at_ms))
+        return rows
 
     def _stored(self) -> tuple[bool, Any]:
         key, _ = self._store.current_key()
