@@ -9,8 +9,9 @@ being the newest checkpoint when the compaction planned. A compaction commits it
 only while the newest checkpoint is below base + ``COMPACTION_GRACE_CHECKPOINTS`` (it
 re-commits the same files on top of checkpoints that raced it, and gives up after that), so
 an output that no snapshot references once that many checkpoints passed, and older than
-``COMPACTION_GRACE_SECONDS`` (far beyond the time one commit call with pyiceberg's own
-retries takes), can never commit: garbage collection may take it (``parse_compaction_name``).
+``COMPACTION_GRACE_SECONDS`` (far beyond the time between a compaction's last validity
+check and its commit, even for a compactor paused mid-way), can never commit: garbage
+collection may take it (``parse_compaction_name``).
 """
 
 from __future__ import annotations
