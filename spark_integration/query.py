@@ -59,7 +59,7 @@ from spark_integration.tasks import (
     segment_of,
 )
 from spark_integration.timers import normalize_time_mode, timers_descriptor
-from spark_integration.vectorized import PARTIAL, VectorizedProcessor
+from spark_integration.vectorized import VectorizedProcessor
 from statestore.config import StoreConfig
 from statestore.errors import SchemaMismatchError, StateStoreError
 from statestore.keygroups import check_key_type
@@ -187,8 +187,7 @@ class StatefulRunner:
                  output_schema: pa.Schema, layout: StateLayout, location: StateLocation, checkpoint_location: str,
                  foreach_batch: Callable[[DataFrame, int], None] | None, output: OutputTable | None,
                  time_mode: str, event_time_column: str | None, initial_state: DataFrame | None,
-                 store_config: StoreConfig, compaction: CompactionPolicy | None = None,
-                 partial: tuple[str, str | None] | None = None):
+                 store_config: StoreConfig, compaction: CompactionPolicy | None = None):
         self.spark = spark
         self.keys = keys
         self.processor = processor
@@ -203,9 +202,6 @@ class StatefulRunner:
         self.event_time_column = event_time_column
         self.initial_state = initial_state
         self.store_config = store_config
-        # (aggregate, column) Spark applies to each key's rows before the tasks (a vectorized
-        # processor's ``partial_aggregate``); None: the tasks get the rows as they are.
-        self.partial = partial
         self.run_id = uuid.uuid4().hex
         self.query_id: str | None = None  # Spark's persistent query id, read at the first batch
         self.table = location.open(layout)
@@ -343,12 +339,9 @@ class StatefulRunner:
         # are the rows of the tasks' DataFrame that the callback gets.
         output_dir = self.output.data_location if self.output is not None else None
         inline = self.output is None and self.foreach_batch is not None
-        # The first batch of a query with initial state cogroups it with the rows: rows as they are.
-        partial = self.partial is not None and (self.initial_state is None or info is not None)
-        columns = (*self.keys, PARTIAL) if partial else tuple(self.input_schema.names)
         return BatchPlan(
             run_id=self.run_id, location=self.location, layout=self.layout, processor=self.processor,
-            input_columns=columns, output_schema=self.output_schema, batch_id=batch_id,
+            input_columns=tuple(self.input_schema.names), output_schema=self.output_schema, batch_id=batch_id,
             checkpoint_id=self.table.next_checkpoint_id(),
             base_checkpoint_id=None if info is None else info.checkpoint_id,
             task_tokens=dict(self.task_tokens), processing_time_ms=processing_time, watermark_ms=watermark,
@@ -389,8 +382,6 @@ class StatefulRunner:
                 F.col("id").cast("int").alias(TASK), F.lit(True).alias(HEARTBEAT))
             routed = routed.withColumn(HEARTBEAT, F.lit(False)).unionByName(beats)
         routed = self._partitioned(routed)
-        if PARTIAL in plan.input_columns:
-            routed = self._partially_aggregated(routed)
         schema = _struct_of(self.output_schema if plan.inline_outputs else RESULT_ARROW)
         # Plain closures, not functools.partial: pyspark's eval-type inference fails on partials.
         initial = self.initial_state if plan.base_checkpoint_id is None else None
@@ -408,16 +399,6 @@ class StatefulRunner:
 
         # Each partition is exactly one task's rows: mapInArrow, no grouping sort.
         return routed.drop(PART).mapInArrow(task, schema)
-
-    def _partially_aggregated(self, routed: DataFrame) -> DataFrame:
-        """One row per key (and per task's heartbeat) with the processor's partial aggregate,
-        computed after the exchange: grouping on PART and more keeps its partitioning (a
-        hash partitioning on PART satisfies a clustering on any superset), so it adds no
-        shuffle and task i still holds exactly our task i's rows."""
-        agg, column = self.partial
-        expr = F.count(F.lit(1)) if agg == "count" else getattr(F, agg)(F.col(column))
-        group = [PART, KG, TASK, *([HEARTBEAT] if HEARTBEAT in routed.columns else []), *self.keys]
-        return routed.groupBy(*group).agg(expr.alias(PARTIAL))
 
     def _output_frame(self, uris: Sequence[str]) -> DataFrame:
         struct = _struct_of(self.output_schema)
@@ -486,18 +467,6 @@ def _conform_initial(initial: DataFrame, df: DataFrame, keys: list[str]) -> Data
         if initial.schema[k].dataType != types[k]:
             initial = initial.withColumn(k, F.col(k).cast(types[k]))
     return initial
-
-
-def _check_partial(processor: VectorizedProcessor, input_schema: pa.Schema,
-                   keys: list[str]) -> tuple[str, str | None] | None:
-    partial = processor.partial_aggregate(input_schema, keys)
-    if partial is None:
-        return None
-    agg, column = partial
-    if agg not in ("count", "sum", "min", "max") or (agg != "count" and column not in input_schema.names):
-        raise ValueError(f"{type(processor).__name__}.partial_aggregate returned {partial!r}: it must be "
-                         "('count', None) or ('sum' | 'min' | 'max', <an input column>)")
-    return agg, column
 
 
 def _warm_workers(spark: SparkSession, location: StateLocation, layout: StateLayout) -> None:
@@ -583,7 +552,6 @@ def start_stateful_query(
     if event_time_column is not None and event_time_column not in df.columns:
         raise SchemaMismatchError(f"event_time_column {event_time_column!r} is not an input column {df.columns}")
     run_schema = input_schema  # the columns the tasks get
-    partial = None
     if isinstance(processor, VectorizedProcessor):
         descriptors = list(processor.state_variables(input_schema, keys))
         if output_schema is None:
@@ -596,7 +564,6 @@ def start_stateful_query(
                 raise SchemaMismatchError(f"{type(processor).__name__} reads column(s) {missing} that the input "
                                           f"lacks; its columns are {input_schema.names}")
             run_schema = pa.schema([input_schema.field(c) for c in wanted])
-        partial = None if event_time_column else _check_partial(processor, input_schema, keys)
     elif isinstance(processor, StatefulProcessor):
         descriptors = list(declare(processor).descriptors)
     else:
@@ -626,7 +593,7 @@ def start_stateful_query(
         spark, keys=keys, processor=processor, input_schema=run_schema, output_schema=out_schema, layout=layout,
         location=location, checkpoint_location=checkpoint_location, foreach_batch=foreach_batch, output=output,
         time_mode=mode, event_time_column=event_time_column, initial_state=initial_state,
-        store_config=store_config or StoreConfig(), compaction=compaction, partial=partial,
+        store_config=store_config or StoreConfig(), compaction=compaction,
     )
     if warm_workers:
         threading.Thread(target=_warm_workers, args=(spark, location, layout), name="icestate-warm-workers",

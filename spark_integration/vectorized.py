@@ -73,23 +73,12 @@ class VectorizedProcessor(abc.ABC):
         """The input columns ``process`` reads (None: all); the others never leave the JVM."""
         return None
 
-    def partial_aggregate(self, input_schema: pa.Schema, keys: list[str]) -> tuple[str, str | None] | None:
-        """An aggregate Spark may apply to each key's rows of a micro-batch inside the JVM,
-        before they cross into Python: ``("count", None)``, or ``("sum" | "min" | "max",
-        column)``. ``process`` then gets one row per key: its key columns and the aggregate
-        in column ``PARTIAL`` (a batch with event time gets its rows as they are, since late
-        rows are dropped per row). None (the default): always the rows as they are."""
-        return None
-
     @abc.abstractmethod
     def process(self, batch: VectorizedBatch) -> VectorizedResult:
         """Outputs and state updates of one task's micro-batch."""
 
 
 _AGGS = ("count", "sum", "min", "max")
-# The column of a batch's rows that holds a key's aggregate computed in the JVM
-# (``VectorizedProcessor.partial_aggregate``).
-PARTIAL = "__icestate_partial"
 
 
 class RunningAggregate(VectorizedProcessor):
@@ -97,13 +86,11 @@ class RunningAggregate(VectorizedProcessor):
 
     Emits, for every key updated in a micro-batch, the key and its new aggregate (column
     ``output_column``, by default the aggregate's name). The state variable is a value
-    state named ``state_name`` (default: the aggregate's name). With ``partial_in_jvm``
-    (the default) Spark aggregates each key's rows of a batch before Python sees them, so
-    a hot key costs Python one row per batch, as Spark's own partial aggregation does.
+    state named ``state_name`` (default: the aggregate's name).
     """
 
     def __init__(self, agg: str = "count", value_column: str | None = None, *, output_column: str | None = None,
-                 state_name: str | None = None, ttl_ms: int | None = None, partial_in_jvm: bool = True):
+                 state_name: str | None = None, ttl_ms: int | None = None):
         if agg not in _AGGS:
             raise ValueError(f"RunningAggregate: agg must be one of {_AGGS}, got {agg!r}")
         if agg != "count" and not value_column:
@@ -113,7 +100,6 @@ class RunningAggregate(VectorizedProcessor):
         self.output_column = output_column or agg
         self.state_name = state_name or agg
         self.ttl = TtlConfig(ttl_ms) if ttl_ms else None
-        self.partial_in_jvm = partial_in_jvm
 
     def _value_type(self, input_schema: pa.Schema) -> pa.DataType:
         if self.agg == "count":
@@ -140,18 +126,10 @@ class RunningAggregate(VectorizedProcessor):
     def input_columns(self, input_schema: pa.Schema, keys: list[str]) -> list[str]:
         return [*keys, *([self.value_column] if self.value_column else [])]
 
-    def partial_aggregate(self, input_schema: pa.Schema, keys: list[str]) -> tuple[str, str | None] | None:
-        return (self.agg, self.value_column) if self.partial_in_jvm else None
-
     def process(self, batch: VectorizedBatch) -> VectorizedResult:
         keys = batch.keys.column_names
         rows = pl.from_arrow(batch.rows)
-        if PARTIAL in rows.columns:
-            # One row per key, aggregated by Spark; a sum of only nulls is null there, 0 here.
-            delta = rows.select(*keys, pl.col(PARTIAL).alias("_d"))
-            if self.agg in ("count", "sum"):
-                delta = delta.with_columns(pl.col("_d").fill_null(0))
-        elif self.agg == "count":
+        if self.agg == "count":
             delta = rows.group_by(keys, maintain_order=True).agg(pl.len().cast(pl.Int64).alias("_d"))
         else:
             fn = getattr(pl.col(self.value_column), self.agg)

@@ -136,27 +136,6 @@ def test_vectorized_running_aggregates(spark, tmp_path, where, agg):
     assert sorted(rows) == sorted(expected)
 
 
-@pytest.mark.parametrize("agg", ["count", "sum"])
-def test_running_aggregate_is_partially_aggregated_in_the_jvm(spark, tmp_path, where, agg):
-    """Hot keys: with ``partial_in_jvm`` (the default) each task gets one row per key of its
-    batch (Spark aggregated the rest), and the outputs and state equal the row path's."""
-    batches = key_batches(3, 120, 6)  # 6 keys, 20 rows each per batch
-    input_dir = write_batches(tmp_path / "in", batches)
-    results = {}
-    for jvm in (True, False):
-        rows, collect = collector()
-        loc = where(table=f"agg_{agg}_{int(jvm)}")
-        runner = run_to_end(spark, input_dir, RunningAggregate(agg, None if agg == "count" else "v",
-                                                               partial_in_jvm=jvm),
-                            None, location=loc, checkpoint=str(tmp_path / f"cp-{jvm}"), foreach_batch=collect)
-        rows_in = [sum(t["rows_in"] for t in r.tasks.values()) for r in runner.reports if not r.skipped]
-        results[jvm] = (sorted(rows), rows_in, live_state(loc, agg).sort("key").rows())
-    assert results[True][1] == [6, 6, 6]  # one row per key and batch crossed into Python
-    assert results[False][1] == [120, 120, 120]
-    assert results[True][0] == results[False][0]
-    assert results[True][2] == results[False][2]
-
-
 def test_vectorized_deduplicate(spark, tmp_path, where):
     batches = key_batches(3, 50, 40)
     rows, collect = collector()

@@ -11,7 +11,6 @@ import pytest
 from si_helpers import FakeClock, layout_of, open_store
 
 from spark_integration.vectorized import (
-    PARTIAL,
     Deduplicate,
     RunningAggregate,
     VectorizedBatch,
@@ -66,40 +65,6 @@ def test_running_aggregate_matches_a_model(tmp_path, agg):
             store = store_for(tmp_path, proc)
     state = store_for(tmp_path, proc).get_state(agg).get_batch(pa.table({"k": keys}))
     assert state.to_pylist() == [model.get(k) for k in keys]
-
-
-@pytest.mark.parametrize("agg", ["count", "sum", "min", "max"])
-def test_running_aggregate_folds_partial_aggregates_as_it_folds_rows(tmp_path, agg):
-    """Rows that Spark aggregated per key (column PARTIAL, what ``partial_aggregate`` asks for)
-    update state as the same rows unaggregated would; a sum over only nulls (null in Spark)
-    adds 0, as polars' sum of the rows does."""
-    proc = RunningAggregate(agg, None if agg == "count" else "v")
-    assert proc.partial_aggregate(INPUT, KEYS) == (agg, None if agg == "count" else "v")
-    assert RunningAggregate(agg, "v", partial_in_jvm=False).partial_aggregate(INPUT, KEYS) is None
-    rng = random.Random(f"partial-{agg}")
-    keys = [f"key{i}" for i in range(8)]
-    by_rows, by_partials = store_for(tmp_path / "rows", proc), store_for(tmp_path / "partials", proc)
-    pa_type = pa.int64() if agg == "count" else pa.int32() if agg in ("min", "max") else pa.int64()
-    for b in range(3):
-        rows = batch(rng, 60, keys)
-        if agg == "sum":  # a key whose values are all null in this batch
-            rows = rows.set_column(1, "v", pa.array([None if k == "key0" else v for k, v in zip(
-                rows.column("k").to_pylist(), rows.column("v").to_pylist(), strict=True)], pa.int32()))
-        expected = run_vectorized(proc, by_rows, rows, 1000 + b, -1)
-        grouped = rows.group_by("k").aggregate([([], "count_all")] if agg == "count" else [("v", agg)])
-        partials = pa.table({"k": grouped.column("k"),
-                             PARTIAL: grouped.column("count_all" if agg == "count" else f"v_{agg}").cast(pa_type)})
-        if agg == "sum":  # Spark's sum of only nulls is null
-            partials = partials.set_column(1, PARTIAL, pa.array(
-                [None if k == "key0" else v for k, v in zip(partials.column("k").to_pylist(),
-                                                             partials.column(PARTIAL).to_pylist(), strict=True)],
-                pa_type))
-        got = run_vectorized(proc, by_partials, partials, 1000 + b, -1)
-        assert sorted(got.to_pylist(), key=lambda r: r["k"]) == sorted(expected.to_pylist(), key=lambda r: r["k"])
-        by_rows.checkpoint(batch_id=b)
-        by_partials.checkpoint(batch_id=b)
-    values = [s.get_state(agg).get_batch(pa.table({"k": keys})).to_pylist() for s in (by_rows, by_partials)]
-    assert values[0] == values[1]
 
 
 def test_running_aggregate_names_and_errors():
