@@ -169,10 +169,10 @@ def main(
     try:
         console.log(f"writing {events:,} events over {keys:,} keys in {batches} files")
         data = bs.make_stream_data(root, "main", events, keys, batches, seed=1)
-        for name in names:
-            work = root / f"work-{name}"
+        for i, name in enumerate(names):  # a name may repeat (A/B/A/B runs)
+            work = root / f"work-{i}-{name}"
             work.mkdir()
-            out = root / f"{name}.json"
+            out = root / f"{i}-{name}.json"
             console.log(f"running {name}")
             # benchmarks/ on the path of Spark's Python workers too: they unpickle bench_spark's processors
             path = os.pathsep.join([str(bs.REPO), str(Path(__file__).parent)])
