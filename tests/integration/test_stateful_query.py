@@ -136,6 +136,27 @@ def test_vectorized_running_aggregates(spark, tmp_path, where, agg):
     assert sorted(rows) == sorted(expected)
 
 
+def test_a_spark_worker_freezes_its_imports_before_its_first_store(spark):
+    """In a Spark task, the worker's modules go to the collector's permanent generation once
+    (``tasks._freeze_imports_once``): PySpark's daemon collects after every task of a reused
+    worker, and would otherwise walk them all each time."""
+
+    def probe(batches):
+        import gc
+
+        from spark_integration.tasks import _freeze_imports_once
+
+        for _ in batches:
+            pass
+        _freeze_imports_once()
+        frozen = gc.get_freeze_count()
+        _freeze_imports_once()  # once: a second call freezes nothing more
+        yield pa.RecordBatch.from_pydict({"frozen": [frozen], "again": [gc.get_freeze_count()]})
+
+    rows = spark.range(0, 2, 1, 2).mapInArrow(probe, "frozen long, again long").collect()
+    assert all(r["frozen"] > 10_000 and r["again"] == r["frozen"] for r in rows)
+
+
 def test_vectorized_deduplicate(spark, tmp_path, where):
     batches = key_batches(3, 50, 40)
     rows, collect = collector()

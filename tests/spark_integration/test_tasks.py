@@ -468,3 +468,17 @@ def test_vectorized_initial_state_seeds_the_first_batch(location, workers, drive
                tasks.run_task_with_initial(plan, (1,), empty, seeds[1])]
     driver.commit(plan, results)
     assert state_counts(location, driver.layout, all_keys()) == [11, 20, 30, 40, 50, 60]
+
+
+def test_nothing_is_frozen_outside_a_spark_task(location, workers, drivers):
+    """``tasks._freeze_imports_once`` only acts in a Spark task (PySpark's reused workers run
+    a full collection after every task); a task run by other callers freezes nothing."""
+    import gc
+
+    before = gc.get_freeze_count()
+    driver = drivers(location, RunningAggregate("count"))
+    plan = driver.plan()
+    rows = split_by_task(input_rows(KEYS[0][:1]))
+    workers.use(0)
+    driver.commit(plan, [tasks.run_task(plan, (0,), rows[0])])
+    assert gc.get_freeze_count() == before == 0
