@@ -276,20 +276,10 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
     kgs = rows.column(KG).to_numpy().astype(np.int64, copy=False) if rows.num_rows else np.empty(0, np.int64)
     data = rows.select(list(plan.input_columns))
 
-    if plan.compat:
-        output = _run_compat(plan, ts, data, kgs, initial)
-    else:
-        from spark_integration.vectorized import apply_updates, run_vectorized
-
-        if initial is not None and initial.num_rows:
-            apply_updates(store, initial)
-        output = run_vectorized(plan.processor, store, data, plan.processing_time_ms, plan.watermark_ms) \
-            if data.num_rows else None
-        if output is not None:
-            output = _conform(output, plan.output_schema)
-
-    processed = time.perf_counter()
-    with _no_cyclic_gc() if plan.compat else contextlib.nullcontext():  # the seal: a tuple per key written
+    # A Spark-API processor allocates per row and per key, up to the flush's seal.
+    with _no_cyclic_gc() if plan.compat else contextlib.nullcontext():
+        output = _process(plan, ts, data, kgs, initial)
+        processed = time.perf_counter()
         segments = store.flush(plan.checkpoint_id)
     ts.pending = (plan.checkpoint_id, token)
     _maybe_fail_first_attempt()
@@ -319,6 +309,21 @@ def _ms(start: float, end: float | None = None) -> float:
     return round(((time.perf_counter() if end is None else end) - start) * 1000, 1)
 
 
+def _process(plan: BatchPlan, ts: _TaskStore, data: pa.Table, kgs: np.ndarray,
+             initial: pa.Table | None) -> pa.Table | None:
+    """The processor's output for the task's rows; its state changes go to the store."""
+    if plan.compat:
+        return _run_compat(plan, ts, data, kgs, initial)
+    from spark_integration.vectorized import apply_updates, run_vectorized
+
+    if initial is not None and initial.num_rows:
+        apply_updates(ts.store, initial)
+    if not data.num_rows:
+        return None
+    output = run_vectorized(plan.processor, ts.store, data, plan.processing_time_ms, plan.watermark_ms)
+    return None if output is None else _conform(output, plan.output_schema)
+
+
 def _run_compat(plan: BatchPlan, ts: _TaskStore, data: pa.Table, kgs: np.ndarray,
                 initial: pa.Table | None) -> pa.Table:
     from pyspark.sql.streaming.stateful_processor import TimerValues
@@ -327,10 +332,9 @@ def _run_compat(plan: BatchPlan, ts: _TaskStore, data: pa.Table, kgs: np.ndarray
 
     timer_values = TimerValues(*((-1, -1) if plan.time_mode == "none" else
                                  (plan.processing_time_ms, plan.watermark_ms)))
-    with _no_cyclic_gc():
-        out = run_processor(plan.processor, ts.store, ts.timers, data, kgs.tolist(), timer_values,
-                            plan.fire_upto_ms, initial)
-        return rows_to_arrow(out, plan.output_schema)
+    out = run_processor(plan.processor, ts.store, ts.timers, data, kgs.tolist(), timer_values,
+                        plan.fire_upto_ms, initial)
+    return rows_to_arrow(out, plan.output_schema)
 
 
 _FROZEN = False

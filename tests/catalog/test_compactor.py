@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -25,8 +26,8 @@ import pytest
 
 from catalog import IcebergStateTable, connect
 from catalog import iceberg_table as iceberg_table_module
-from catalog.compaction import CompactionPolicy, compactions, units
-from catalog.compactor import CompactorProcess, TableSpec
+from catalog.compaction import CompactionPolicy, compactions, needs_compaction, units
+from catalog.compactor import CompactorProcess, TableSpec, serve
 from statestore import (
     ListStateDescriptor,
     StateLayout,
@@ -186,20 +187,21 @@ def test_icestate_compact_on_demand(tmp_path):
     table.close()
 
 
-def test_one_notification_compacts_until_the_policy_is_satisfied(tmp_path):
-    """A merge can make a run with the segments below it (the tiered policy's carry): one
-    notification compacts round after round until the policy selects nothing."""
-    import io
-
-    from catalog.compaction import needs_compaction
-    from catalog.compactor import serve
-
-    wh = str(tmp_path / "wh")
+def four_equal_segments(wh: str) -> tuple[IcebergStateTable, StateStore]:
+    """A table whose single unit holds 4 checkpoints of 50 new keys each."""
     table = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op")
     store = StateStore(table)
     for b in range(4):
         store.get_state("v").update_batch(ks(range(100 * b, 100 * b + 50)), [b] * 50)
         store.checkpoint(batch_id=b)
+    return table, store
+
+
+def test_one_notification_compacts_until_the_policy_is_satisfied(tmp_path):
+    """A merge can make a run with the segments below it (the tiered policy's carry): one
+    notification compacts round after round until the policy selects nothing."""
+    wh = str(tmp_path / "wh")
+    table, store = four_equal_segments(wh)
     before = state_of(table)
     policy = CompactionPolicy(min_segments=2, max_merge=2)
     assert needs_compaction(table, policy)
@@ -217,20 +219,12 @@ def test_one_notification_compacts_until_the_policy_is_satisfied(tmp_path):
 def test_the_compactor_stops_quietly_when_its_writer_stopped_reading(tmp_path):
     """The writer's end of the results pipe closed (the writer died): the compactor keeps the
     compaction it committed and returns, with no traceback to show for it."""
-    import io
-
-    from catalog.compactor import serve
-
     class Closed(io.StringIO):
         def write(self, text):
             raise BrokenPipeError(32, "Broken pipe")
 
     wh = str(tmp_path / "wh")
-    table = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op")
-    store = StateStore(table)
-    for b in range(4):
-        store.get_state("v").update_batch(ks(range(100 * b, 100 * b + 50)), [b] * 50)
-        store.checkpoint(batch_id=b)
+    table, store = four_equal_segments(wh)
     before = state_of(table)
     policy = CompactionPolicy(min_segments=2, max_merge=2)
     results = serve(TableSpec(table="op", warehouse=wh), policy, io.StringIO("3\n3\n"), Closed())
