@@ -207,6 +207,8 @@ class StatefulRunner:
         self.table = location.open(layout)
         self.task_tokens: dict[int, tuple[int, str]] = {}
         self._part_values: list[int] | None = None
+        self._beats_frame: tuple[tuple, DataFrame] | None = None
+        self._projections: dict[tuple, tuple[list, Any]] = {}
         self._reports = spark.sparkContext.accumulator([], ReportParam())
         self.reports: list[BatchReport] = []
         # Compaction beside the stream, in a process of its own started when a unit needs it.
@@ -349,39 +351,59 @@ class StatefulRunner:
             store_config=self.store_config, inline_outputs=inline,
         )
 
-    def _routed(self, df: DataFrame, columns: Sequence[str]) -> DataFrame:
-        """``df`` with each row's key group and task, partitioned so Spark task i holds our task i."""
-        n, p = self.layout.max_parallelism, self.location.parallelism
-        kg = F.pmod(F.xxhash64(*[F.col(k) for k in self.keys]), F.lit(n)).cast("int")
-        routed = df.select(*[F.col(c) for c in columns], kg.alias(KG))
-        return routed.withColumn(TASK, F.expr(f"cast(({KG} * {p}) div {n} as int)"))
+    def _routed(self, df: DataFrame, columns: Sequence[str], heartbeat: bool = False) -> DataFrame:
+        """``df``'s ``columns`` with each row's key group, task (and with ``heartbeat`` a false
+        heartbeat flag) and partition value, partitioned so that Spark partition i holds our task i.
 
-    def _partitioned(self, routed: DataFrame) -> DataFrame:
+        One projection and one repartition, of column expressions built once: each DataFrame
+        and column call is a Py4J round trip (a micro-batch's plan took 245 of them, 50-100 ms),
+        and each DataFrame call an analysis of the whole plan on the driver.
+        """
+        p = self.location.parallelism
+        key = (p, tuple(columns), heartbeat)
+        if key not in self._projections:
+            n = self.layout.max_parallelism
+            kg = F.pmod(F.xxhash64(*[F.col(k) for k in self.keys]), F.lit(n)).cast("int")
+            # Flink's range of a key group, key_group * p div n; exact in doubles (kg * p < 2^31).
+            task = F.floor(kg * F.lit(p) / F.lit(n)).cast("int")
+            marks = [F.lit(False).alias(HEARTBEAT)] if heartbeat else []
+            self._projections[key] = ([F.col(c) for c in columns] + [kg.alias(KG), task.alias(TASK), *marks,
+                                                                     self._part_of(task).alias(PART)], F.col(PART))
+        projection, part = self._projections[key]
+        routed = df.select(*projection)
+        if heartbeat:
+            routed = routed.union(self._beats(df, columns))
+        return routed.repartition(p, part)
+
+    def _part_of(self, task: Any) -> Any:
         # repartition(p, PART) hashes PART into p partitions; PART is a value chosen per task so
         # that task i lands in partition i: p Spark tasks with one of ours each, never merged
         # by adaptive execution (it keeps a repartition's explicit number), and the groupBy on
         # PART needs no second shuffle.
-        values = F.array(*[F.lit(v) for v in self._partition_values()])
-        routed = routed.withColumn(PART, F.element_at(values, F.col(TASK) + 1))
-        return routed.repartition(self.location.parallelism, F.col(PART))
-
-    def _partition_values(self) -> list[int]:
         p = self.location.parallelism
         if self._part_values is None or len(self._part_values) != p:
             self._part_values = partition_values(p)
-        return self._part_values
+        return F.element_at(F.array(*[F.lit(v) for v in self._part_values]), task + 1)
+
+    def _beats(self, df: DataFrame, columns: Sequence[str]) -> DataFrame:
+        """One heartbeat row per task (the same for every batch: built once per parallelism), so
+        that every task runs in every batch, with or without rows: its timers fire, and it reports."""
+        p = self.location.parallelism
+        cached = self._beats_frame
+        if cached is None or cached[0] != (p, tuple(columns)):
+            types = {f.name: f.dataType for f in df.schema.fields}
+            task = F.col("id").cast("int")
+            frame = self.spark.range(0, p, 1, 1).select(
+                *[F.lit(None).cast(types[c]).alias(c) for c in columns], F.lit(None).cast("int").alias(KG),
+                task.alias(TASK), F.lit(True).alias(HEARTBEAT), self._part_of(task).alias(PART))
+            cached = self._beats_frame = ((p, tuple(columns)), frame)
+        return cached[1]
 
     def _task_frame(self, batch_df: DataFrame, plan: BatchPlan, reports: Any = None) -> DataFrame:
         """The batch's tasks as a DataFrame (lazy): their report rows, or with inline outputs
         their output rows (reports then go to the ``reports`` accumulator)."""
-        routed = self._routed(batch_df, self.input_schema.names)
-        if self.time_mode != "none" or plan.inline_outputs:
-            # Every task runs in every batch, with or without rows: its timers fire, and it reports.
-            beats = self.spark.range(0, self.location.parallelism, 1, 1).select(
-                *[F.lit(None).cast(f.dataType).alias(f.name) for f in routed.schema.fields if f.name != TASK],
-                F.col("id").cast("int").alias(TASK), F.lit(True).alias(HEARTBEAT))
-            routed = routed.withColumn(HEARTBEAT, F.lit(False)).unionByName(beats)
-        routed = self._partitioned(routed)
+        routed = self._routed(batch_df, self.input_schema.names,
+                              heartbeat=self.time_mode != "none" or plan.inline_outputs)
         schema = _struct_of(self.output_schema if plan.inline_outputs else RESULT_ARROW)
         # Plain closures, not functools.partial: pyspark's eval-type inference fails on partials.
         initial = self.initial_state if plan.base_checkpoint_id is None else None
@@ -391,14 +413,15 @@ class StatefulRunner:
             def with_initial(key, rows, initial_rows):
                 return run_task_with_initial(plan, key, rows, initial_rows, reports)
 
-            seeded = self._partitioned(self._routed(initial, initial.columns))
+            seeded = self._routed(initial, initial.columns)
             return routed.groupBy(PART).cogroup(seeded.groupBy(PART)).applyInArrow(with_initial, schema)
 
         def task(batches):
             yield from run_partition(plan, batches, reports)
 
-        # Each partition is exactly one task's rows: mapInArrow, no grouping sort.
-        return routed.drop(PART).mapInArrow(task, schema)
+        # Each partition is exactly one task's rows: mapInArrow, no grouping sort (the tasks
+        # ignore the partition value column).
+        return routed.mapInArrow(task, schema)
 
     def _output_frame(self, uris: Sequence[str]) -> DataFrame:
         struct = _struct_of(self.output_schema)
