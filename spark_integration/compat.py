@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from pyspark.sql import Row
 from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, StatefulProcessor, TimerValues
@@ -121,12 +122,15 @@ def declare(processor: StatefulProcessor) -> DeclaringHandle:
 class _Struct:
     """Tuple <-> stored struct conversion of one schema."""
 
-    __slots__ = ("names",)
+    __slots__ = ("n", "names")
 
     def __init__(self, t: pa.DataType):
         self.names = [f.name for f in t]
+        self.n = len(self.names)
 
     def to_store(self, value: Any, what: str) -> dict:
+        if type(value) is tuple and len(value) == self.n:  # a plain tuple of the right size: the common case
+            return dict(zip(self.names, value, strict=False))
         if isinstance(value, Row) and hasattr(value, "__fields__"):
             value = value.asDict()
         if isinstance(value, dict):
@@ -327,6 +331,7 @@ def run_processor(processor: StatefulProcessor, store: StateStore, timers: Timer
         columns = rows.column_names
         key_idx = [columns.index(n) for n in names]
         row = _row_maker(columns)
+        store.check_routed_keys(rows.select(names), np.asarray(key_groups, dtype=np.int64))
         groups: dict[tuple, tuple[int, list]] = {}
         for kg, values in zip(key_groups, zip(*[c.to_pylist() for c in rows.columns], strict=True), strict=True):
             key = tuple(values[i] for i in key_idx)
@@ -335,8 +340,9 @@ def run_processor(processor: StatefulProcessor, store: StateStore, timers: Timer
                 groups[key] = (kg, [row(values)])
             else:
                 g[1].append(row(values))
+        select_key = store.select_key
         for key, (kg, key_rows) in groups.items():
-            store.set_current_key(key, kg)
+            select_key(key, kg)
             result = processor.handleInputRows(key, iter(key_rows), timer_values)
             if result is not None:
                 out.extend(result)

@@ -164,6 +164,15 @@ class KeyedState:
         self.name = desc.name
         self._v = desc.value_column
         self._overlay: dict[tuple, _Pending] = {}
+        # The type test of a per-key write, decided once: looking it up by its pa.DataType
+        # (an lru_cache keyed on the type's hash) cost 1.7 us, most of a count's write.
+        self._fits = _fits_checker(desc.value_type)
+
+    def _check(self, value: Any, what: str) -> None:
+        """``_check_value`` of a per-key write against the value type (the message is only
+        formatted for a value that fails)."""
+        if value is None or not self._fits(value):
+            _check_value(value, self.descriptor.value_type, f"state {self.name!r}: {what}")
 
     # -- TTL
 
@@ -299,7 +308,7 @@ class _ValueLike(KeyedState):
     def _put(self, value: Any) -> None:
         if value is None:
             raise ValueError(f"state {self.name!r}: values must not be null; call clear() instead")
-        _check_value(value, self.descriptor.value_type, f"state {self.name!r}: value")
+        self._check(value, "value")
         _, p = self._pending()
         p.value, p.has_value, p.expire_at_ms = value, True, self._expire_at()
 
@@ -458,7 +467,7 @@ class ListState(KeyedState):
     def add(self, value: Any) -> None:
         if value is None:
             raise ValueError(f"state {self.name!r}: list elements must not be null")
-        _check_value(value, self.descriptor.value_type, f"state {self.name!r}: list element")
+        self._check(value, "list element")
         _, p = self._pending()
         p.appended.append((value, self._expire_at()))
 
@@ -466,7 +475,7 @@ class ListState(KeyedState):
         """Append every value, or none of them when one is invalid."""
         values = list(values)
         for v in values:
-            _check_value(v, self.descriptor.value_type, f"state {self.name!r}: list element")
+            self._check(v, "list element")
         for v in values:
             self.add(v)
 
@@ -474,7 +483,7 @@ class ListState(KeyedState):
         """Replace the current key's list (unchanged when an element is invalid)."""
         values = list(values)
         for v in values:
-            _check_value(v, self.descriptor.value_type, f"state {self.name!r}: list element")
+            self._check(v, "list element")
         self.clear()
         self.add_all(values)
 
@@ -521,6 +530,15 @@ class ListState(KeyedState):
 
 
 class MapState(KeyedState):
+
+    def __init__(self, store: StateStore, desc: StateDescriptor):
+        super().__init__(store, desc)
+        self._fits_user_key = _fits_checker(desc.user_key_type)
+
+    def _check_user_key(self, user_key: Any) -> None:
+        if user_key is None or not self._fits_user_key(user_key):
+            _check_value(user_key, self.descriptor.user_key_type, f"map {self.name!r}: user key")
+
     def _pending_entries(self, key: tuple, p: _Pending):
         if p.cleared:
             yield key, p.key_group, OP_DELETE, None, None, None
@@ -582,8 +600,9 @@ class MapState(KeyedState):
     def put(self, user_key: Any, value: Any) -> None:
         if user_key is None or value is None:
             raise ValueError(f"state {self.name!r}: map user keys and values must not be null")
-        _check_value(user_key, self.descriptor.user_key_type, f"map {self.name!r}: user key")
-        _check_value(value, self.descriptor.value_type, f"map {self.name!r}: value")
+        self._check_user_key(user_key)
+        if not self._fits(value):
+            _check_value(value, self.descriptor.value_type, f"map {self.name!r}: value")
         _, p = self._pending()
         p.entries[_hashable(user_key)] = (user_key, value, True, self._expire_at())
 
@@ -593,7 +612,7 @@ class MapState(KeyedState):
 
     def remove(self, user_key: Any) -> None:
         # A null user key would be stored as a whole-map tombstone (see layout.py).
-        _check_value(user_key, self.descriptor.user_key_type, f"map {self.name!r}: user key")
+        self._check_user_key(user_key)
         _, p = self._pending()
         p.entries[_hashable(user_key)] = (user_key, None, False, None)
 

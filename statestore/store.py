@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from statestore.cache import CachedKeyGroup, KeyGroupCache
 from statestore.config import StoreConfig
@@ -147,6 +148,26 @@ class StateStore:
         r = self.key_group_range
         if not r.start <= key_group <= r.end:
             self._check_owned(np.array([key_group]))
+        self._current_key, self._current_key_group = key, key_group
+
+    def check_routed_keys(self, keys: pa.Table, key_groups: np.ndarray) -> None:
+        """Check at once, for a batch of keys that arrive with their key groups (rows routed
+        by Spark), what ``set_current_key`` checks per key: no key value is null and this
+        task owns every key group. ``select_key`` may then set each of them unchecked."""
+        for name in self.key_names:
+            column = keys.column(name)
+            if column.null_count:
+                first = pc.index(pc.is_null(column), True).as_py()
+                key = tuple(keys.column(n)[first].as_py() for n in self.key_names)
+                raise ValueError(f"key {key!r} has a null value: keys must not be null")
+        if len(key_groups):
+            r = self.key_group_range
+            if not (r.start <= int(key_groups.min()) and int(key_groups.max()) <= r.end):
+                self._check_owned(key_groups)
+
+    def select_key(self, key: tuple, key_group: int) -> None:
+        """``set_current_key`` of a key tuple and its key group checked by ``check_routed_keys``
+        (0.5 us of checks per key, a tenth of a per-key processor's state work)."""
         self._current_key, self._current_key_group = key, key_group
 
     def current_key(self) -> tuple[tuple, int]:

@@ -293,6 +293,28 @@ def test_processor_lifecycle_init_then_close_every_batch(tmp_path):
     assert calls == ["init", "rows:a", "close"]  # closed even when a handler fails
 
 
+def test_a_null_key_fails_the_batch_before_any_handler_runs(tmp_path):
+    """Keys are checked once per batch (``check_routed_keys``), not per key: a null key value
+    anywhere in the rows fails before the first handler, so no key's writes are half made."""
+    calls: list[str] = []
+
+    class Counting(StatefulProcessor):
+        def init(self, handle) -> None:
+            self.count = handle.getValueState("count", VALUE)
+
+        def handleInputRows(self, key, rows, timerValues):
+            calls.append(key[0])
+            self.count.update((1,))
+            return iter([])
+
+    layout = layout_of(declare(Counting()).descriptors)
+    store = open_store(tmp_path, layout)
+    rows = pa.table({"k": ["a", None, "b"]})
+    with pytest.raises(ValueError, match=r"key \(None,\) has a null value: keys must not be null"):
+        run_processor(Counting(), store, None, rows, [0, 0, 0], NO_TIME, None)
+    assert calls == []
+
+
 def test_value_state_ttl_from_ttl_duration_ms(tmp_path):
     class Ttl(StatefulProcessor):
         def init(self, handle) -> None:

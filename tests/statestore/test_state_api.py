@@ -579,6 +579,8 @@ BAD_CALLS = {
     "null_key": (lambda s: s.get_state("v").update_batch(pa.table({"k": ["a", None]}), [7, 8]),
                  ValueError, r"key column 'k' has 1 null value"),
     "per_key_null_key": (lambda s: s.set_current_key(None), ValueError, r"null value"),
+    "routed_null_key": (lambda s: s.check_routed_keys(pa.table({"k": ["a", None]}), np.array([0, 0])),
+                        ValueError, r"key \(None,\) has a null value"),
     "missing_key_column": (lambda s: s.get_state("v").update_batch(pa.table({"key": ["a"]}), [7]),
                            SchemaMismatchError, r"keys lack key column\(s\) \['k'\]"),
     "uncastable_key_type": (lambda s: s.get_state("v").update_batch(pa.table({"k": pa.array([1.5])}), [7]),
@@ -625,6 +627,9 @@ def test_key_of_another_task_is_refused_and_nothing_is_written(seeded, tmp_path)
         task0.get_state("l").get_batch(keys_table([other]))
     with pytest.raises(KeyGroupOutOfRangeError, match=r"key group 7"):
         task0.set_current_key(other)
+    with pytest.raises(KeyGroupOutOfRangeError, match=r"key group 7 is not owned by task 0 of 2"):
+        task0.check_routed_keys(keys_table([own, other]), np.array([0, 7]))
+    task0.check_routed_keys(keys_table([own]), np.array([0]))  # owned: no error
     task0.checkpoint()
     assert open_store(tmp_path).get_state("v").get_batch(keys_table([own, other])).to_pylist() == [None, None]
     assert snapshot(open_store(tmp_path), KEYS) == SEEDED
