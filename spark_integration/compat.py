@@ -18,6 +18,7 @@ the executors.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -333,9 +334,13 @@ def run_processor(processor: StatefulProcessor, store: StateStore, timers: Timer
         row = _row_maker(columns)
         store.check_routed_keys(rows.select(names), np.asarray(key_groups, dtype=np.int64))
         groups: dict[tuple, tuple[int, list]] = {}
+        get = groups.get
+        # A key tuple per row without a generator: (v,) for one key column, an itemgetter's
+        # tuple for several.
+        key_of = (lambda v, i=key_idx[0]: (v[i],)) if len(key_idx) == 1 else operator.itemgetter(*key_idx)
         for kg, values in zip(key_groups, zip(*[c.to_pylist() for c in rows.columns], strict=True), strict=True):
-            key = tuple(values[i] for i in key_idx)
-            g = groups.get(key)
+            key = key_of(values)
+            g = get(key)
             if g is None:
                 groups[key] = (kg, [row(values)])
             else:
