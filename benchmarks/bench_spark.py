@@ -836,7 +836,7 @@ def _restart_cells(d: dict, offline_step: bool) -> list[str]:
         _fmt(first / steady if first and steady else None, ".1f", "x"),
         _fmt(first - fresh if first and fresh else None, ".2f", " s"),
         _step_cell(restart, "start_to_first_batch_end_s"),
-        _step_cell(restart, "import_s") if restart.get("import_s") is not None else "-",
+        _step_cell(restart, "import_s"),
         _step_cell(d.get("repartition"), "repartition_s") if offline_step else "none needed",
         _step_cell(d.get("repartition"), "session_s") if offline_step else "",
         _step_cell(rescale, "first_batch_s"),

@@ -206,8 +206,9 @@ class StatefulRunner:
         self.query_id: str | None = None  # Spark's persistent query id, read at the first batch
         self.table = location.open(layout)
         self.task_tokens: dict[int, tuple[int, str]] = {}
-        self._part_values: list[int] | None = None
-        self._beats_frame: tuple[tuple, DataFrame] | None = None
+        # Routing, built once (a runner's parallelism and columns never change).
+        self._part_values = partition_values(location.parallelism)
+        self._beats_frame: DataFrame | None = None
         self._projections: dict[tuple, tuple[list, Any]] = {}
         self._reports = spark.sparkContext.accumulator([], ReportParam())
         self.reports: list[BatchReport] = []
@@ -360,7 +361,7 @@ class StatefulRunner:
         and each DataFrame call an analysis of the whole plan on the driver.
         """
         p = self.location.parallelism
-        key = (p, tuple(columns), heartbeat)
+        key = (tuple(columns), heartbeat)
         if key not in self._projections:
             n = self.layout.max_parallelism
             kg = F.pmod(F.xxhash64(*[F.col(k) for k in self.keys]), F.lit(n)).cast("int")
@@ -380,24 +381,19 @@ class StatefulRunner:
         # that task i lands in partition i: p Spark tasks with one of ours each, never merged
         # by adaptive execution (it keeps a repartition's explicit number), and the groupBy on
         # PART needs no second shuffle.
-        p = self.location.parallelism
-        if self._part_values is None or len(self._part_values) != p:
-            self._part_values = partition_values(p)
         return F.element_at(F.array(*[F.lit(v) for v in self._part_values]), task + 1)
 
     def _beats(self, df: DataFrame, columns: Sequence[str]) -> DataFrame:
-        """One heartbeat row per task (the same for every batch: built once per parallelism), so
-        that every task runs in every batch, with or without rows: its timers fire, and it reports."""
-        p = self.location.parallelism
-        cached = self._beats_frame
-        if cached is None or cached[0] != (p, tuple(columns)):
+        """One heartbeat row per task (the same for every batch: built once), so that every task
+        runs in every batch, with or without rows: its timers fire, and it reports. Only the
+        batch's own rows (always the same ``columns``) get heartbeats."""
+        if self._beats_frame is None:
             types = {f.name: f.dataType for f in df.schema.fields}
             task = F.col("id").cast("int")
-            frame = self.spark.range(0, p, 1, 1).select(
+            self._beats_frame = self.spark.range(0, self.location.parallelism, 1, 1).select(
                 *[F.lit(None).cast(types[c]).alias(c) for c in columns], F.lit(None).cast("int").alias(KG),
                 task.alias(TASK), F.lit(True).alias(HEARTBEAT), self._part_of(task).alias(PART))
-            cached = self._beats_frame = ((p, tuple(columns)), frame)
-        return cached[1]
+        return self._beats_frame
 
     def _task_frame(self, batch_df: DataFrame, plan: BatchPlan, reports: Any = None) -> DataFrame:
         """The batch's tasks as a DataFrame (lazy): their report rows, or with inline outputs

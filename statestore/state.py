@@ -168,11 +168,11 @@ class KeyedState:
         # (an lru_cache keyed on the type's hash) cost 1.7 us, most of a count's write.
         self._fits = _fits_checker(desc.value_type)
 
-    def _check(self, value: Any, what: str) -> None:
+    def _check(self, value: Any, what: str, kind: str = "state") -> None:
         """``_check_value`` of a per-key write against the value type (the message is only
         formatted for a value that fails)."""
         if value is None or not self._fits(value):
-            _check_value(value, self.descriptor.value_type, f"state {self.name!r}: {what}")
+            _check_value(value, self.descriptor.value_type, f"{kind} {self.name!r}: {what}")
 
     # -- TTL
 
@@ -601,8 +601,7 @@ class MapState(KeyedState):
         if user_key is None or value is None:
             raise ValueError(f"state {self.name!r}: map user keys and values must not be null")
         self._check_user_key(user_key)
-        if not self._fits(value):
-            _check_value(value, self.descriptor.value_type, f"map {self.name!r}: value")
+        self._check(value, "value", kind="map")
         _, p = self._pending()
         p.entries[_hashable(user_key)] = (user_key, value, True, self._expire_at())
 

@@ -160,10 +160,7 @@ class StateStore:
                 first = pc.index(pc.is_null(column), True).as_py()
                 key = tuple(keys.column(n)[first].as_py() for n in self.key_names)
                 raise ValueError(f"key {key!r} has a null value: keys must not be null")
-        if len(key_groups):
-            r = self.key_group_range
-            if not (r.start <= int(key_groups.min()) and int(key_groups.max()) <= r.end):
-                self._check_owned(key_groups)
+        self._check_owned(key_groups)
 
     def select_key(self, key: tuple, key_group: int) -> None:
         """``set_current_key`` of a key tuple and its key group checked by ``check_routed_keys``
