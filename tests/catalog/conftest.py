@@ -4,20 +4,14 @@ No mocks: every test commits to and reads from an actual Iceberg table on local 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("statestore") is None:  # not pip-installed: import from this checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from catalog_helpers import LAYOUT
-
 from catalog import IcebergStateTable
 from statestore.layout import StateLayout
+from tests.catalog.catalog_helpers import LAYOUT
 
 
 @pytest.fixture

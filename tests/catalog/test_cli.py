@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from catalog_helpers import commit_next
 from typer.testing import CliRunner
 
 from catalog.cli import app
+from tests.catalog.catalog_helpers import commit_next
 
 
 def test_checkpoints_and_sql_commands(open_table, warehouse):

@@ -8,13 +8,13 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from catalog_helpers import LAYOUT, MAX_PARALLELISM, commit_next, entries, write_segment
 from pyiceberg.io.pyarrow import parquet_file_to_data_file
 
 from catalog import properties as props
 from statestore.errors import CommitConflictError, CorruptSegmentError
 from statestore.keygroups import KeyGroupRange
 from statestore.table import SegmentFile
+from tests.catalog.catalog_helpers import LAYOUT, MAX_PARALLELISM, commit_next, entries, write_segment
 
 ALL = KeyGroupRange.of(0, MAX_PARALLELISM - 1)
 

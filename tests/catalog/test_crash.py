@@ -18,7 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from catalog_helpers import (
+
+from statestore.faults import CRASH_ENV, CRASH_EXIT_CODE
+from statestore.keygroups import KeyGroupRange
+from tests.catalog.catalog_helpers import (
     MAX_PARALLELISM,
     commit_next,
     file_exists,
@@ -27,18 +30,14 @@ from catalog_helpers import (
     table_files,
 )
 
-from statestore.faults import CRASH_ENV, CRASH_EXIT_CODE
-from statestore.keygroups import KeyGroupRange
-
 REPO = str(Path(__file__).resolve().parents[2])
-TESTS = str(Path(__file__).resolve().parent)
 ALL = KeyGroupRange.of(0, MAX_PARALLELISM - 1)
 
 # retain_checkpoints=1, so the crashed commit also has a snapshot to expire and files to delete.
 CHILD = """
 import sys
 from catalog import IcebergStateTable
-from catalog_helpers import LAYOUT, commit_next
+from tests.catalog.catalog_helpers import LAYOUT, commit_next
 table = IcebergStateTable.open(LAYOUT, warehouse=sys.argv[1], table_name="op", retain_checkpoints=1)
 commit_next(table, [[2, 5], [9]])
 """
@@ -53,7 +52,7 @@ CRASHES = [
 
 
 def _run_child(warehouse: str, crash_at: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, CRASH_ENV: crash_at, "PYTHONPATH": os.pathsep.join([REPO, TESTS])}
+    env = {**os.environ, CRASH_ENV: crash_at, "PYTHONPATH": REPO}
     return subprocess.run([sys.executable, "-c", CHILD, warehouse], env=env, capture_output=True, text=True,
                           timeout=60)
 

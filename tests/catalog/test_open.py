@@ -8,7 +8,6 @@ import os
 
 import pyarrow as pa
 import pytest
-from catalog_helpers import DESCRIPTORS, KEY_SCHEMA, LAYOUT, MAX_PARALLELISM, commit_next
 from pyiceberg.table import TableProperties
 from pyiceberg.transforms import IdentityTransform, TruncateTransform
 
@@ -20,6 +19,7 @@ from statestore.keygroups import KeyGroupRange
 from statestore.layout import StateLayout
 from statestore.store import StateStore
 from statestore.table import StateTable
+from tests.catalog.catalog_helpers import DESCRIPTORS, KEY_SCHEMA, LAYOUT, MAX_PARALLELISM, commit_next
 
 
 def test_create_sets_schema_spec_sort_order_and_properties(open_table, warehouse):

@@ -8,7 +8,6 @@ import os
 
 import pyarrow as pa
 import pytest
-from catalog_helpers import LAYOUT, commit_next, write_segment
 
 from catalog import IcebergStateTable
 from statestore import (
@@ -20,6 +19,7 @@ from statestore import (
     StateStoreError,
 )
 from statestore.operator_state import redistribute
+from tests.catalog.catalog_helpers import LAYOUT, commit_next, write_segment
 
 OFFSET = pa.struct([("topic", pa.string()), ("partition", pa.int32()), ("offset", pa.int64())])
 KAFKA = OperatorStateDescriptor("offsets", OFFSET, Redistribution.SPLIT)

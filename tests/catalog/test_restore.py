@@ -6,10 +6,10 @@ import itertools
 import os
 
 import pytest
-from catalog_helpers import MAX_PARALLELISM, commit_next, file_exists, snapshot_files, table_files
 
 from statestore.errors import CheckpointNotFoundError
 from statestore.keygroups import KeyGroupRange
+from tests.catalog.catalog_helpers import MAX_PARALLELISM, commit_next, file_exists, snapshot_files, table_files
 
 ALL = KeyGroupRange.of(0, MAX_PARALLELISM - 1)
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import os
 
-from catalog_helpers import (
+from pyiceberg.table import TableProperties
+
+from catalog import properties as props
+from catalog.naming import checkpoint_of_commit_file, commit_uuid
+from statestore.keygroups import KeyGroupRange
+from tests.catalog.catalog_helpers import (
     MAX_PARALLELISM,
     commit_next,
     file_exists,
@@ -14,11 +19,6 @@ from catalog_helpers import (
     table_files,
     write_segment,
 )
-from pyiceberg.table import TableProperties
-
-from catalog import properties as props
-from catalog.naming import checkpoint_of_commit_file, commit_uuid
-from statestore.keygroups import KeyGroupRange
 
 ALL = KeyGroupRange.of(0, MAX_PARALLELISM - 1)
 

@@ -4,11 +4,11 @@ version of a job commits to without touching main), on a real SQLite catalog."""
 from __future__ import annotations
 
 import pytest
-from catalog_helpers import MAX_PARALLELISM, commit_next, file_exists, table_files
 
 from catalog import IcebergStateTable
 from statestore.errors import CheckpointNotFoundError, CommitConflictError
 from statestore.keygroups import KeyGroupRange
+from tests.catalog.catalog_helpers import MAX_PARALLELISM, commit_next, file_exists, table_files
 
 ALL = KeyGroupRange.of(0, MAX_PARALLELISM - 1)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import duckdb
 import pyarrow as pa
 import pytest
-from catalog_helpers import DESCRIPTORS, KEY_SCHEMA, MAX_PARALLELISM, commit_next
 
 from catalog import connect, entries_view
 from statestore.descriptors import ValueStateDescriptor
 from statestore.errors import CheckpointNotFoundError
 from statestore.layout import StateLayout
+from tests.catalog.catalog_helpers import DESCRIPTORS, KEY_SCHEMA, MAX_PARALLELISM, commit_next
 
 
 def test_view_of_the_opened_checkpoint(open_table):

@@ -6,17 +6,12 @@ Every test that uses the ``spark`` fixture is marked ``spark`` automatically, so
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-if importlib.util.find_spec("statestore") is None:  # not pip-installed: import from this checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # Small and quiet: no UI, few shuffle partitions, loopback networking (no hostname lookups).
 SPARK_CONF = {

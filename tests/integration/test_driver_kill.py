@@ -39,10 +39,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from process_helpers import stop_session, tail
 
 from spark_integration.query import KILL_ENV, KILL_STEPS
 from spark_integration.tasks import FAIL_FIRST_ATTEMPT_ENV
+from tests.integration.process_helpers import stop_session, tail
 
 pytestmark = [
     pytest.mark.spark,

@@ -15,7 +15,12 @@ import polars as pl
 import pyarrow as pa
 import pytest
 from pyspark.sql import functions as F
-from streaming_helpers import (
+
+from catalog import IcebergStateTable, connect
+from catalog.defaults import default_catalog
+from spark_integration import Deduplicate, RunningAggregate, StateLocation
+from statestore.errors import SchemaMismatchError, StateTableMismatchError, UnsupportedKeyTypeError
+from tests.integration.streaming_helpers import (
     PROFILE_OUTPUT,
     PROVIDER_CONF,
     ROCKSDB,
@@ -32,11 +37,6 @@ from streaming_helpers import (
     stream,
     write_batches,
 )
-
-from catalog import IcebergStateTable, connect
-from catalog.defaults import default_catalog
-from spark_integration import Deduplicate, RunningAggregate, StateLocation
-from statestore.errors import SchemaMismatchError, StateTableMismatchError, UnsupportedKeyTypeError
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from si_helpers import FakeClock
+
+from tests.spark_integration.si_helpers import FakeClock
 
 
 @pytest.fixture

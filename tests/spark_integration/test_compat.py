@@ -18,20 +18,6 @@ import pytest
 from pyspark.sql import Row
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor, TimerValues
 from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
-from si_helpers import (
-    ITEM,
-    MAX_PARALLELISM,
-    PAIR,
-    PARITY,
-    TOTAL,
-    VALUE,
-    FakeClock,
-    commit_together,
-    key_groups,
-    keys_of_task,
-    layout_of,
-    open_store,
-)
 
 from spark_integration.compat import (
     DeclaringHandle,
@@ -45,6 +31,20 @@ from spark_integration.compat import (
 from spark_integration.timers import TIMERS_STATE
 from statestore import DirectoryStateTable, StateStoreError, TtlConfig, assign_key_groups
 from statestore.descriptors import StateKind
+from tests.spark_integration.si_helpers import (
+    ITEM,
+    MAX_PARALLELISM,
+    PAIR,
+    PARITY,
+    TOTAL,
+    VALUE,
+    FakeClock,
+    commit_together,
+    key_groups,
+    keys_of_task,
+    layout_of,
+    open_store,
+)
 
 NO_TIME = TimerValues(-1, -1)
 

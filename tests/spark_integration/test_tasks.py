@@ -24,7 +24,6 @@ import pyarrow.parquet as pq
 import pytest
 from pyspark.sql import Row
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor
-from si_helpers import VALUE, keys_of_task, routed, split_by_task
 
 from catalog import IcebergStateTable
 from catalog.sql import connect
@@ -35,6 +34,7 @@ from spark_integration.tasks import HEARTBEAT, KG, PART, TASK, BatchPlan
 from spark_integration.timers import timers_descriptor
 from spark_integration.vectorized import RunningAggregate
 from statestore import StateLayout, StateStore
+from tests.spark_integration.si_helpers import VALUE, keys_of_task, routed, split_by_task
 
 N = 16  # max parallelism
 P = 2  # parallelism of the run

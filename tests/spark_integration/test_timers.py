@@ -18,7 +18,11 @@ import pyarrow as pa
 import pytest
 from pyspark.sql import Row
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor, TimerValues
-from si_helpers import (
+
+from spark_integration.compat import declare, run_processor
+from spark_integration.timers import TIMERS_STATE, TimerService, normalize_time_mode, timers_descriptor
+from statestore import DirectoryStateTable, StateStoreError, ValueStateDescriptor
+from tests.spark_integration.si_helpers import (
     MAX_PARALLELISM,
     VALUE,
     FakeClock,
@@ -28,10 +32,6 @@ from si_helpers import (
     layout_of,
     open_store,
 )
-
-from spark_integration.compat import declare, run_processor
-from spark_integration.timers import TIMERS_STATE, TimerService, normalize_time_mode, timers_descriptor
-from statestore import DirectoryStateTable, StateStoreError, ValueStateDescriptor
 
 INPUT = pa.schema([("k", pa.string()), ("op", pa.string()), ("ts", pa.int64())])
 

@@ -8,7 +8,6 @@ import random
 
 import pyarrow as pa
 import pytest
-from si_helpers import FakeClock, layout_of, open_store
 
 from spark_integration.vectorized import (
     Deduplicate,
@@ -20,6 +19,7 @@ from spark_integration.vectorized import (
     run_vectorized,
 )
 from statestore import ListStateDescriptor, SchemaMismatchError, ValueStateDescriptor
+from tests.spark_integration.si_helpers import FakeClock, layout_of, open_store
 
 INPUT = pa.schema([("k", pa.string()), ("v", pa.int32()), ("tag", pa.string())])
 KEYS = ["k"]

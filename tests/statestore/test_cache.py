@@ -6,14 +6,7 @@ themselves; frames of fixed-width columns make the sizes exact and easy to add u
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import polars as pl
-
-if importlib.util.find_spec("statestore") is None:  # not pip-installed: import from this checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from statestore.cache import CachedKeyGroup, KeyGroupCache
 

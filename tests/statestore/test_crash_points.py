@@ -15,7 +15,6 @@ to expire and delete, which makes the last two crash points meaningful.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -24,9 +23,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-
-if importlib.util.find_spec("statestore") is None:  # not pip-installed: import from this checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from statestore import paths
 from statestore.descriptors import ListStateDescriptor, ValueStateDescriptor
@@ -66,8 +62,8 @@ LEAVES_ORPHANS = {"segment_written", "segments_written", "commit_metadata_writte
 
 CHILD = """
 import sys
-sys.path[:0] = [{root!r}, {here!r}]
-import test_crash_points
+sys.path[:0] = [{root!r}]
+import tests.statestore.test_crash_points as test_crash_points
 test_crash_points.child_main(sys.argv[1])
 """
 
@@ -127,7 +123,7 @@ def child_main(location: str) -> None:
 
 
 def run_child(location: Path, crash_at: str) -> subprocess.CompletedProcess:
-    script = CHILD.format(root=str(Path(__file__).resolve().parents[2]), here=str(Path(__file__).resolve().parent))
+    script = CHILD.format(root=str(Path(__file__).resolve().parents[2]))
     env = {**os.environ, CRASH_ENV: crash_at}
     return subprocess.run([sys.executable, "-c", script, str(location)], env=env, capture_output=True, text=True,
                           timeout=120, check=False)

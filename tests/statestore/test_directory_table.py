@@ -7,16 +7,11 @@ are checked by listing the directory, never through the table under test.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
-
-if importlib.util.find_spec("statestore") is None:  # not pip-installed: import from this checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from statestore import paths
 from statestore.descriptors import ListStateDescriptor, ValueStateDescriptor

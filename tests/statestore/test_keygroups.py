@@ -11,12 +11,9 @@ against the partition properties (contiguous, disjoint, covering).
 from __future__ import annotations
 
 import datetime as dt
-import importlib.util
 import math
 import struct
-import sys
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -24,9 +21,6 @@ import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-if importlib.util.find_spec("statestore") is None:  # not pip-installed: import from this checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from statestore import keygroups as kg
 from statestore.errors import UnsupportedKeyTypeError

@@ -8,16 +8,9 @@ reaching 2^31 through ``next_ords`` would allocate 16 GiB.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import polars as pl
 import pytest
-
-if importlib.util.find_spec("statestore") is None:  # not pip-installed: import from this checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from statestore.memtable import KG, MEMTABLE_CHECKPOINT_ID, SEQ_MAX, SEQ_RESET_AT, Memtable
 from statestore.resolve import ORD

@@ -10,20 +10,14 @@ with the module (it replays, the module joins against the newest whole-key tombs
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections import defaultdict
 from itertools import pairwise
-from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-if importlib.util.find_spec("statestore") is None:  # not pip-installed: import from this checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from statestore.descriptors import (
     ListStateDescriptor,

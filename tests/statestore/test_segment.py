@@ -9,19 +9,14 @@ properties that define them.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-if importlib.util.find_spec("statestore") is None:  # not pip-installed: import from this checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from statestore import paths
 from statestore.descriptors import MapStateDescriptor, ValueStateDescriptor
