@@ -11,7 +11,7 @@ Only this package imports pyiceberg. Module guide: ``iceberg_table`` (the table)
 ``creation`` (create / validate / evolve), ``schema`` (layout <-> Iceberg schema),
 ``manifests`` (manifest cache), ``retention`` (what to expire and delete), ``naming``
 (URIs and tagged commit files), ``properties`` (stored keys), ``defaults``, ``sql``;
-``cli`` and ``demo`` are the ``icestate`` command and the main job.
+``cli`` holds the state-table commands of the ``icestate`` program.
 """
 
 from catalog.defaults import DEFAULT_NAMESPACE, default_catalog

@@ -1,56 +1,62 @@
-"""``icestate``: the command line of the state store (typer).
+"""The state-table commands of the ``icestate`` program: list checkpoints, query with SQL,
+keep savepoints, fork, list refs, compact.
 
-    icestate demo --warehouse ./warehouse        the main job (see catalog/demo.py)
-    icestate checkpoints --warehouse ./warehouse --table demo_running_count
-    icestate sql --warehouse ./warehouse --table demo_running_count "SELECT ..."
-    icestate savepoint --warehouse ./warehouse --table demo_running_count before-upgrade
-    icestate fork --warehouse ./warehouse --table demo_running_count v2 --savepoint before-upgrade
-    icestate refs --warehouse ./warehouse --table demo_running_count
-    icestate compact --warehouse ./warehouse --table demo_running_count [--follow 10]
+``tables`` is a Typer app the program (``spark_integration.cli``) mounts without a name,
+so its commands sit at the top level (``icestate sql ...``); it is not a program of its
+own. The docstrings of the commands and the ``help`` of the options are the users' help
+text: they speak of tables and checkpoints, never of modules. Every command opens its
+table through ``_open_table``, the one place that knows how a table is found.
 """
 
 from __future__ import annotations
 
 import json
+from functools import partial
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-console = Console()
-
-
-@app.command()
-def demo(
-    warehouse: str = typer.Option("./warehouse", help="local warehouse directory (SQLite catalog inside)"),
-    keys: int = typer.Option(100_000, help="distinct user keys"),
-    batches: int = typer.Option(5, help="micro-batches, one checkpoint each"),
-    events: int = typer.Option(200_000, help="events per micro-batch"),
-    parallelism: int = typer.Option(2, help="tasks"),
-    max_parallelism: int = typer.Option(128, help="key groups"),
-    table: str = typer.Option("demo_running_count", help="state table name"),
-) -> None:
-    """Run the main job: a keyed running count with checkpoints, a crash and a restore."""
-    from catalog.demo import run_demo
-
-    result = run_demo(warehouse, keys=keys, batches=batches, events_per_batch=events, parallelism=parallelism,
-                      max_parallelism=max_parallelism, table_name=table, console=console)
-    console.print(f"[bold green]done[/bold green]: {result.events:,} events, {result.checkpoints} checkpoints, "
-                  f"{result.verified_keys:,} keys verified after restore, {result.seconds:.1f} s")
-
-
-@app.command()
-def checkpoints(
-    warehouse: str = typer.Option("./warehouse"),
-    table: str = typer.Option(..., help="state table name"),
-    namespace: str = typer.Option("state"),
-    branch: str = typer.Option("main", help="the line: main or a fork"),
-) -> None:
-    """List the retained checkpoints of a state table (of one line)."""
+if TYPE_CHECKING:
     from catalog.iceberg_table import IcebergStateTable
 
-    t = IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table, branch=branch)
+tables = typer.Typer()
+console = Console()
+# The program lists these commands under one heading, apart from the main job.
+_command = partial(tables.command, rich_help_panel="State tables")
+
+# Options every command shares, declared once so their help reads the same everywhere.
+Warehouse = Annotated[str, typer.Option(
+    help="Warehouse directory: holds the embedded SQLite Iceberg catalog and every table's files.")]
+TableName = Annotated[str, typer.Option(
+    "--table", help="State table: one per stateful operator (the main job writes demo_user_activity "
+    "and demo_page_views).")]
+Namespace = Annotated[str, typer.Option(help="Iceberg namespace of the state table.")]
+Branch = Annotated[str, typer.Option(help="Line of checkpoints to use: main, or the name of a fork.")]
+Checkpoint = Annotated[int | None, typer.Option(help="Checkpoint id (see `icestate checkpoints`). "
+                                                "Default: the newest.")]
+
+
+def _open_table(warehouse: str, namespace: str, table: str, **at) -> IcebergStateTable:
+    """Open an existing state table for a command; ``at`` picks the line or the point in time
+    (``branch``, ``checkpoint_id``, ``savepoint``). The one opener of this module."""
+    from catalog.iceberg_table import IcebergStateTable
+
+    return IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table, **at)
+
+
+@_command()
+def checkpoints(table: TableName, warehouse: Warehouse = "./warehouse", namespace: Namespace = "state",
+                branch: Branch = "main") -> None:
+    """List the retained checkpoints of a state table, oldest first.
+
+    Each checkpoint is an Iceberg snapshot; the list shows its stream batch, the number of
+    tasks that wrote it and its properties.
+
+    Example: icestate checkpoints --table demo_user_activity
+    """
+    t = _open_table(warehouse, namespace, table, branch=branch)
     out = Table(title=f"{namespace}.{table} ({branch})")
     for col in ("checkpoint", "batch", "parallelism", "max parallelism", "snapshot", "properties"):
         out.add_column(col)
@@ -60,24 +66,30 @@ def checkpoints(
     console.print(out)
 
 
-@app.command()
+@_command()
 def sql(
-    query: str = typer.Argument(..., help="SQL over the views `entries` (raw LSM entries) and `state_<name>`"),
-    warehouse: str = typer.Option("./warehouse"),
-    table: str = typer.Option(..., help="state table name"),
-    namespace: str = typer.Option("state"),
-    checkpoint: int | None = typer.Option(None, help="checkpoint id (default: newest)"),
-    branch: str = typer.Option("main", help="the line: main or a fork"),
-    savepoint: str | None = typer.Option(None, help="read this savepoint instead of a checkpoint"),
+    query: Annotated[str, typer.Argument(
+        help="SQL (DuckDB) over the views state_<variable> (the live state of each state variable, one row "
+             "per key) and entries (the raw stored entries).")],
+    table: TableName,
+    warehouse: Warehouse = "./warehouse",
+    namespace: Namespace = "state",
+    checkpoint: Checkpoint = None,
+    branch: Branch = "main",
+    savepoint: Annotated[str | None, typer.Option(
+        help="Read this savepoint instead of a checkpoint.")] = None,
 ) -> None:
-    """Query a state table with DuckDB at a checkpoint or savepoint."""
-    from catalog.iceberg_table import IcebergStateTable
+    """Query a state table with SQL, at its newest checkpoint or at an older one or a savepoint.
+
+    Each state variable is a view named state_<variable> with the key columns and the
+    value as v_<variable>. Nothing is restored and no job needs to run.
+
+    Example: icestate sql --table demo_user_activity "SELECT user, v_events.n FROM state_events ORDER BY 2 DESC LIMIT 5"
+    """
     from catalog.sql import connect
 
-    t = IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table,
-                                        checkpoint_id=checkpoint, branch=branch, savepoint=savepoint)
-    con = connect(t)
-    result = con.sql(query)
+    t = _open_table(warehouse, namespace, table, checkpoint_id=checkpoint, branch=branch, savepoint=savepoint)
+    result = connect(t).sql(query)
     out = Table()
     for col in result.columns:
         out.add_column(col)
@@ -86,52 +98,57 @@ def sql(
     console.print(out)
 
 
-@app.command()
+@_command()
 def savepoint(
-    name: str = typer.Argument(..., help="savepoint name"),
-    warehouse: str = typer.Option("./warehouse"),
-    table: str = typer.Option(..., help="state table name"),
-    namespace: str = typer.Option("state"),
-    checkpoint: int | None = typer.Option(None, help="checkpoint id (default: newest)"),
-    branch: str = typer.Option("main", help="the line the checkpoint is on"),
+    name: Annotated[str, typer.Argument(help="Name of the new savepoint, e.g. before-upgrade.")],
+    table: TableName,
+    warehouse: Warehouse = "./warehouse",
+    namespace: Namespace = "state",
+    checkpoint: Checkpoint = None,
+    branch: Branch = "main",
 ) -> None:
-    """Keep a checkpoint as a named savepoint (an Iceberg tag retention never expires)."""
-    from catalog.iceberg_table import IcebergStateTable
+    """Keep a checkpoint as a named savepoint, which retention never expires.
 
-    with IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table,
-                                         branch=branch) as t:
+    Query it later with `icestate sql --savepoint NAME` or start a fork from it with
+    `icestate fork`.
+
+    Example: icestate savepoint before-upgrade --table demo_user_activity
+    """
+    with _open_table(warehouse, namespace, table, branch=branch) as t:
         info = t.savepoint(name, checkpoint)
     console.print(f"savepoint [bold]{name}[/bold] = checkpoint {info.checkpoint_id} (snapshot {info.snapshot_id})")
 
 
-@app.command()
+@_command()
 def fork(
-    name: str = typer.Argument(..., help="fork (branch) name"),
-    warehouse: str = typer.Option("./warehouse"),
-    table: str = typer.Option(..., help="state table name"),
-    namespace: str = typer.Option("state"),
-    checkpoint: int | None = typer.Option(None, help="checkpoint id of main (default: newest)"),
-    savepoint: str | None = typer.Option(None, help="fork at this savepoint instead"),
+    name: Annotated[str, typer.Argument(help="Name of the fork, e.g. v2.")],
+    table: TableName,
+    warehouse: Warehouse = "./warehouse",
+    namespace: Namespace = "state",
+    checkpoint: Annotated[int | None, typer.Option(
+        help="Checkpoint id of main to fork at. Default: the newest.")] = None,
+    savepoint: Annotated[str | None, typer.Option(help="Fork at this savepoint instead of a checkpoint.")] = None,
 ) -> None:
-    """Fork the state at a checkpoint or savepoint: a branch a new job version can run on."""
-    from catalog.iceberg_table import IcebergStateTable
+    """Fork the state at a checkpoint or savepoint, for a new version of a job to run on.
 
-    with IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table) as t:
+    The fork is a line of its own: main goes on unchanged. A query runs on it with
+    StateLocation(..., branch=NAME); read it with `--branch NAME`.
+
+    Example: icestate fork v2 --table demo_user_activity --savepoint before-upgrade
+    """
+    with _open_table(warehouse, namespace, table) as t:
         info = t.fork(name, checkpoint, savepoint=savepoint)
     console.print(f"fork [bold]{name}[/bold] at checkpoint {info.checkpoint_id}: run a query with "
                   f"StateLocation(..., branch={name!r})")
 
 
-@app.command()
-def refs(
-    warehouse: str = typer.Option("./warehouse"),
-    table: str = typer.Option(..., help="state table name"),
-    namespace: str = typer.Option("state"),
-) -> None:
-    """List the savepoints and forks of a state table."""
-    from catalog.iceberg_table import IcebergStateTable
+@_command()
+def refs(table: TableName, warehouse: Warehouse = "./warehouse", namespace: Namespace = "state") -> None:
+    """List the savepoints and forks of a state table, with the checkpoint each one is at.
 
-    with IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table) as t:
+    Example: icestate refs --table demo_user_activity
+    """
+    with _open_table(warehouse, namespace, table) as t:
         out = Table(title=f"{namespace}.{table}: savepoints and forks")
         for col in ("kind", "name", "checkpoint", "batch", "snapshot"):
             out.add_column(col)
@@ -143,26 +160,34 @@ def refs(
     console.print(out)
 
 
-@app.command()
+@_command()
 def compact(
-    warehouse: str = typer.Option("./warehouse"),
-    table: str = typer.Option(..., help="state table name"),
-    namespace: str = typer.Option("state"),
-    branch: str = typer.Option("main", help="the line: main or a fork"),
-    min_segments: int | None = typer.Option(None, help="policy: compact units with at least this many segments "
-                                            "(default: every unit with 2 or more, merged whole)"),
-    size_ratio: float = typer.Option(1.0, help="policy: an older segment joins a merge when its bytes are at most "
-                                     "this times the newer ones'"),
-    key_groups: str | None = typer.Option(None, help="only the units overlapping this key-group range, e.g. 0-31"),
-    follow: float | None = typer.Option(None, help="keep compacting every this many seconds (beside a writer)"),
-    as_json: bool = typer.Option(False, "--json", help="print the figures as JSON"),
+    table: TableName,
+    warehouse: Warehouse = "./warehouse",
+    namespace: Namespace = "state",
+    branch: Branch = "main",
+    min_segments: Annotated[int | None, typer.Option(
+        help="Compact only the key-group units with at least this many segment files. Default: every unit "
+             "with 2 or more, merged whole.")] = None,
+    size_ratio: Annotated[float, typer.Option(
+        help="An older segment joins a merge when its size is at most this times the newer ones'.")] = 1.0,
+    key_groups: Annotated[str | None, typer.Option(
+        help="Compact only the units overlapping this key-group range, e.g. 0-31.")] = None,
+    follow: Annotated[float | None, typer.Option(
+        help="Keep compacting every this many seconds until stopped (Ctrl-C), beside a running job.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as one JSON line per pass.")] = False,
 ) -> None:
-    """Compact a state table's segments now (a writer's next checkpoint follows the compaction)."""
+    """Merge a state table's small segment files into fewer, larger ones, now or every few seconds.
+
+    Reads stay the same; they get faster. A running job can keep writing: its next
+    checkpoint follows the compaction.
+
+    Example: icestate compact --table demo_user_activity --follow 10
+    """
     import time
 
     from catalog.compaction import CompactionPolicy
     from catalog.compaction import compact as run
-    from catalog.iceberg_table import IcebergStateTable
     from statestore.keygroups import KeyGroupRange
 
     try:
@@ -172,8 +197,7 @@ def compact(
         kgs = None if key_groups is None else KeyGroupRange.of(*map(int, key_groups.split("-", 1)))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
-    with IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table,
-                                         branch=branch) as t:
+    with _open_table(warehouse, namespace, table, branch=branch) as t:
         while True:
             result = run(t, policy=policy, key_groups=kgs)
             figures = None if result is None else {**result.summary(), "attempts": result.attempts,
@@ -190,7 +214,3 @@ def compact(
             if follow is None:
                 return
             time.sleep(follow)
-
-
-if __name__ == "__main__":
-    app()

@@ -1,32 +1,61 @@
-"""``icestate``: the command line (typer). The store and table commands come from
-``catalog.cli``; this module adds the streaming main job.
+"""The ``icestate`` program: the one command-line entry point (``[project.scripts]``).
 
-    icestate stream --warehouse ./warehouse      the main job (spark_integration/demo.py)
-    icestate demo --warehouse ./warehouse        the store alone, without Spark (catalog/demo.py)
-    icestate checkpoints --warehouse ./warehouse --table demo_user_activity
-    icestate sql --warehouse ./warehouse --table demo_user_activity "SELECT ..."
+It owns its Typer app: the main job (``stream``, which needs Spark, hence this package)
+plus the state-table commands of ``catalog.cli``, mounted without a name so they sit at
+the top level (``icestate sql ...``). ``HELP`` and the commands' docstrings are what users
+read in ``--help``.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
-from catalog.cli import app, console
+from catalog.cli import Warehouse, console, tables
 
-app.info.help = __doc__
+HELP = """\
+Keyed state for PySpark Structured Streaming, kept in Apache Iceberg tables.
+
+Run the main job, a streaming job on local Spark whose state lives in Iceberg:
+
+    icestate stream --warehouse ./warehouse
+
+Then look at the state it wrote (one table per stateful operator):
+
+\b
+    icestate checkpoints --table demo_user_activity
+    icestate sql --table demo_user_activity "SELECT user, v_events.n FROM state_events LIMIT 5"
+
+Every command takes --warehouse (default ./warehouse); `icestate COMMAND --help` tells more.
+"""
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=HELP)
+app.add_typer(tables)
 
 
-@app.command()
+@app.command(rich_help_panel="Main job")
 def stream(
-    warehouse: str = typer.Option("./warehouse", help="local warehouse directory (SQLite catalog inside)"),
-    users: int = typer.Option(20_000, help="distinct users"),
-    events: int = typer.Option(100_000, help="events per micro-batch"),
-    first_batches: int = typer.Option(3, help="micro-batches of the first run"),
-    second_batches: int = typer.Option(2, help="micro-batches after the restart"),
-    first_parallelism: int = typer.Option(2, help="tasks of the first run"),
-    second_parallelism: int = typer.Option(4, help="tasks after the restart (a rescale)"),
+    warehouse: Warehouse = "./warehouse",
+    users: Annotated[int, typer.Option(help="Distinct users in the generated page views.")] = 20_000,
+    events: Annotated[int, typer.Option(help="Page views per micro-batch.")] = 100_000,
+    first_batches: Annotated[int, typer.Option(help="Micro-batches of the first run.")] = 3,
+    second_batches: Annotated[int, typer.Option(help="Micro-batches after the restart.")] = 2,
+    first_parallelism: Annotated[int, typer.Option(help="Tasks of the first run.")] = 2,
+    second_parallelism: Annotated[int, typer.Option(
+        help="Tasks after the restart: a different number rescales the job (no state is copied).")] = 4,
 ) -> None:
-    """Run the main job: stateful streaming queries on local Spark with state in Iceberg."""
+    """Run the main job: two stateful streaming queries on local Spark, with their state in Iceberg.
+
+    Page views arrive as files. One query keeps per-user activity (a Spark
+    transformWithState processor, its output written to the Iceberg table
+    demo.user_activity), the other a running count per page. The job runs a few
+    micro-batches, stops, restarts with more tasks, then checks every user's and page's
+    state against the input and prints the checkpoints. It starts afresh: earlier state
+    tables of this job in the warehouse are dropped.
+
+    Example: icestate stream --warehouse ./warehouse --events 20000 --users 2000
+    """
     from spark_integration.demo import run_stream_demo
 
     result = run_stream_demo(warehouse, users=users, events_per_batch=events,

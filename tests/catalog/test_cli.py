@@ -1,10 +1,11 @@
-"""The ``icestate`` commands that read a state table (the demo job is run by scripts/run-main.sh)."""
+"""The state-table commands of ``icestate`` (``catalog.cli.tables``), invoked on their own.
+The program that mounts them is tested in tests/spark_integration/test_cli.py."""
 
 from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from catalog.cli import app
+from catalog.cli import tables as app
 from tests.catalog.catalog_helpers import commit_next
 
 
