@@ -45,6 +45,15 @@ def read(store: StateStore, state: str = "count", ks=PROBE_KEYS) -> dict[int, ob
     return {k: v for k, v in zip(ks, values, strict=True) if v is not None}
 
 
+def committed_store(backend, changes: dict[int, object], **options) -> StateStore:
+    """A store on a fresh table of ``backend`` (``tests.contract.backends``) that committed
+    ``changes`` as its newest checkpoint."""
+    store = StateStore(backend.open(**options))
+    write(store, changes)
+    store.checkpoint()
+    return store
+
+
 def write_segment(table: StateTable, checkpoint_id: int, task: int, key_groups: list[int]) -> SegmentFile:
     """A real, uncommitted segment of ``checkpoint_id``: one PUT of ``count`` per key group
     (key ``1000 + key group``, outside ``PROBE_KEYS``), in one partition."""

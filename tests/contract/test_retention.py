@@ -8,7 +8,7 @@ import pytest
 
 from statestore.errors import CheckpointNotFoundError
 from statestore.store import StateStore
-from tests.contract.helpers import ALL_KEY_GROUPS, read, segment_checkpoint_ids, write, write_segment
+from tests.contract.helpers import ALL_KEY_GROUPS, committed_store, read, segment_checkpoint_ids, write, write_segment
 
 
 def test_retention_keeps_the_newest_checkpoints(backend):
@@ -36,9 +36,7 @@ def test_retention_deletes_orphans_up_to_the_newest_checkpoint_only(backend):
     in a table opened after the crash; a segment of a checkpoint id above the newest may
     belong to a checkpoint in flight and stays; files that are not segments are never
     touched."""
-    store = StateStore(backend.open())
-    write(store, {1: 1})
-    store.checkpoint()
+    store = committed_store(backend, {1: 1})
     crashed = write_segment(store.table, 2, 0, [0])  # a crashed attempt of checkpoint 2
     future = write_segment(store.table, 5, 0, [0])  # may belong to a checkpoint in flight
     data_dir = crashed.path.rsplit("/", 1)[0]
