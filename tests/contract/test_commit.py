@@ -109,9 +109,18 @@ def test_segments_prune_by_key_group_range_oldest_first(backend):
     seg = table.segments(KeyGroupRange.of(10, 10))[0]
     assert (seg.key_group_min, seg.key_group_max, seg.record_count) == (10, 11, 2)
     assert seg.size_bytes == backend.size_bytes(table, seg.path)
-    low, high = table.segments(KeyGroupRange.of(0, 0)), table.segments(KeyGroupRange.of(15, 15))
-    assert [(s.key_group_min, s.key_group_max) for s in low] == [(0, 2)]
-    assert [(s.key_group_min, s.key_group_max) for s in high] == [(12, 15)]
+
+
+def test_segments_are_the_committed_files(backend):
+    table = backend.open()
+    low = [write_segment(table, 1, 0, [0, 3])]
+    table.commit_checkpoint(1, low, parallelism=1)
+    high = [write_segment(table, 2, 0, [8, 9])]
+    table.commit_checkpoint(2, high, parallelism=1)
+    assert table.segments(KeyGroupRange.of(4, 7)) == []
+    assert table.segments(KeyGroupRange.of(3, 8)) == low + high
+    assert table.segments(KeyGroupRange.of(9, 15)) == high
+    assert table.segments(KeyGroupRange.of(0, 0)) == low
 
 
 def test_index_after_reopen_matches_index_after_commit(backend):
