@@ -56,7 +56,8 @@ def committed_store(backend, changes: dict[int, object], **options) -> StateStor
 
 def write_segment(table: StateTable, checkpoint_id: int, task: int, key_groups: list[int]) -> SegmentFile:
     """A real, uncommitted segment of ``checkpoint_id``: one PUT of ``count`` per key group
-    (key ``1000 + key group``, outside ``PROBE_KEYS``), in one partition."""
+    (key ``1000 + key group``, outside ``PROBE_KEYS``), in one partition. The key group is
+    the given one, not the key's hash: for tests of the table, which never hashes keys."""
     schema = table.layout.entry_schema
     rows = [{**dict.fromkeys(schema.names), "key_group": kg, "k": 1000 + kg, "state": "count", "op": OP_PUT,
              "checkpoint_id": checkpoint_id, "seq": i, "v_count": checkpoint_id * 1000 + kg}
