@@ -1,5 +1,6 @@
-"""Committing checkpoints: one snapshot per checkpoint, summary properties, the segment index
-and its pruning, argument validation, corrupt segments, and races with other writers."""
+"""Committing checkpoints to Iceberg: one snapshot per checkpoint and its summary, argument
+and footer validation, and races with other writers. What every StateTable promises (commit
+shape, visibility, pruning, monotonic ids, missing or damaged segments) is in tests/contract."""
 
 from __future__ import annotations
 
@@ -33,48 +34,11 @@ def test_checkpoint_is_one_snapshot_with_summary(open_table):
     assert summary[props.SUMMARY_PARALLELISM] == "4"
     assert summary[props.SUMMARY_MAX_PARALLELISM] == str(MAX_PARALLELISM)
     assert summary["added-data-files"] == "4" and summary["source"] == "kafka"
-    assert (info.checkpoint_id, info.batch_id, info.parallelism, info.snapshot_id) == (cp, 41, 4, snapshot.snapshot_id)
-    assert info.properties == {"source": "kafka"} and info.max_parallelism == MAX_PARALLELISM
-    assert table.current_checkpoint() == info == table.list_checkpoints()[-1]
-    assert sorted(s.path for s in table.segments(ALL)) == sorted(s.path for s in segments)
+    assert info.snapshot_id == snapshot.snapshot_id
     assert ice.properties[props.LAST_CHECKPOINT_ID] == str(cp)
 
 
-def test_segments_prune_by_key_group_range_oldest_first(open_table):
-    table = open_table()
-    first = commit_next(table, [[0, 1, 2], [10, 11]])
-    second = commit_next(table, [[2, 3], [12, 15]])
-    got = table.segments(KeyGroupRange.of(2, 2))
-    assert [s.checkpoint_id for s in got] == [first, second]
-    assert all(s.key_group_min <= 2 <= s.key_group_max for s in got)
-    assert [s.checkpoint_id for s in table.segments(KeyGroupRange.of(13, 14))] == [second]
-    assert [(s.key_group_min, s.key_group_max) for s in table.segments(KeyGroupRange.of(4, 9))] == []
-    assert table.segments(KeyGroupRange.EMPTY) == []
-    assert [s.checkpoint_id for s in table.segments(ALL)] == [first, first, second, second]
-    seg = table.segments(KeyGroupRange.of(10, 10))[0]
-    assert (seg.key_group_min, seg.key_group_max, seg.record_count) == (10, 11, 2)
-    assert seg.size_bytes == os.path.getsize(seg.path)
-
-
-def test_index_after_reopen_matches_index_after_commit(open_table):
-    table = open_table()
-    for _ in range(3):
-        commit_next(table)
-    expected = table.segments(ALL)
-    table.close()
-    assert open_table().segments(ALL) == expected
-
-
-def test_empty_checkpoint_commits(open_table):
-    table = open_table()
-    commit_next(table)
-    before = table.segments(ALL)
-    cp = table.next_checkpoint_id()
-    info = table.commit_checkpoint(cp, [], parallelism=1, batch_id=3)
-    assert info.checkpoint_id == cp and table.segments(ALL) == before
-
-
-def test_checkpoint_ids_must_grow(open_table):
+def test_checkpoint_id_error_names_the_way_out(open_table):
     table = open_table()
     cp = commit_next(table)
     segment = write_segment(table, cp, 0, [1])
@@ -115,11 +79,6 @@ def test_segment_must_belong_to_the_checkpoint_and_one_partition(open_table):
     assert table.iceberg_table.metadata.snapshots == []
 
 
-def _truncate(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) // 2)
-
-
 def _replace_with_other_schema(path: str) -> None:
     pq.write_table(pa.table({"key_group": pa.array([1], pa.int32()), "surprise": ["x"]}), path)
 
@@ -128,8 +87,10 @@ def _replace_with_more_rows(path: str) -> None:
     pq.write_table(entries(LAYOUT, 2, [1, 1, 1]), path)
 
 
-@pytest.mark.parametrize("damage", [os.remove, _truncate, _replace_with_other_schema, _replace_with_more_rows])
-def test_corrupt_or_missing_segment_commits_nothing(open_table, damage):
+@pytest.mark.parametrize("damage", [_replace_with_other_schema, _replace_with_more_rows])
+def test_segment_of_another_schema_or_footer_commits_nothing(open_table, damage):
+    """The footer is checked against the table schema and the declared shape (a missing,
+    truncated or grown file: tests/contract)."""
     table = open_table()
     first = commit_next(table)
     metadata_location = table.iceberg_table.metadata_location

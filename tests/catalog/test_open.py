@@ -1,5 +1,7 @@
-"""Creating and opening state tables: Iceberg shape, validation against the layout, schema
-and partition evolution, and catalogs passed in."""
+"""Creating and opening Iceberg state tables: Iceberg shape, messages of the validation
+against the layout, schema and partition evolution, catalogs passed in, ``open_existing``.
+What every StateTable promises on open (an empty table, reopening, closing, layout
+refusal, a store on top) is in tests/contract."""
 
 from __future__ import annotations
 
@@ -14,18 +16,15 @@ from pyiceberg.transforms import IdentityTransform, TruncateTransform
 from catalog import IcebergStateTable, default_catalog
 from catalog import properties as props
 from statestore.descriptors import ListStateDescriptor, ReducingStateDescriptor, ValueStateDescriptor
-from statestore.errors import StateClosedError, StateStoreError, StateTableMismatchError
+from statestore.errors import StateStoreError, StateTableMismatchError
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import StateLayout
-from statestore.store import StateStore
-from statestore.table import StateTable
 from tests.catalog.catalog_helpers import DESCRIPTORS, KEY_SCHEMA, LAYOUT, MAX_PARALLELISM, commit_next
 
 
 def test_create_sets_schema_spec_sort_order_and_properties(open_table, warehouse):
     table = open_table()
     ice = table.iceberg_table
-    assert isinstance(table, StateTable)
     assert os.path.isfile(os.path.join(warehouse, "catalog.db"))
     assert [f.name for f in ice.schema().fields] == LAYOUT.entry_schema.names
     assert ice.schema().find_field("user").required and not ice.schema().find_field("v_count").required
@@ -41,9 +40,6 @@ def test_create_sets_schema_spec_sort_order_and_properties(open_table, warehouse
     assert p[TableProperties.PARQUET_COMPRESSION] == "zstd"
     assert p[TableProperties.METADATA_DELETE_AFTER_COMMIT_ENABLED] == "true"
     assert "user" in p[TableProperties.DEFAULT_NAME_MAPPING]
-    assert table.current_checkpoint() is None and table.list_checkpoints() == []
-    assert table.next_checkpoint_id() == 1
-    assert table.segments(KeyGroupRange.of(0, MAX_PARALLELISM - 1)) == []
 
 
 def test_file_schema_carries_field_ids(open_table):
@@ -63,15 +59,6 @@ def test_paths_partitions_and_filesystem(open_table):
         table.partition_of(MAX_PARALLELISM)
     with pytest.raises(ValueError):
         table.new_segment_path(1, 0, 4)
-
-
-def test_reopen_keeps_checkpoints(open_table):
-    table = open_table()
-    cp = commit_next(table)
-    table.close()
-    again = open_table()
-    assert again.current_checkpoint().checkpoint_id == cp
-    assert again.next_checkpoint_id() == cp + 1
 
 
 @pytest.mark.parametrize(
@@ -159,40 +146,10 @@ def test_any_catalog_can_be_passed_in_and_stays_open(tmp_path):
 def test_open_arguments_are_validated(open_table, tmp_path):
     with pytest.raises(ValueError, match="warehouse"):
         IcebergStateTable.open(LAYOUT, table_name="t")
-    with pytest.raises(ValueError, match="retain_checkpoints"):
-        open_table(retain_checkpoints=0)
     with pytest.raises(ValueError, match="partition_width"):
         open_table(partition_width=MAX_PARALLELISM + 1)
     with pytest.raises(ValueError, match="URI"):
         default_catalog("s3://bucket/warehouse")
-
-
-def test_closed_table_refuses_calls(open_table):
-    table = open_table()
-    table.close()
-    table.close()
-    with pytest.raises(StateClosedError, match=r"state\.op"):
-        table.next_checkpoint_id()
-
-
-def test_segments_written_by_the_store_commit(open_table):
-    """The contract end to end: statestore's StateStore writes, checkpoints and reads back."""
-    table = open_table(partition_width=4)
-    store = StateStore(table)
-    count = store.get_state("count")
-    for user, n in [("ann", 1), ("bob", 2), ("cy", 3)]:
-        store.set_current_key(user)
-        count.update(n)
-    store.checkpoint(batch_id=0)
-    table.close()
-    reopened = open_table()
-    store = StateStore(reopened)
-    count = store.get_state("count")
-    values = {}
-    for user in ["ann", "bob", "cy", "dan"]:
-        store.set_current_key(user)
-        values[user] = count.get()
-    assert values == {"ann": 1, "bob": 2, "cy": 3, "dan": None}
 
 
 def test_open_existing_rebuilds_the_recorded_layout(open_table, warehouse):

@@ -1,0 +1,161 @@
+"""The storage backends the contract suite runs against: one small factory per ``StateTable``
+implementation.
+
+A ``Backend`` opens tables of one implementation in one place (``location``, a fresh
+directory per test) and looks at them from the storage side, the way a reader that does not
+trust the table object would: it lists the files under a table, damages one, and reads the
+record of what is committed. Every method but ``_open``, ``root``, ``name_in_errors`` and
+``commit_record`` goes through the table's own ``filesystem`` (pyarrow), so a backend on an
+object store gets them for free.
+
+``BACKENDS`` maps a backend's id (the pytest parameter id) to its class; a child process
+(the crash tests) rebuilds the same backend from the id and the location.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pyarrow.fs as pafs
+
+from statestore.directory_table import CHECKPOINT_DIR, HEAD, DirectoryStateTable
+from statestore.layout import StateLayout
+from statestore.table import StateTable
+from tests.contract.helpers import LAYOUT
+
+DEFAULT_RETAIN_CHECKPOINTS = 10
+
+
+class Backend:
+    """Opens, reopens and inspects the state tables of one implementation under ``location``.
+
+    Each ``open`` returns a fresh table object, as a restarted process would get; tables are
+    closed by ``close_all`` (the fixture's teardown). Not thread safe.
+    """
+
+    id: ClassVar[str]
+
+    def __init__(self, location: str):
+        self.location = location
+        self._opened: list[StateTable] = []
+
+    def open(self, layout: StateLayout = LAYOUT, *, checkpoint_id: int | None = None,
+             retain_checkpoints: int = DEFAULT_RETAIN_CHECKPOINTS,
+             key_groups_per_partition: int | None = None) -> StateTable:
+        """Open (creating if needed) the backend's one table at a checkpoint (None: the newest).
+
+        ``key_groups_per_partition`` asks for several partitions where the implementation
+        has them; others keep their own partitioning (``partition_of`` is the contract)."""
+        table = self._open(layout, checkpoint_id=checkpoint_id, retain_checkpoints=retain_checkpoints,
+                           key_groups_per_partition=key_groups_per_partition)
+        self._opened.append(table)
+        return table
+
+    def close_all(self) -> None:
+        for table in self._opened:
+            close(table)
+
+    # -- to define per backend
+
+    def _open(self, layout: StateLayout, **options: Any) -> StateTable:
+        raise NotImplementedError
+
+    def root(self, table: StateTable) -> str:
+        """The table's root as a path of ``table.filesystem``: every file of the table is below it."""
+        raise NotImplementedError
+
+    def name_in_errors(self, table: StateTable) -> str:
+        """How the table's error messages name it."""
+        raise NotImplementedError
+
+    def commit_record(self, table: StateTable) -> object:
+        """What a new reader of the storage takes as committed (compared before and after a
+        failed commit: equal means nothing was committed)."""
+        raise NotImplementedError
+
+    # -- the storage side, through the table's filesystem
+
+    def files(self, table: StateTable) -> set[str]:
+        """Paths of every file under the table's root."""
+        selector = pafs.FileSelector(self.root(table), recursive=True, allow_not_found=True)
+        return {i.path for i in table.filesystem.get_file_info(selector) if i.type == pafs.FileType.File}
+
+    def exists(self, table: StateTable, path: str) -> bool:
+        return table.filesystem.get_file_info(path).type == pafs.FileType.File
+
+    def size_bytes(self, table: StateTable, path: str) -> int:
+        return table.filesystem.get_file_info(path).size
+
+    def write_bytes(self, table: StateTable, path: str, data: bytes) -> None:
+        with table.filesystem.open_output_stream(path) as out:
+            out.write(data)
+
+    def damage(self, table: StateTable, path: str, how: str) -> None:
+        """Damage a file as storage can: ``delete`` it, ``truncate`` it to half, ``append`` a
+        byte (the file changed after it was written), or overwrite it with ``garbage``."""
+        fs = table.filesystem
+        if how == "delete":
+            fs.delete_file(path)
+            return
+        with fs.open_input_stream(path) as f:
+            data = f.read()
+        damaged = {"truncate": data[: len(data) // 2], "append": data + b"x", "garbage": bytes(len(data))}[how]
+        self.write_bytes(table, path, damaged)
+
+
+def close(table: StateTable) -> None:
+    """Close a table that can be closed (closing is not part of the protocol yet)."""
+    closer = getattr(table, "close", None)
+    if closer is not None:
+        closer()
+
+
+class DirectoryBackend(Backend):
+    """``DirectoryStateTable`` in a plain local directory."""
+
+    id = "directory"
+
+    def _open(self, layout: StateLayout, *, checkpoint_id: int | None, retain_checkpoints: int,
+              key_groups_per_partition: int | None) -> StateTable:
+        return DirectoryStateTable(self.location, layout, retain_checkpoints=retain_checkpoints,
+                                   checkpoint_id=checkpoint_id)
+
+    def root(self, table: StateTable) -> str:
+        return table.location
+
+    def name_in_errors(self, table: StateTable) -> str:
+        return table.location
+
+    def commit_record(self, table: StateTable) -> object:
+        checkpoints = Path(table.location) / CHECKPOINT_DIR
+        head = checkpoints / HEAD
+        return (head.read_text() if head.exists() else None, sorted(p.name for p in checkpoints.glob("cp-*.json")))
+
+
+class IcebergSqliteBackend(Backend):
+    """``IcebergStateTable`` on an embedded SQLite catalog in a local warehouse."""
+
+    id = "iceberg-sqlite"
+    TABLE_NAME = "op"
+
+    def _open(self, layout: StateLayout, *, checkpoint_id: int | None, retain_checkpoints: int,
+              key_groups_per_partition: int | None) -> StateTable:
+        # Imported here so that a child process of the directory backend never loads pyiceberg.
+        from catalog import IcebergStateTable
+
+        return IcebergStateTable.open(layout, warehouse=self.location, table_name=self.TABLE_NAME,
+                                      checkpoint_id=checkpoint_id, retain_checkpoints=retain_checkpoints,
+                                      partition_width=key_groups_per_partition)
+
+    def root(self, table: StateTable) -> str:
+        return table.location.removeprefix("file://")
+
+    def name_in_errors(self, table: StateTable) -> str:
+        return table.identifier
+
+    def commit_record(self, table: StateTable) -> object:
+        return table.iceberg_table.refresh().metadata_location
+
+
+BACKENDS: dict[str, type[Backend]] = {b.id: b for b in (DirectoryBackend, IcebergSqliteBackend)}

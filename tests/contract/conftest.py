@@ -1,0 +1,50 @@
+"""The ``StateTable`` contract: one behaviour suite run against every table implementation.
+
+As Flink's ``StateBackendTestBase`` and pyiceberg's catalog suite do, every test in this
+package takes the ``backend`` fixture, parametrized over ``backends.BACKENDS``
+(``directory``: ``DirectoryStateTable``; ``iceberg-sqlite``: ``IcebergStateTable`` on an
+embedded SQLite catalog), and checks only what ``statestore.table.StateTable`` promises:
+
+* segment paths are fresh, named by ``statestore.paths`` and under the table's root;
+  segments are written with ``file_schema()``;
+* a commit is atomic and records its shape (id, batch id, parallelism, max parallelism,
+  properties); ids only grow, also across restores and retention; segments are visible
+  only once committed, listed oldest first and pruned by key-group range;
+* ``restore`` reaches every retained checkpoint (and the newest with None), reading no
+  data file; an unknown id is a ``CheckpointNotFoundError`` naming the retained ones; a
+  commit after restoring an older checkpoint abandons the newer line;
+* retention keeps the newest K checkpoints and deletes the files no retained checkpoint
+  references (never one that a retained checkpoint does, nor a foreign file, nor a segment
+  of a checkpoint still in flight);
+* a failed or crashed commit leaves the previous checkpoint; a missing or damaged segment
+  is a ``CorruptSegmentError`` naming the file; a fresh table object (another process)
+  sees the same state; a ``StateStore`` on top reads the same through put, checkpoint,
+  restore and rescale.
+
+What only one implementation does (Iceberg snapshots, tags, forks and manifests; the
+directory's HEAD and checkpoint files) is tested beside it, in ``tests/catalog`` and
+``tests/statestore``.
+
+Adding a backend (an object store, another catalog): subclass ``backends.Backend`` with
+``_open`` (open the table at ``self.location``), ``root``, ``name_in_errors`` and
+``commit_record``, and add it to ``BACKENDS``: every test here then runs on it, with the
+class's ``id`` as the parameter id. A backend that needs a server (moto for S3) starts it in
+a session fixture that ``backend`` requests for that parameter only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.contract.backends import BACKENDS, Backend
+
+
+@pytest.fixture(params=list(BACKENDS), ids=list(BACKENDS))
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    """A backend whose tables live in a fresh location; every table it opened is closed after."""
+    made = BACKENDS[request.param](str(tmp_path / request.param))
+    yield made
+    made.close_all()
