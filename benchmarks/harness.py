@@ -89,6 +89,14 @@ def save_figure(fig: Any, path: Path, dpi: int) -> None:
     pyplot().close(fig)
 
 
+def repo_env() -> dict[str, str]:
+    """This process's environment with the repository first on ``PYTHONPATH``: a benchmark's
+    subprocesses, and the Spark Python workers they start (which unpickle the benchmark's
+    processors by reference), import ``benchmarks`` and the project from this checkout."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *([path] if path else [])])}
+
+
 def machine_info() -> dict:
     """Python version, CPU count and platform of this machine, recorded beside the figures."""
     return {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
