@@ -21,13 +21,12 @@ Measured, in the same run:
    every unit whole each time (``size_ratio`` huge), the leveled-to-one extreme.
 
 Prints tables, writes ``benchmarks/results/bench_compaction.json`` and a plot
-``bench_compaction.png``. Run: ``.venv/bin/python benchmarks/bench_compaction.py``
+``bench_compaction.png``. Run: ``.venv/bin/python -m benchmarks.bench_compaction``
 (``--quick`` for a smaller run).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
@@ -39,33 +38,29 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import typer
-from rich.console import Console
-from rich.progress import track
 from rich.table import Table
 
+from benchmarks.harness import (
+    MAX_PARALLELISM,
+    USER_KEY_SCHEMA,
+    console,
+    owners,
+    progress,
+    pyplot,
+    results_path,
+    save_figure,
+    user_keys,
+    write_results,
+)
 from catalog import IcebergStateTable
 from catalog.compaction import CompactionPolicy, compact, units
 from catalog.compactor import CompactorProcess, TableSpec
-from statestore import (
-    ListStateDescriptor,
-    StateLayout,
-    StateStore,
-    ValueStateDescriptor,
-    assign_key_groups,
-    task_for_key_group,
-)
+from statestore import ListStateDescriptor, StateLayout, StateStore, ValueStateDescriptor
 
-RESULTS = Path(__file__).parent / "results"
-MAX_PARALLELISM = 128
 PARALLELISM = 4
-LAYOUT = StateLayout.of(pa.schema([("user", pa.string())]),
+LAYOUT = StateLayout.of(USER_KEY_SCHEMA,
                         [ValueStateDescriptor("count", pa.int64()), ListStateDescriptor("recent", pa.int64())],
                         max_parallelism=MAX_PARALLELISM)
-console = Console(width=None if Console().is_terminal else 200)
-
-
-def _keys(ids: np.ndarray) -> pa.Table:
-    return pa.table({"user": pa.array(np.char.add("user-", ids.astype(str)))})
 
 
 class Job:
@@ -74,23 +69,21 @@ class Job:
     def __init__(self, warehouse: str, name: str, keys: int):
         self.table = IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name=name, retain_checkpoints=10)
         self.stores = [StateStore(self.table, task_index=t, parallelism=PARALLELISM) for t in range(PARALLELISM)]
-        ids = np.arange(keys)
-        kgs = assign_key_groups(_keys(ids), MAX_PARALLELISM)
-        self.owner = np.asarray([task_for_key_group(MAX_PARALLELISM, PARALLELISM, int(k)) for k in kgs])
+        self.owner = owners(user_keys(np.arange(keys)), PARALLELISM)
         self.bytes_written = 0
 
     def write(self, ids: np.ndarray, value: int, cleared: np.ndarray | None = None) -> None:
         for t, store in enumerate(self.stores):
             mine = ids[self.owner[ids] == t]
             if len(mine):
-                store.get_state("count").update_batch(_keys(mine), pa.array(np.full(len(mine), value)))
-                store.get_state("recent").add_batch(_keys(mine[: len(mine) // 4]), pa.array(
+                store.get_state("count").update_batch(user_keys(mine), pa.array(np.full(len(mine), value)))
+                store.get_state("recent").add_batch(user_keys(mine[: len(mine) // 4]), pa.array(
                     np.full(len(mine) // 4, value)))
             if cleared is not None:
                 gone = cleared[self.owner[cleared] == t]
                 if len(gone):
-                    store.get_state("count").clear_batch(_keys(gone))
-                    store.get_state("recent").clear_batch(_keys(gone))
+                    store.get_state("count").clear_batch(user_keys(gone))
+                    store.get_state("recent").clear_batch(user_keys(gone))
 
     def checkpoint(self, batch_id: int) -> float:
         """Flush every task and commit; returns the seconds it took."""
@@ -130,7 +123,7 @@ def _run_deltas(job: Job, keys: int, checkpoints: int, delta: int, label: str, i
     at most (a stream's trigger interval)."""
     times = []
     tick = time.monotonic()
-    for c, ids, cleared in track(list(_deltas(keys, checkpoints, delta)), description=label, console=console):
+    for c, ids, cleared in progress(list(_deltas(keys, checkpoints, delta)), label):
         tick += interval
         time.sleep(max(0.0, tick - time.monotonic()))
         job.write(ids, c + 1, cleared)
@@ -145,15 +138,13 @@ def _run_deltas(job: Job, keys: int, checkpoints: int, delta: int, label: str, i
 def _lookup_seconds(warehouse: str, name: str, keys: int, probe: int, repeat: int) -> float:
     """Median time of a task's first batched lookup of ``probe`` of its keys, cold."""
     ids = np.arange(keys)
-    owner = np.asarray([task_for_key_group(MAX_PARALLELISM, PARALLELISM, int(k))
-                        for k in assign_key_groups(_keys(ids), MAX_PARALLELISM)])
-    mine = ids[owner == 0]
+    mine = ids[owners(user_keys(ids), PARALLELISM) == 0]
     rng = np.random.default_rng(3)
     samples = []
     for _ in range(repeat):
         table = IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name=name)
         store = StateStore(table, task_index=0, parallelism=PARALLELISM)
-        wanted = _keys(np.sort(rng.choice(mine, probe, replace=False)))
+        wanted = user_keys(np.sort(rng.choice(mine, probe, replace=False)))
         t0 = time.perf_counter()
         store.get_state("count").get_batch(wanted)
         samples.append(time.perf_counter() - t0)
@@ -243,10 +234,9 @@ def main(
     finally:
         shutil.rmtree(root, ignore_errors=True)
     _print(results)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_compaction.json").write_text(json.dumps(results, indent=1))
+    write_results("bench_compaction.json", results, indent=1)
     if plot:
-        _plot(results, RESULTS / "bench_compaction.png")
+        _plot(results, results_path("bench_compaction.png"))
 
 
 def _print(r: dict) -> None:
@@ -275,12 +265,7 @@ def _print(r: dict) -> None:
 
 
 def _plot(r: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig, ax = pyplot().subplots(figsize=(10, 4))
     ax.plot(r["plain"]["series_ms"], label="no compaction", lw=0.8)
     run = r["runs"]["tiered"]
     ax.plot(run["series_ms"], label="compactor (default policy)", lw=0.8)
@@ -288,8 +273,7 @@ def _plot(r: dict, path: Path) -> None:
     ax.set_ylabel("checkpoint time (ms)")
     ax.set_title(f"{r['checkpoints']} checkpoints of {r['delta']:,}-key deltas on {r['keys']:,} keys")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     console.print(f"plot: {path}")
 
 

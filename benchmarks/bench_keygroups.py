@@ -2,25 +2,20 @@
 loop over the ``xxhash`` C binding (the obvious alternative), per key type.
 
 Prints a table and writes ``benchmarks/results/bench_keygroups.json``.
-Run: ``.venv/bin/python benchmarks/bench_keygroups.py [--n 1000000]``.
+Run: ``.venv/bin/python -m benchmarks.bench_keygroups [--n 1000000]``.
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import typer
 import xxhash
-from rich.console import Console
 from rich.table import Table
-from timing import best_of
 
+from benchmarks.harness import best_of, console, write_results
 from statestore.keygroups import SPARK_XXHASH64_SEED, assign_key_groups
 
-RESULTS = Path(__file__).parent / "results"
 N = 128
 
 
@@ -55,14 +50,13 @@ def main(n: int = typer.Option(1_000_000, help="keys per measurement")) -> None:
         t_loop = best_of(lambda a=arr, f=loop: f(a.to_pylist()))
         results[label] = {"keys": n, "vectorized_s": t_vec, "python_loop_s": t_loop,
                           "vectorized_keys_per_s": n / t_vec, "speedup": t_loop / t_vec}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_keygroups.json").write_text(json.dumps(results, indent=2))
+    write_results("bench_keygroups.json", results)
     t = Table(title=f"key groups of {n:,} keys (N={N}); peer: Python loop over the xxhash C binding")
     for col in ("type", "vectorized ms", "loop ms", "speedup"):
         t.add_column(col, justify="right")
     for label, r in results.items():
         t.add_row(label, f"{r['vectorized_s'] * 1e3:.0f}", f"{r['python_loop_s'] * 1e3:.0f}", f"{r['speedup']:.1f}x")
-    Console().print(t)
+    console.print(t)
 
 
 if __name__ == "__main__":

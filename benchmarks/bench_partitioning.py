@@ -9,11 +9,11 @@ W = 128 is one partition (one file per task per checkpoint); W = 32 is one parti
 task; W = 1 behaves like identity partitioning on key_group (one file per touched key
 group per task per checkpoint). Prints a table and writes
 ``benchmarks/results/bench_partitioning.json``.
+Run: ``.venv/bin/python -m benchmarks.bench_partitioning``.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 import tempfile
@@ -23,25 +23,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from benchmarks.harness import COUNT, console, count_layout, owners, user_keys, write_results
 from catalog import IcebergStateTable
-from statestore import StateLayout, StateStore, ValueStateDescriptor, assign_key_groups, task_for_key_group
+from statestore import StateStore
 
-RESULTS = Path(__file__).parent / "results"
-COUNT = ValueStateDescriptor("count", pa.int64())
-LAYOUT = StateLayout.of(pa.schema([("user", pa.string())]), [COUNT], max_parallelism=128)
+LAYOUT = count_layout()
 TASKS = 4
 
 
-def _keys(ids: np.ndarray) -> pa.Table:
-    return pa.table({"user": pa.array(np.char.add("user-", ids.astype(str)))})
-
-
 def _checkpoint(table: IcebergStateTable, stores: list[StateStore], ids: np.ndarray, value: int) -> int:
-    keys = _keys(ids)
-    owner = task_for_key_group(128, TASKS, assign_key_groups(keys, 128).astype(np.int64))
+    keys = user_keys(ids)
+    owner = owners(keys, TASKS)
     for i, store in enumerate(stores):
         mask = pa.array(owner == i)
         part = keys.filter(mask)
@@ -70,10 +64,9 @@ def run_width(warehouse: str, width: int, state_keys: int, delta: int, checkpoin
     reopened = IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name=name)
     reopen = time.perf_counter() - t0
     store = StateStore(reopened, task_index=0, parallelism=TASKS)
-    probe = next(i for i in range(state_keys)
-                 if task_for_key_group(128, TASKS, int(assign_key_groups(_keys(np.array([i])), 128)[0])) == 0)
+    probe = next(i for i in range(state_keys) if owners(user_keys(np.array([i])), TASKS)[0] == 0)
     t0 = time.perf_counter()
-    store.get_state(COUNT).get_batch(_keys(np.array([probe])))
+    store.get_state(COUNT).get_batch(user_keys(np.array([probe])))
     first = time.perf_counter() - t0
     return {"width": width, "partitions": -(-128 // width), "files_per_checkpoint": statistics.median(files),
             "checkpoint_s_median": statistics.median(times), "reopen_s": reopen, "first_lookup_s": first}
@@ -86,8 +79,7 @@ def main(state_keys: int = typer.Option(500_000), delta: int = typer.Option(10_0
         rows = [run_width(str(tmp / "wh"), w, state_keys, delta, checkpoints) for w in (128, 32, 8, 1)]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_partitioning.json").write_text(json.dumps(rows, indent=2))
+    write_results("bench_partitioning.json", rows)
     base = rows[0]["checkpoint_s_median"]
     t = Table(title=f"partition width: {state_keys:,}-key state, {delta:,}-key deltas, {TASKS} tasks, N=128")
     for col in ("W", "partitions", "files/checkpoint", "checkpoint ms", "vs W=128", "reopen ms", "first lookup ms"):
@@ -96,7 +88,7 @@ def main(state_keys: int = typer.Option(500_000), delta: int = typer.Option(10_0
         t.add_row(str(r["width"]), str(r["partitions"]), f"{r['files_per_checkpoint']:.0f}",
                   f"{r['checkpoint_s_median'] * 1e3:.0f}", f"{r['checkpoint_s_median'] / base:.2f}x",
                   f"{r['reopen_s'] * 1e3:.0f}", f"{r['first_lookup_s'] * 1e3:.0f}")
-    Console().print(t)
+    console.print(t)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,11 @@ For a state of ``small`` and of ``big`` keys (a value state per key, written by 
 
 Target: zero bytes copied and a rescale time ratio big/small of at most 1.2.
 Prints a table, writes ``benchmarks/results/bench_rescale.json``.
-Run: ``.venv/bin/python benchmarks/bench_rescale.py`` (``--quick`` for a smaller run).
+Run: ``.venv/bin/python -m benchmarks.bench_rescale`` (``--quick`` for a smaller run).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import shutil
 import tempfile
 import time
@@ -30,54 +27,38 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import typer
-from rich.console import Console
-from rich.progress import track
 from rich.table import Table
 
-from catalog import IcebergStateTable
-from statestore import (
-    KeyGroupRange,
-    StateLayout,
-    StateStore,
-    ValueStateDescriptor,
-    assign_key_groups,
-    task_for_key_group,
+from benchmarks.harness import (
+    COUNT,
+    MAX_PARALLELISM,
+    console,
+    count_layout,
+    machine_info,
+    owners,
+    progress,
+    user_keys,
+    write_results,
 )
+from catalog import IcebergStateTable
+from statestore import KeyGroupRange, StateStore, task_for_key_group
 
-RESULTS = Path(__file__).parent / "results"
-COUNT = ValueStateDescriptor("count", pa.int64())
-KEY_SCHEMA = pa.schema([("user", pa.string())])
-MAX_PARALLELISM = 128
 BUILD_PARALLELISM = 4
-console = Console(width=None if Console().is_terminal else 200)
-
-
-def _keys(ids: np.ndarray) -> pa.Table:
-    return pa.table({"user": pa.array(np.char.add("user-", ids.astype(str)))})
-
-
-def _layout() -> StateLayout:
-    return StateLayout.of(KEY_SCHEMA, [COUNT], max_parallelism=MAX_PARALLELISM)
-
-
-def _owners(ids: np.ndarray, parallelism: int) -> np.ndarray:
-    kgs = assign_key_groups(_keys(ids), MAX_PARALLELISM).astype(np.int64)
-    return task_for_key_group(MAX_PARALLELISM, parallelism, kgs)
 
 
 def build_state(warehouse: str, name: str, n_keys: int, checkpoints: int = 4) -> None:
     """``n_keys`` keys written by 4 tasks in ``checkpoints`` checkpoints."""
-    table = IcebergStateTable.open(_layout(), warehouse=warehouse, table_name=name)
+    table = IcebergStateTable.open(count_layout(), warehouse=warehouse, table_name=name)
     stores = [StateStore(table, task_index=t, parallelism=BUILD_PARALLELISM) for t in range(BUILD_PARALLELISM)]
     chunk = -(-n_keys // checkpoints)
-    for lo in track(range(0, n_keys, chunk), description=f"building {n_keys:,}-key state", console=console):
+    for lo in progress(range(0, n_keys, chunk), f"building {n_keys:,}-key state"):
         ids = np.arange(lo, min(lo + chunk, n_keys))
-        owner = _owners(ids, BUILD_PARALLELISM)
+        owner = owners(user_keys(ids), BUILD_PARALLELISM)
         cp = table.next_checkpoint_id()
         segments = []
         for t, store in enumerate(stores):
             mine = ids[owner == t]
-            store.get_state(COUNT).update_batch(_keys(mine), pa.array(mine, pa.int64()))
+            store.get_state(COUNT).update_batch(user_keys(mine), pa.array(mine, pa.int64()))
             segments += store.flush(cp)
         table.commit_checkpoint(cp, segments, parallelism=BUILD_PARALLELISM)
         for store in stores:
@@ -95,18 +76,18 @@ def ours(warehouse: str, name: str, n_keys: int, parallelism: int, probe: int) -
     """Rescale as metadata, then each task's first lookup of its own keys."""
     before = _data_files(warehouse)
     t0 = time.perf_counter()
-    table = IcebergStateTable.open(_layout(), warehouse=warehouse, table_name=name)
+    table = IcebergStateTable.open(count_layout(), warehouse=warehouse, table_name=name)
     stores = [StateStore(table, task_index=t, parallelism=parallelism) for t in range(parallelism)]
     rescale_s = time.perf_counter() - t0
     after = _data_files(warehouse)
     rng = np.random.default_rng(parallelism)
     ids = rng.choice(n_keys, size=min(n_keys, probe * parallelism), replace=False)
-    owner = _owners(ids, parallelism)
+    owner = owners(user_keys(ids), parallelism)
     tasks = []
     t1 = time.perf_counter()
     for t, store in enumerate(stores):
         mine = ids[owner == t][:probe]
-        got = store.get_state(COUNT).get_batch(_keys(mine))
+        got = store.get_state(COUNT).get_batch(user_keys(mine))
         if got.to_pylist() != mine.tolist():
             raise AssertionError(f"task {t} read wrong values after the rescale to {parallelism}")
         stats = store.stats()
@@ -130,7 +111,7 @@ def copying_peer(warehouse: str, name: str, parallelism: int, out: Path) -> dict
     """What a local-state system does: read all state, write it out again per new task."""
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    table = IcebergStateTable.open(_layout(), warehouse=warehouse, table_name=name)
+    table = IcebergStateTable.open(count_layout(), warehouse=warehouse, table_name=name)
     segments = table.segments(KeyGroupRange.of(0, MAX_PARALLELISM - 1))
     data = pa.concat_tables([pq.read_table(s.path, filesystem=table.filesystem) for s in segments])
     kgs = data.column("key_group").to_numpy().astype(np.int64)
@@ -155,8 +136,7 @@ def main(
         small, big, probe, repeat = 10_000, 100_000, 200, 2
     tmp = Path(tempfile.mkdtemp(prefix="bench_rescale_"))
     warehouse = str(tmp / "warehouse")
-    results: dict = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                                 "platform": platform.platform()},
+    results: dict = {"machine": machine_info(),
                      "sizes": {"small": small, "big": big, "probe": probe}, "runs": {}}
     try:
         for label, n in (("small", small), ("big", big)):
@@ -176,9 +156,7 @@ def main(
         s, b = results["runs"][f"small-{p}"], results["runs"][f"big-{p}"]
         results[f"ratio_big_over_small_{p}"] = b["ours"]["rescale_s"] / s["ours"]["rescale_s"]
         results[f"peer_ratio_big_over_small_{p}"] = b["copying_peer"]["rescale_s"] / s["copying_peer"]["rescale_s"]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / ("bench_rescale_quick.json" if quick else "bench_rescale.json")).write_text(
-        json.dumps(results, indent=2))
+    write_results("bench_rescale_quick.json" if quick else "bench_rescale.json", results)
     _report(results)
 
 

@@ -1,7 +1,7 @@
 """Where the CPU of a streaming micro-batch goes, per process: Spark's JVM, the Python
 workers, the driver's Python, our compactor (issue 4's throughput gap, measured).
 
-Runs the workload of ``bench_spark.py`` (keyed running count, one Parquet file per batch,
+Runs the workload of ``benchmarks.bench_spark`` (keyed running count, one Parquet file per batch,
 local[2], 4 shuffle partitions) for one or more implementations, each in a fresh process,
 and samples the CPU time of every process of the job's tree (``/proc``) after each batch's
 sink call: the batch's CPU seconds by process kind, beside its wall time. On a 2-core
@@ -10,7 +10,7 @@ part of the stack a faster batch has to come from. For ours it also records our 
 own figures (``BatchReport``: elapsed, processing, flush and CPU per task).
 
 Prints a table per implementation, writes ``benchmarks/results/bench_spark_cpu.json``.
-Run: ``.venv/bin/python benchmarks/bench_spark_cpu.py [--impls ours-vectorized,spark-count-rocksdb]``
+Run: ``.venv/bin/python -m benchmarks.bench_spark_cpu [--impls ours-vectorized,spark-count-rocksdb]``
 (about 1 minute per implementation on the default 2M events).
 """
 
@@ -27,58 +27,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bench_spark as bs
-
-RESULTS = Path(__file__).parent / "results"
-TICK = os.sysconf("SC_CLK_TCK")
-console = Console(width=None if Console().is_terminal else 200)
-
-
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (children of every thread: the JVM forks from many)."""
-    found = [pid]
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for t in threads:
-        try:
-            children = Path(f"/proc/{pid}/task/{t}/children").read_text().split()
-        except OSError:
-            continue
-        for c in children:
-            found += _tree(int(c))
-    return found
-
-
-def _kind(cmdline: str) -> str:
-    if "java" in cmdline:
-        return "jvm"
-    if "pyspark.daemon" in cmdline or "pyspark.worker" in cmdline:
-        return "python_workers"
-    if "catalog.compactor" in cmdline:
-        return "compactor"
-    return "driver"
-
-
-def cpu_by_kind(root: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of every live process under ``root``, by kind."""
-    out: dict[str, float] = {}
-    for pid in _tree(root):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = Path(f"/proc/{pid}/cmdline").read_text()
-        except OSError:
-            continue
-        kind = _kind(cmdline)
-        out[kind] = out.get(kind, 0.0) + (int(stat[11]) + int(stat[12])) / TICK
-    return out
+from benchmarks.harness import REPO, console, repo_env, write_results
+from benchmarks.streaming.cpu import cpu_by_kind
+from benchmarks.streaming.data import make_stream_data
+from benchmarks.streaming.impl import SOURCE_SCHEMA, RunContext
+from benchmarks.streaming.registry import IMPLS
+from benchmarks.streaming.session import spark_machine_info, spark_session
+from benchmarks.streaming.sink import ChecksumSink
 
 
 def _delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -87,24 +44,24 @@ def _delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
 
 def run_one(impl_name: str, source: str, work: str) -> dict:
     """In this (fresh) process: run ``impl_name`` over the files in ``source``."""
-    impl = bs.IMPLS[impl_name]
+    impl = IMPLS[impl_name]
     job = {"impl": impl_name, "driver_memory": "3g", "scratch": work}
     root = os.getpid()
     t0 = time.perf_counter()
-    spark = bs._session(job, impl.provider)
+    spark = spark_session(job, impl.provider)
     session_s = time.perf_counter() - t0
     marks = [cpu_by_kind(root)]
     walls = [time.perf_counter()]
 
-    class Sink(bs.ChecksumSink):
+    class Sink(ChecksumSink):
         def __call__(self, df, batch_id):
             super().__call__(df, batch_id)
             marks.append(cpu_by_kind(root))
             walls.append(time.perf_counter())
 
     sink = Sink([])
-    stream = spark.readStream.schema(bs.SOURCE_SCHEMA).option("maxFilesPerTrigger", 1).parquet(source)
-    ctx = bs.RunContext(f"{work}/cp", f"{work}/wh", "state", 4, sink)
+    stream = spark.readStream.schema(SOURCE_SCHEMA).option("maxFilesPerTrigger", 1).parquet(source)
+    ctx = RunContext(f"{work}/cp", f"{work}/wh", "state", 4, sink)
     started = time.perf_counter()
     query = impl.start(stream, ctx)
     query.awaitTermination()
@@ -160,24 +117,22 @@ def main(
         Path(out).write_text(json.dumps(run_one(impl, source, work)))
         return
     names = [n.strip() for n in impls.split(",") if n.strip()]
-    unknown = [n for n in names if n not in bs.IMPLS]
+    unknown = [n for n in names if n not in IMPLS]
     if unknown:
-        raise typer.BadParameter(f"unknown implementations {unknown}; known: {list(bs.IMPLS)}")
+        raise typer.BadParameter(f"unknown implementations {unknown}; known: {list(IMPLS)}")
     root = Path(tempfile.mkdtemp(prefix="bench_spark_cpu_"))
-    results = {"started": datetime.now(UTC).isoformat(), "machine": bs._machine(),
+    results = {"started": datetime.now(UTC).isoformat(), "machine": spark_machine_info(),
                "sizes": {"events": events, "keys": keys, "batches": batches}, "runs": []}
     try:
         console.log(f"writing {events:,} events over {keys:,} keys in {batches} files")
-        data = bs.make_stream_data(root, "main", events, keys, batches, seed=1)
+        data = make_stream_data(root, "main", events, keys, batches, seed=1)
         for i, name in enumerate(names):  # a name may repeat (A/B/A/B runs)
             work = root / f"work-{i}-{name}"
             work.mkdir()
             out = root / f"{i}-{name}.json"
             console.log(f"running {name}")
-            # benchmarks/ on the path of Spark's Python workers too: they unpickle bench_spark's processors
-            path = os.pathsep.join([str(bs.REPO), str(Path(__file__).parent)])
-            subprocess.run([sys.executable, __file__, "--worker", f"{name},{root / 'main'},{work},{out}"],
-                           check=True, env={**os.environ, "PYTHONPATH": path})
+            subprocess.run([sys.executable, "-m", "benchmarks.bench_spark_cpu", "--worker",
+                            f"{name},{root / 'main'},{work},{out}"], check=True, cwd=REPO, env=repo_env())
             result = json.loads(out.read_text())
             result["events"] = data.events
             results["runs"].append(result)
@@ -185,9 +140,7 @@ def main(
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results["finished"] = datetime.now(UTC).isoformat()
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "bench_spark_cpu.json"
-    path.write_text(json.dumps(results, indent=2))
+    path = write_results("bench_spark_cpu.json", results)
     console.log(f"results in {path}")
 
 

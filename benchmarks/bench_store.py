@@ -10,13 +10,11 @@ Measures, on this machine, in one run:
 4. commit time after ``many`` checkpoints versus after 10, with retention on.
 
 Prints a table, writes ``benchmarks/results/bench_store.json`` and a plot beside it.
-Run: ``.venv/bin/python benchmarks/bench_store.py`` (``--quick`` for a smaller run).
+Run: ``.venv/bin/python -m benchmarks.bench_store`` (``--quick`` for a smaller run).
 """
 
 from __future__ import annotations
 
-import json
-import platform
 import shutil
 import statistics
 import tempfile
@@ -26,38 +24,35 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import typer
-from rich.console import Console
-from rich.progress import track
 from rich.table import Table
-from timing import best_of
 
+from benchmarks.harness import (
+    COUNT,
+    best_of,
+    console,
+    count_layout,
+    machine_info,
+    progress,
+    pyplot,
+    results_path,
+    save_figure,
+    user_keys,
+    write_results,
+)
 from catalog import IcebergStateTable
-from statestore import StateLayout, StateStore, StoreConfig, ValueStateDescriptor
-
-RESULTS = Path(__file__).parent / "results"
-COUNT = ValueStateDescriptor("count", pa.int64())
-KEY_SCHEMA = pa.schema([("user", pa.string())])
-console = Console()
-
-
-def _keys(ids: np.ndarray) -> pa.Table:
-    return pa.table({"user": pa.array(np.char.add("user-", ids.astype(str)))})
-
-
-def _layout() -> StateLayout:
-    return StateLayout.of(KEY_SCHEMA, [COUNT], max_parallelism=128)
+from statestore import StateStore, StoreConfig
 
 
 def _build_state(warehouse: str, name: str, n_keys: int, checkpoints: int = 4) -> IcebergStateTable:
     """A table whose newest checkpoint holds ``n_keys`` keys, written in ``checkpoints``
     checkpoints whatever the size, so that states of different sizes differ only in size."""
     chunk = -(-n_keys // checkpoints)
-    table = IcebergStateTable.open(_layout(), warehouse=warehouse, table_name=name)
+    table = IcebergStateTable.open(count_layout(), warehouse=warehouse, table_name=name)
     store = StateStore(table)
     state = store.get_state(COUNT)
-    for lo in track(range(0, n_keys, chunk), description=f"building {n_keys:,}-key state", console=console):
+    for lo in progress(range(0, n_keys, chunk), f"building {n_keys:,}-key state"):
         ids = np.arange(lo, min(lo + chunk, n_keys))
-        state.update_batch(_keys(ids), pa.array(ids, pa.int64()))
+        state.update_batch(user_keys(ids), pa.array(ids, pa.int64()))
         store.checkpoint()
     store.close()
     return table
@@ -67,10 +62,10 @@ def bench_lookup(warehouse: str, big: int, lookup: int, tmp: Path) -> dict:
     table = _build_state(warehouse, "lookup_state", big)
     rng = np.random.default_rng(1)
     ids = rng.choice(big, size=lookup, replace=False)
-    keys = _keys(ids)
+    keys = user_keys(ids)
     config = StoreConfig(cache_size_bytes_max=4 * 1024**3)
 
-    cold_store = StateStore(IcebergStateTable.open(_layout(), warehouse=warehouse, table_name="lookup_state"),
+    cold_store = StateStore(IcebergStateTable.open(count_layout(), warehouse=warehouse, table_name="lookup_state"),
                             config=config)
     t0 = time.perf_counter()
     got = cold_store.get_state(COUNT).get_batch(keys)
@@ -111,13 +106,13 @@ def bench_checkpoint_and_restore(warehouse: str, small: int, big: int, delta: in
         name = f"cp_state_{label}"
         _build_state(warehouse, name, n)
         rng = np.random.default_rng(2)
-        table = IcebergStateTable.open(_layout(), warehouse=warehouse, table_name=name)
+        table = IcebergStateTable.open(count_layout(), warehouse=warehouse, table_name=name)
         store = StateStore(table)
         state = store.get_state(COUNT)
         times = []
         for r in range(repeat):
             ids = rng.choice(n, size=delta, replace=False)
-            state.update_batch(_keys(ids), pa.array(np.full(delta, r, dtype=np.int64)))
+            state.update_batch(user_keys(ids), pa.array(np.full(delta, r, dtype=np.int64)))
             t0 = time.perf_counter()
             store.checkpoint()
             times.append(time.perf_counter() - t0)
@@ -125,8 +120,8 @@ def bench_checkpoint_and_restore(warehouse: str, small: int, big: int, delta: in
         restore_times = []
         for _ in range(repeat):
             t0 = time.perf_counter()
-            fresh = StateStore(IcebergStateTable.open(_layout(), warehouse=warehouse, table_name=name))
-            v = fresh.get_state(COUNT).get_batch(_keys(np.array([n // 2])))
+            fresh = StateStore(IcebergStateTable.open(count_layout(), warehouse=warehouse, table_name=name))
+            v = fresh.get_state(COUNT).get_batch(user_keys(np.array([n // 2])))
             restore_times.append(time.perf_counter() - t0)
             if v[0].as_py() is None:
                 raise AssertionError("restored lookup found nothing")
@@ -140,14 +135,15 @@ def bench_checkpoint_and_restore(warehouse: str, small: int, big: int, delta: in
 
 
 def bench_commit_growth(warehouse: str, many: int, delta: int = 100) -> dict:
-    table = IcebergStateTable.open(_layout(), warehouse=warehouse, table_name="commit_growth", retain_checkpoints=10)
+    table = IcebergStateTable.open(count_layout(), warehouse=warehouse, table_name="commit_growth",
+                                   retain_checkpoints=10)
     store = StateStore(table)
     state = store.get_state(COUNT)
     rng = np.random.default_rng(3)
     commit_s = []
-    for _ in track(range(many), description=f"{many} checkpoints", console=console):
+    for _ in progress(range(many), f"{many} checkpoints"):
         ids = rng.integers(0, 100_000, delta)
-        state.update_batch(_keys(ids), pa.array(ids, pa.int64()))
+        state.update_batch(user_keys(ids), pa.array(ids, pa.int64()))
         segments = store.flush(table.next_checkpoint_id())
         t0 = time.perf_counter()
         table.commit_checkpoint(segments[0].checkpoint_id, segments, parallelism=1)
@@ -161,12 +157,7 @@ def bench_commit_growth(warehouse: str, many: int, delta: int = 100) -> dict:
 
 
 def _plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = pyplot().subplots(1, 3, figsize=(15, 4))
     lk = results["lookup"]
     names = ["ours warm", "ours cold", "rocksdict multi-get", "rocksdict loop"]
     vals = [lk["ours_warm_keys_per_s"], lk["ours_cold_keys_per_s"], lk["rocksdict_multiget_keys_per_s"],
@@ -189,8 +180,7 @@ def _plot(results: dict, path: Path) -> None:
     axes[2].set_xlabel("checkpoint")
     axes[2].set_ylabel("commit ms")
     axes[2].set_title("commit time over a stream's life (retention 10)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main(
@@ -204,18 +194,16 @@ def main(
     warehouse = str(tmp / "warehouse")
     try:
         results = {
-            "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count(),
-                        "platform": platform.platform()},
+            "machine": machine_info(),
             "lookup": bench_lookup(warehouse, big, lookup, tmp),
             "checkpoint_restore": bench_checkpoint_and_restore(warehouse, small, big, delta, repeat),
             "commit_growth": bench_commit_growth(warehouse, many),
         }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    RESULTS.mkdir(exist_ok=True)
     stem = "bench_store_quick" if quick else "bench_store"
-    (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=2))
-    _plot(results, RESULTS / f"{stem}.png")
+    write_results(f"{stem}.json", results)
+    _plot(results, results_path(f"{stem}.png"))
     _report(results)
 
 
