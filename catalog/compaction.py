@@ -51,11 +51,12 @@ from pyiceberg.io.pyarrow import parquet_file_to_data_file
 
 from catalog.iceberg_table import IcebergStateTable
 from catalog.retention import line, newest_checkpoint_id
+from statestore.entries import read_entries
 from statestore.faults import crash_point
 from statestore.keygroups import KeyGroupRange, compute_key_group_range_for_task
-from statestore.layout import CHECKPOINT_ID, KEY_GROUP, SEQ, STATE
+from statestore.layout import KEY_GROUP, STATE
 from statestore.paths import COMPACTION_GRACE_CHECKPOINTS
-from statestore.resolve import ORD, make_ord, newest_entries, survivors
+from statestore.resolve import ORD, newest_entries, survivors
 from statestore.segment import SegmentReader, write_segment_file
 from statestore.table import SegmentFile
 
@@ -311,11 +312,10 @@ def _merge_partition(table: IcebergStateTable, plan: _Plan, partition: int, now_
 
 
 def _read_all(table: IcebergStateTable, inputs: Sequence[SegmentFile], kgs: KeyGroupRange) -> pl.DataFrame:
-    reader = SegmentReader(table.filesystem)
+    """Every entry of ``inputs`` in ``kgs``, every column of the table (those of variables
+    the layout no longer declares too: the outputs keep the table's file schema)."""
     wanted = np.arange(kgs.start, kgs.end + 1, dtype=np.int64)
-    names = table.file_schema().names
-    data = pa.concat_tables(reader.read(inputs, wanted, names), promote_options="permissive")
-    return pl.from_arrow(data).with_columns(make_ord(pl.col(CHECKPOINT_ID), pl.col(SEQ)))
+    return read_entries(SegmentReader(table.filesystem), inputs, wanted, table.file_schema())
 
 
 def _kept(table: IcebergStateTable, entries: pl.DataFrame, now_ms: int, full: bool) -> pa.Table:

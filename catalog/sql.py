@@ -3,8 +3,9 @@
 DuckDB's iceberg extension cannot be loaded offline, so the entries view reads the
 Parquet files the checkpoint's snapshot plans (``read_parquet`` over pyiceberg's file
 list) with DuckDB's bundled reader. Entries are raw: every put, append and tombstone of
-every segment. ``connect`` adds one table per state variable with its live state,
-resolved by ``statestore.resolve`` (invariant 5: the same rules as every other reader).
+every segment. ``connect`` adds one table per state variable with its live state: the
+same files read by the one entry reader (``statestore.entries``) and resolved by
+``statestore.resolve`` (invariant 5: the same way as every other reader).
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ from __future__ import annotations
 import time
 
 import duckdb
-import polars as pl
+import numpy as np
 from pyiceberg.io.pyarrow import schema_to_pyarrow
+from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
 
 from catalog.iceberg_table import IcebergStateTable
 from catalog.naming import Locations
+from statestore.entries import read_entries, variable_entry_schema
 from statestore.errors import CheckpointNotFoundError
-from statestore.layout import CHECKPOINT_ID, OP, SEQ, STATE
-from statestore.resolve import entry_columns, make_ord, resolve
+from statestore.resolve import entry_columns, resolve
+from statestore.segment import SegmentReader
+from statestore.table import SegmentFile
 
 DEFAULT_VIEW_NAME = "state_entries"
 ENTRIES_VIEW = "entries"
@@ -40,12 +44,13 @@ def connect(
     con = connection if connection is not None else duckdb.connect()
     entries_view(table, checkpoint_id=checkpoint_id, connection=con, view_name=ENTRIES_VIEW)
     now = int(time.time() * 1000) if now_ms is None else now_ms
-    keys = table.layout.key_names
-    for desc in table.layout.descriptors:
-        raw = con.sql(f"SELECT * FROM {ENTRIES_VIEW} WHERE {STATE} = ?", params=[desc.name]).to_arrow_table()
-        entries = pl.from_arrow(raw).with_columns(
-            make_ord(pl.col(CHECKPOINT_ID), pl.col(SEQ)), pl.col(OP).cast(pl.Int8),
-        )
+    layout = table.layout
+    keys = layout.key_names
+    segments = _segments_of(table, checkpoint_id)
+    reader = SegmentReader(table.filesystem)
+    every = np.arange(layout.max_parallelism, dtype=np.int64)
+    for desc in layout.descriptors:
+        entries = read_entries(reader, segments, every, variable_entry_schema(layout, desc), state=desc.name)
         live = resolve(entries.select(entry_columns(desc, keys)), desc, keys, now)
         con.execute(f"DROP VIEW IF EXISTS {_ident(STATE_TABLE_PREFIX + desc.name)}")
         con.register(STATE_TABLE_PREFIX + desc.name, live.to_arrow())
@@ -100,14 +105,33 @@ def _snapshot_of(table: IcebergStateTable, checkpoint_id: int | None) -> int | N
     )
 
 
+def _segments_of(table: IcebergStateTable, checkpoint_id: int | None) -> list[SegmentFile]:
+    """The data files the entries view reads (``entries_view``), as segments spanning every
+    key group (the state tables read every key group of each) and named after the checkpoint
+    read (in a read error's message)."""
+    iceberg = table.iceberg_table
+    locations = Locations.of(iceberg.location(), iceberg.io)
+    current = table.current_checkpoint()
+    read_id = checkpoint_id if checkpoint_id is not None else (0 if current is None else current.checkpoint_id)
+    last = table.layout.max_parallelism - 1
+    return [SegmentFile(path=locations.to_path(f.file_path), checkpoint_id=read_id, key_group_min=0,
+                        key_group_max=last, record_count=f.record_count, size_bytes=f.file_size_in_bytes)
+            for f in _data_files(iceberg, _snapshot_of(table, checkpoint_id))]
+
+
 def _planned_files(iceberg: Table, snapshot_id: int | None) -> list[str]:
     """Paths DuckDB can open of the data files ``snapshot_id`` (or the current snapshot) holds."""
-    if snapshot_id is None and iceberg.current_snapshot() is None:
-        return []
     locations = Locations.of(iceberg.location(), iceberg.io)
-    uris = [task.file.file_path for task in iceberg.scan(snapshot_id=snapshot_id).plan_files()]
+    uris = [f.file_path for f in _data_files(iceberg, snapshot_id)]
     # DuckDB reads local files by path and remote ones (s3://...) by URI.
     return [locations.to_path(u) for u in uris] if locations.scheme == "file" else uris
+
+
+def _data_files(iceberg: Table, snapshot_id: int | None) -> list[DataFile]:
+    """The data files ``snapshot_id`` (or the current snapshot) holds."""
+    if snapshot_id is None and iceberg.current_snapshot() is None:
+        return []
+    return [task.file for task in iceberg.scan(snapshot_id=snapshot_id).plan_files()]
 
 
 def _sql_list(paths: list[str]) -> str:

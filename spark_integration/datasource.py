@@ -117,10 +117,11 @@ from statestore.descriptors import (
     StateKind,
     ValueStateDescriptor,
 )
+from statestore.entries import read_entries, variable_entry_schema
 from statestore.errors import CheckpointNotFoundError
 from statestore.keygroups import KeyGroupRange, assign_key_groups, compute_key_group_range_for_task
-from statestore.layout import CHECKPOINT_ID, EXPIRE_AT_MS, KEY_GROUP, OP, SEQ, STATE, StateLayout
-from statestore.resolve import ORD, entry_columns, make_ord, resolve, view_columns
+from statestore.layout import KEY_GROUP, StateLayout
+from statestore.resolve import ORD, entry_columns, resolve, view_columns
 from statestore.segment import SegmentReader
 from statestore.table import SegmentFile
 
@@ -442,12 +443,8 @@ def _plain_descriptor(desc: StateDescriptor) -> StateDescriptor:
 
 
 def _source_schema(layout: StateLayout, desc: StateDescriptor) -> pa.Schema:
-    by_name = {f.name: f for f in layout.entry_schema}
-    names = [KEY_GROUP, *layout.key_names, STATE, OP, CHECKPOINT_ID, SEQ, EXPIRE_AT_MS]
-    if desc.kind is StateKind.MAP:
-        names.append(desc.user_key_column)
-    names.append(desc.value_column)
-    return pa.schema([by_name[n] for n in names])
+    """The entry columns a partition reads of ``desc`` (``statestore.entries``)."""
+    return variable_entry_schema(layout, desc)
 
 
 def read_partition(spec: ReadSpec, partition: KeyGroupPartition, key_filter: pa.Table | None = None,
@@ -484,18 +481,12 @@ def _chunks(partition: KeyGroupPartition, wanted: np.ndarray) -> list[np.ndarray
 
 def _resolve_chunk(spec: ReadSpec, reader: SegmentReader, segments: Sequence[SegmentFile], key_groups: np.ndarray,
                    key_filter: pa.Table | None) -> pa.Table | None:
+    """The resolved rows of ``key_groups`` (sorted), read by the one entry reader and resolved
+    by ``statestore.resolve`` (invariant 5), in ``spec.output_schema``; None without entries."""
     desc = spec.descriptor
-    tables = reader.read(segments, key_groups, spec.source_schema.names)
-    if not tables:
+    entries = read_entries(reader, segments, key_groups, spec.source_schema, state=desc.name)
+    if not entries.height:
         return None
-    polars_schema = pl.from_arrow(spec.source_schema.empty_table()).schema
-    frames = []
-    for t in tables:
-        df = pl.from_arrow(t)
-        if isinstance(df, pl.Series):  # pragma: no cover - one-column tables only
-            df = df.to_frame()
-        frames.append(df.filter(pl.col(STATE) == desc.name).cast(dict(polars_schema)))
-    entries = pl.concat(frames, how="vertical").with_columns(make_ord(pl.col(CHECKPOINT_ID), pl.col(SEQ)))
     keys = [KEY_GROUP, *spec.key_names]
     view = resolve(entries.select(entry_columns(desc, keys)), desc, keys, spec.now_ms)
     if key_filter is not None:

@@ -8,6 +8,9 @@ Every handle has two forms:
 * a batched API taking and returning Arrow data for many keys at once; a batched read is
   one vectorized join per call over the views of the key groups involved.
 
+Reads go to the store's reader (``read_path.StateReader``), which each handle binds once;
+writes, keys and the current key go through the store.
+
 Values may not be null (a null would be indistinguishable from absence): write ``clear``
 instead. Handles are used by the store's task thread only.
 """
@@ -30,6 +33,7 @@ from statestore.layout import EXPIRE_AT_MS, OP, OP_APPEND, OP_DELETE, OP_PUT
 from statestore.resolve import ORD
 
 if TYPE_CHECKING:
+    from statestore.read_path import StateReader
     from statestore.store import StateStore
 
 ROW = "_row"
@@ -160,6 +164,8 @@ class KeyedState:
 
     def __init__(self, store: StateStore, desc: StateDescriptor):
         self._store = store
+        # The store's read path, bound once: per-key reads call it with no hop through the store.
+        self._reader: StateReader = store.reader
         self.descriptor = desc
         self.name = desc.name
         self._v = desc.value_column
@@ -251,7 +257,7 @@ class KeyedState:
 
     def _lookup_values(self, keys: pa.Table, kgs: np.ndarray) -> pl.DataFrame:
         """keys joined with live values (``v`` null where absent or expired), in order."""
-        return self._store.lookup(self.name, keys, kgs)
+        return self._reader.lookup(self.name, keys, kgs)
 
     def _to_arrow(self, series: pl.Series, dtype: pa.DataType) -> pa.Array:
         arr = series.to_arrow()
@@ -287,7 +293,7 @@ class _ValueLike(KeyedState):
         return rows
 
     def _stored(self) -> tuple[bool, Any]:
-        key, _ = self._store.current_key()
+        key, kg = self._store.current_key()
         p = self._overlay.get(key)
         if p is not None and (p.has_value or p.cleared):
             if p.has_value and self._live(p.expire_at_ms):
@@ -295,7 +301,7 @@ class _ValueLike(KeyedState):
                     p.expire_at_ms = self._expire_at()
                 return True, p.value
             return False, None
-        hit = self._store.point_get(self.name, key, self._store.current_key()[1])
+        hit = self._reader.point_get(self.name, key, kg)
         if hit is None:
             return False, None
         value, expire_at_ms = hit
@@ -448,12 +454,11 @@ class ListState(KeyedState):
 
     def get(self) -> list:
         """The current key's elements in order (an empty list when none)."""
-        key, _ = self._store.current_key()
+        key, kg = self._store.current_key()
         p = self._overlay.get(key)
         stored: list = []
         if p is None or not p.cleared:
-            key, kg = self._store.current_key()
-            rows = self._store.key_rows(self.name, key, kg, (self._v, EXPIRE_AT_MS, ORD))
+            rows = self._reader.key_rows(self.name, key, kg, (self._v, EXPIRE_AT_MS, ORD))
             stored = [v for v, e, _ in sorted(rows, key=lambda r: r[2]) if self._live(e)]
         pending = [v for v, e in p.appended if self._live(e)] if p is not None else []
         result = stored + pending
@@ -491,7 +496,7 @@ class ListState(KeyedState):
         """Each key's list (empty when none), aligned with ``keys``."""
         keys, kgs = self._store.prepare_keys(keys)
         names = self._store.key_names
-        live = self._store.live_view(self.name, np.unique(kgs).tolist())
+        live = self._reader.live_view(self.name, np.unique(kgs).tolist())
         lists = live.sort(ORD).group_by(names, maintain_order=True).agg(pl.col(self._v))
         res = pl.from_arrow(keys).join(lists, on=names, how="left", maintain_order="left")
         out = res.get_column(self._v).to_arrow()
@@ -550,11 +555,11 @@ class MapState(KeyedState):
 
     def _entries(self) -> dict:
         """The current key's live map: {hashable user key: (user key, value)}."""
-        key, _ = self._store.current_key()
+        key, kg = self._store.current_key()
         p = self._overlay.get(key)
         result: dict = {}
         if p is None or not p.cleared:
-            stored = self._store.key_map(self.name, key, self._store.current_key()[1], _hashable)
+            stored = self._reader.key_map(self.name, key, kg, _hashable)
             for h, (uk, v, e) in stored.items():
                 if self._live(e):
                     result[h] = (uk, v)
@@ -583,7 +588,7 @@ class MapState(KeyedState):
                 return (uk, value) if present and self._live(expire) else None
             if p.cleared:
                 return None
-        stored = self._store.key_map(self.name, key, kg, _hashable).get(h)
+        stored = self._reader.key_map(self.name, key, kg, _hashable).get(h)
         if stored is None or not self._live(stored[2]):
             return None
         return stored[0], stored[1]
@@ -638,7 +643,7 @@ class MapState(KeyedState):
         uks = _arrow(user_keys, self.descriptor.user_key_type, f"user keys for map {self.name!r}")
         _check_len(uks, keys, self.name)
         extra = pl.from_arrow(pa.table({self._user_key_col(): uks}))
-        res = self._store.lookup(self.name, keys, kgs, on_extra=extra)
+        res = self._reader.lookup(self.name, keys, kgs, on_extra=extra)
         values = self._to_arrow(res.get_column(self._v), self.descriptor.value_type)
         if self._refresh_on_read():
             found = pc.is_valid(values)
@@ -651,7 +656,7 @@ class MapState(KeyedState):
         """Every live entry of the given keys: columns ``_row`` (index into ``keys``), user key, value."""
         keys, kgs = self._store.prepare_keys(keys)
         names = self._store.key_names
-        live = self._store.live_view(self.name, np.unique(kgs).tolist())
+        live = self._reader.live_view(self.name, np.unique(kgs).tolist())
         left = pl.from_arrow(keys).with_row_index(ROW)
         res = left.join(live, on=names, how="inner", maintain_order="left")
         out = res.select([pl.col(ROW).cast(pl.Int64), self._user_key_col(), self._v]).to_arrow()

@@ -252,13 +252,13 @@ def test_timers_are_scanned_without_loading_the_rest_of_the_state(tmp_path):
     layout = _big_state_with_few_timers(tmp_path)
     lean = open_store(tmp_path, layout)
     requested: list[list[str]] = []
-    read = lean._reader.read
+    read = lean.reader._segments.read
 
     def recording_read(segments, key_groups, columns):
         requested.append(list(columns))
         return read(segments, key_groups, columns)
 
-    lean._reader.read = recording_read
+    lean.reader._segments.read = recording_read
     timers = TimerService(lean)
     assert timers.count() == 5
     assert lean.stats()["cache_key_groups"] == 0  # nothing of the task's state is cached

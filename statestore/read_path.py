@@ -1,0 +1,375 @@
+"""``StateReader``: the read path of one task's store.
+
+Every read of a ``StateStore``'s keyed state goes through its reader: the batched reads
+(``lookup``, ``live_view``, ``views``, ``scan``) and the per-key ones of the current key
+(``point_get``, ``key_rows``, ``key_map``). The state handles (``state.py``) hold the
+reader itself and call it directly; the store keeps the lifecycle (writes, flush,
+checkpoints, restore) and owns one reader.
+
+Reads go memtable then segments. The reader owns:
+
+* the cache of resolved key-group views (``cache.KeyGroupCache``): a missing key group is
+  loaded whole, for every variable and every missing key group of a request at once, with
+  one pruned read of each covering segment (``entries.read_entries``) resolved by
+  ``resolve.py``; a cached view is then kept up to date with the memtable parts it has
+  not applied (``applied``) and the committed parts moved to it (``pending``);
+* the point indexes: a dict over a cached view for the per-key reads (``_view_index``);
+* the segment reader (Parquet footer cache, read counters).
+
+It reads the store's memtable and table but never changes them. What it must learn of the
+lifecycle comes through a small interface, called by the store: ``memtable_changed`` (a
+write or a seal), ``flushed`` / ``aborted`` / ``committed`` (a flush and how it settled),
+``reset`` (a restore, a close, a restart of the memtable's ord sequence).
+
+Invariants (design invariant 7): a cached view holds every entry of its key group and
+variable exactly once: the segments of the opened checkpoint, minus those of a flush not
+settled yet (the memtable still holds their entries), plus the first ``applied`` memtable
+parts; ``pending`` parts are committed entries it has yet to apply. A point index in
+``_point_index`` is current: every event that can change a view forgets them all.
+
+Thread safety: used by the store's task thread only, like the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from statestore.cache import CachedKeyGroup, KeyGroupCache
+from statestore.config import StoreConfig
+from statestore.descriptors import StateDescriptor
+from statestore.entries import read_entries, variable_entry_schema
+from statestore.keygroups import KeyGroupRange
+from statestore.layout import EXPIRE_AT_MS, KEY_GROUP, STATE
+from statestore.memtable import KG, Memtable
+from statestore.resolve import ORD, entry_columns, live_rows, merge, resolve, view_columns
+from statestore.segment import SegmentReader
+from statestore.table import StateTable
+
+_NO_ENTRIES: dict = {}
+
+
+def _index_one(keys: Iterable[tuple], rows: Iterable[tuple]) -> dict:
+    return dict(zip(keys, rows, strict=True))
+
+
+def _index_rows(keys: Iterable[tuple], rows: Iterable[tuple]) -> dict:
+    by_key: dict[tuple, list[tuple]] = {}
+    for k, row in zip(keys, rows, strict=True):
+        found = by_key.get(k)
+        if found is None:
+            by_key[k] = [row]
+        else:
+            found.append(row)
+    return by_key
+
+
+def _index_map(keys: Iterable[tuple], rows: Iterable[tuple], hash_key: Callable[[Any], Any]) -> dict:
+    by_key: dict[tuple, dict] = {}
+    for k, row in zip(keys, rows, strict=True):
+        m = by_key.get(k)
+        if m is None:
+            m = by_key[k] = {}
+        m[hash_key(row[0])] = row
+    return by_key
+
+
+class StateReader:
+    """The reads of one task's store over ``table``'s opened checkpoint and ``memtable``.
+
+    ``seal`` moves the handles' per-key writes into the memtable: batched reads call it
+    first, so they see those writes too.
+    """
+
+    def __init__(self, table: StateTable, memtable: Memtable, key_group_range: KeyGroupRange,
+                 config: StoreConfig, seal: Callable[[], None]):
+        self._table = table
+        self.layout = table.layout
+        self.key_names = self.layout.key_names
+        self.key_group_range = key_group_range
+        self._config = config
+        self._memtable = memtable
+        self._seal = seal
+        self._cache = KeyGroupCache(config.cache_size_bytes_max)
+        self._segments = SegmentReader(table.filesystem, config.footer_cache_entries_max)
+        self._entry_schema = self.layout.entry_schema
+        self._entry_schemas = self._polars_entry_schemas()
+        self._indexable = all(
+            pa.types.is_string(f.type) or pa.types.is_binary(f.type) or pa.types.is_integer(f.type)
+            or pa.types.is_boolean(f.type) or pa.types.is_date32(f.type) for f in self.layout.key_schema)
+        self._point_index: dict[tuple[str, str, int], dict] = {}  # see _view_index
+        # Checkpoints flushed but not settled: their entries are still in the memtable.
+        self._unsettled: set[int] = set()
+
+    # ---------------------------------------------------------------- lifecycle events
+
+    def memtable_changed(self) -> None:
+        """Entries were added to the memtable: the point indexes may be stale."""
+        self._point_index.clear()
+
+    def flushed(self, checkpoint_id: int) -> None:
+        """``checkpoint_id``'s segments were written from the memtable, which keeps their
+        entries until the commit settles: loads skip those segments, or would apply them twice
+        (list appends would repeat)."""
+        self._unsettled.add(checkpoint_id)
+
+    def aborted(self, checkpoint_id: int) -> None:
+        """The commit of ``checkpoint_id`` failed: its segments are garbage, never read."""
+        self._unsettled.discard(checkpoint_id)
+
+    def committed(self, checkpoint_id: int, dropped: dict[tuple[str, int], list[pl.DataFrame]]) -> None:
+        """``checkpoint_id`` committed and the memtable dropped its parts (``dropped``: the
+        parts of each (variable, key group), as ``Memtable.drop_before`` returns them).
+
+        Parts a cached view has not applied yet move to its ``pending`` list (counted in the
+        cache's bound), so a cached key group never has to be read again.
+        """
+        self._unsettled.discard(checkpoint_id)
+        for (name, kg), parts in dropped.items():
+            group = self._cache.peek(kg)
+            if group is None or name not in group.views:
+                continue
+            applied = group.applied.get(name, 0)
+            if len(parts) > applied:
+                group.pending.setdefault(name, []).extend(parts[applied:])
+            group.applied[name] = max(0, applied - len(parts))
+            self._cache.resized(kg)
+        self._point_index.clear()
+        self._trim()
+
+    def reset(self) -> None:
+        """Forget every view, point index and unsettled flush: after a restore or a close, or
+        when the memtable's ord sequence restarted (pending entries could sort after newer ones)."""
+        self._point_index.clear()
+        self._cache.clear()
+        self._unsettled.clear()
+
+    def stats(self) -> dict[str, int]:
+        """The cache's and the segment reader's counters."""
+        return {
+            "cache_key_groups": len(self._cache),
+            "cache_size_bytes": self._cache.size_bytes,
+            "cache_misses": self._cache.misses,
+            "cache_evictions": self._cache.evictions,
+            "segment_bytes_read": self._segments.bytes_read,
+            "segment_files_opened": self._segments.files_opened,
+        }
+
+    # ---------------------------------------------------------------- batched reads
+
+    def views(self, name: str, key_groups: Iterable[int], seal: bool = True) -> list[pl.DataFrame]:
+        """Views of ``name`` for the given key groups (loading what is missing), up to date with
+        the memtable; with ``seal`` also with the handles' per-key writes (the per-key API reads
+        without sealing and applies its own overlay on top)."""
+        if seal:
+            self._seal()
+        kgs = sorted({int(k) for k in key_groups})
+        missing = [kg for kg in kgs if kg not in self._cache]
+        if missing:
+            self._cache.misses += len(missing)
+            self._load(missing)
+        stale = [kg for kg in kgs if self._is_stale(kg, name)]
+        if stale:
+            self._refresh(stale, name)
+        out = [self._cache.get(kg).views[name] for kg in kgs]
+        self._trim(pinned=kgs)
+        return out
+
+    def live_view(self, name: str, key_groups: Iterable[int]) -> pl.DataFrame:
+        """The view rows of ``name`` in ``key_groups`` that are live now, as one frame."""
+        views = self.views(name, key_groups)
+        view = pl.concat(views, how="vertical", rechunk=False) if views else None
+        if view is None or view.height == 0:
+            return self._empty_view(self.layout.descriptor(name))
+        return live_rows(view, self._now_ms())
+
+    def scan(self, name: str) -> pl.DataFrame:
+        """The live view rows of ``name`` over the task's whole key-group range, read from the
+        segments (only the variable's columns) and the memtable, without filling the cache:
+        for a variable far smaller than the rest of the state, such as timers."""
+        self._seal()
+        desc = self.layout.descriptor(name)
+        r = self.key_group_range
+        kgs = list(range(r.start, r.end + 1))
+        entries = self._read(kgs, variable_entry_schema(self.layout, desc), state=name)
+        views = self._resolve_loaded(desc, entries, kgs, self._now_ms())
+        frames = [v for v in views.values() if v.height]
+        return pl.concat(frames, how="vertical") if frames else self._empty_view(desc)
+
+    def lookup(self, name: str, keys: pa.Table, key_groups: np.ndarray, on_extra: pl.DataFrame | None = None,
+               ) -> pl.DataFrame:
+        """Left join of ``keys`` (in order) with the live view rows of ``name``: the value
+        column is null where a key has no live value.
+
+        ``on_extra`` adds join columns (a map's user keys), aligned with ``keys``.
+        """
+        view = self.live_view(name, np.unique(key_groups).tolist())
+        left = pl.from_arrow(keys)
+        on = list(self.key_names)
+        if on_extra is not None:
+            left = left.hstack(on_extra)
+            on += on_extra.columns
+        return left.join(view, on=on, how="left", maintain_order="left")
+
+    # ---------------------------------------------------------------- per-key reads
+
+    def point_get(self, name: str, key: tuple, key_group: int) -> tuple[Any, int | None] | None:
+        """(value, expire_at_ms) of the view row of ``key`` in state ``name``, or None: the
+        per-key read of value-like state. Without sealing the handles' overlays (the caller
+        applies its own). Served from a dict built once per view (``_view_index``)."""
+        columns = (self.layout.descriptor(name).value_column, EXPIRE_AT_MS)
+        if not self._indexable:
+            rows = self._key_filter(name, key, key_group, columns)
+            return rows[0] if rows else None
+        return self._view_index(name, key_group, "", columns, _index_one).get(key)
+
+    def key_rows(self, name: str, key: tuple, key_group: int, columns: Sequence[str]) -> list[tuple]:
+        """``columns`` of every view row of ``key`` in state ``name`` (TTL not applied), without
+        sealing the handles' overlays: the per-key read of list and map state."""
+        if not self._indexable:
+            return self._key_filter(name, key, key_group, columns)
+        return self._view_index(name, key_group, "rows", columns, _index_rows).get(key, [])
+
+    def key_map(self, name: str, key: tuple, key_group: int, hash_key: Callable[[Any], Any]) -> dict:
+        """The stored map of ``key`` in map state ``name``: {hash_key(user key): (user key,
+        value, expire_at_ms)} (TTL not applied; overlays not sealed), so one map entry is
+        found in O(1)."""
+        desc = self.layout.descriptor(name)
+        columns = (desc.user_key_column, desc.value_column, EXPIRE_AT_MS)
+        if not self._indexable:
+            return {hash_key(r[0]): r for r in self._key_filter(name, key, key_group, columns)}
+        return self._view_index(name, key_group, "map", columns,
+                                lambda keys, rows: _index_map(keys, rows, hash_key)).get(key, _NO_ENTRIES)
+
+    def _view_index(self, name: str, key_group: int, kind: str, columns: Sequence[str],
+                    build: Callable[[Iterable, Iterable], dict]) -> dict:
+        """A dict over the current view of ``name`` in ``key_group``, from its key tuples and
+        ``columns`` rows; built on first use and again whenever the view object changes. Only
+        for key columns whose plain Python values compare equal to what polars returns
+        (``_indexable``: strings, binaries, integers, booleans, dates).
+
+        ``_point_index`` remembers the dicts known current: a per-key loop over a batch reads
+        them with one lookup, and anything that can change a view (a memtable write, a
+        checkpoint completing, an eviction, a restore) forgets them all."""
+        fast = self._point_index.get((name, kind, key_group))
+        if fast is not None:
+            return fast
+        view = self._current_view(name, key_group)
+        group = self._cache.peek(key_group)
+        slot = f"{name}\0{kind}" if kind else name
+        index = group.indexes.get(slot)
+        if index is None or index[0] is not view:
+            keys = zip(*[view.get_column(k).to_list() for k in self.key_names], strict=True)
+            rows = zip(*[view.get_column(c).to_list() for c in columns], strict=True)
+            index = group.indexes[slot] = (view, build(keys, rows))
+            self._cache.resized(key_group)
+        self._point_index[(name, kind, key_group)] = index[1]
+        return index[1]
+
+    def _key_filter(self, name: str, key: tuple, key_group: int, columns: Sequence[str]) -> list[tuple]:
+        """``columns`` of the view rows of ``key``, by a filter over the view (keys that cannot be indexed)."""
+        view = self._current_view(name, key_group)
+        rows = view.filter(pl.all_horizontal([pl.col(k) == pl.lit(v, dtype=view.schema[k])
+                                              for k, v in zip(self.key_names, key, strict=True)]))
+        return list(zip(*[rows.get_column(c).to_list() for c in columns], strict=True))
+
+    def _current_view(self, name: str, key_group: int) -> pl.DataFrame:
+        group = self._cache.get(key_group)
+        if (group is None or name not in group.views or group.pending.get(name)
+                or len(self._memtable.parts(name, key_group)) > group.applied.get(name, 0)):
+            return self.views(name, [key_group], seal=False)[0]
+        return group.views[name]  # cached and current: skip the general path
+
+    # ---------------------------------------------------------------- loading and refreshing
+
+    def _now_ms(self) -> int:
+        return int(self._config.clock_ms())
+
+    def _empty_view(self, desc: StateDescriptor) -> pl.DataFrame:
+        schema = self._entry_schemas[desc.name]
+        return pl.DataFrame(schema=schema).select(view_columns(desc, self.key_names))
+
+    def _polars_entry_schemas(self) -> dict[str, pl.Schema]:
+        empty = pl.from_arrow(self._entry_schema.empty_table())
+        full = dict(empty.schema)
+        full[ORD] = pl.Int64
+        return {
+            d.name: pl.Schema({c: full[c] for c in entry_columns(d, self.key_names)})
+            for d in self.layout.descriptors
+        }
+
+    def _trim(self, pinned: Iterable[int] = ()) -> None:
+        evictions = self._cache.evictions
+        self._cache.trim(pinned=pinned)
+        if self._cache.evictions != evictions:
+            self._point_index.clear()  # an evicted group's index must not outlive it
+
+    def _is_stale(self, kg: int, name: str) -> bool:
+        group = self._cache.peek(kg)
+        return len(self._memtable.parts(name, kg)) > group.applied.get(name, 0) or bool(group.pending.get(name))
+
+    def _refresh(self, kgs: Sequence[int], name: str) -> None:
+        """Apply the memtable parts and pending entries that the views of ``name`` in ``kgs``
+        miss, in one resolution over all of them: the per-call cost of a few polars
+        operations is paid once, not once per key group (a task owns many)."""
+        desc = self.layout.descriptor(name)
+        views, new = [], []
+        for kg in kgs:
+            group = self._cache.get(kg)
+            parts = self._memtable.parts(name, kg)
+            new += group.pending.pop(name, []) + parts[group.applied.get(name, 0):]
+            group.applied[name] = len(parts)
+            views.append(group.views[name])
+        heights = [v.height for v in views]
+        old = pl.concat(views, how="vertical") if sum(heights) else None
+        if old is not None:
+            old = old.with_columns(pl.Series(KG, np.repeat(np.asarray(kgs, np.int32), heights)))
+        keyed = pl.Schema({KG: pl.Int32, **self._entry_schemas[name]})
+        resolved = merge(old, new, desc, [KG, *self.key_names], self._now_ms(), keyed)
+        by_kg = resolved.partition_by(KG, as_dict=True, include_key=False)
+        empty = self._empty_view(desc)
+        for kg in kgs:
+            self._cache.peek(kg).views[name] = by_kg.get((kg,), empty)
+            self._cache.resized(kg)
+
+    def _load(self, kgs: Sequence[int]) -> None:
+        """Read the segments of ``kgs`` and resolve every variable's view of each."""
+        entries = self._read(kgs, self._entry_schema)
+        groups = {kg: CachedKeyGroup() for kg in kgs}
+        now = self._now_ms()
+        for desc in self.layout.descriptors:
+            for kg, view in self._resolve_loaded(desc, entries, kgs, now).items():
+                groups[kg].views[desc.name] = view
+                groups[kg].applied[desc.name] = len(self._memtable.parts(desc.name, kg))
+        for kg, group in groups.items():
+            self._cache.put(kg, group)
+
+    def _read(self, kgs: Sequence[int], schema: pa.Schema, state: str | None = None) -> pl.DataFrame:
+        """``read_entries`` of the sorted key groups ``kgs`` from the opened checkpoint's
+        segments, but those of unsettled flushes (see ``flushed``)."""
+        wanted = np.asarray(kgs, dtype=np.int64)
+        segments = self._table.segments(KeyGroupRange.of(int(wanted[0]), int(wanted[-1])))
+        segments = [s for s in segments if s.checkpoint_id not in self._unsettled]
+        return read_entries(self._segments, segments, wanted, schema, state=state)
+
+    def _resolve_loaded(self, desc: StateDescriptor, entries: pl.DataFrame, kgs: Sequence[int],
+                        now: int) -> dict[int, pl.DataFrame]:
+        """The views of ``desc`` in ``kgs`` over segment ``entries`` and the memtable's parts."""
+        schema = self._entry_schemas[desc.name]
+        cols = entry_columns(desc, self.key_names)
+        seg = entries.filter(pl.col(STATE) == desc.name)
+        frames = [seg.select([pl.col(KEY_GROUP).cast(pl.Int32).alias(KG), *cols])]
+        for kg in kgs:
+            frames += [p.select([KG, *cols]) for p in self._memtable.parts(desc.name, kg)]
+        keyed_schema = pl.Schema({KG: pl.Int32, **schema})
+        frames = [f.cast(keyed_schema) for f in frames if f.height]
+        empty = self._empty_view(desc)
+        if not frames:
+            return dict.fromkeys(kgs, empty)
+        view = resolve(pl.concat(frames, how="vertical", rechunk=True), desc, [KG, *self.key_names], now)
+        by_kg = view.partition_by(KG, as_dict=True, include_key=False)
+        return {kg: by_kg.get((kg,), empty) for kg in kgs}
