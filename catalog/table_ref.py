@@ -110,7 +110,7 @@ class TableRef:
     def identity(self) -> tuple:
         """Which table and line this is, as a hashable value for cache keys. The catalog's
         properties enter it as a digest, so an identity that gets logged shows no secret."""
-        digest = hashlib.sha256(json.dumps(sorted(self.catalog_properties.items())).encode()).hexdigest()
+        digest = hashlib.sha256(json.dumps(sorted(self.catalog_properties.items()), default=str).encode()).hexdigest()
         return (self.warehouse, self.catalog_name, digest, self.namespace, self.table, self.branch)
 
     def __hash__(self) -> int:
