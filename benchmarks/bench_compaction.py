@@ -54,7 +54,8 @@ from benchmarks.harness import (
 )
 from catalog import IcebergStateTable
 from catalog.compaction import CompactionPolicy, compact, units
-from catalog.compactor import CompactorProcess, TableSpec
+from catalog.compactor import CompactorProcess
+from catalog.table_ref import TableRef
 from statestore import ListStateDescriptor, StateLayout, StateStore, ValueStateDescriptor
 
 PARALLELISM = 4
@@ -206,7 +207,7 @@ def main(
                              ("whole", CompactionPolicy(size_ratio=1e12))):
             job = _build(wh, name, keys)
             base_bytes = job.bytes_written
-            compactor = CompactorProcess(TableSpec(name, warehouse=wh), policy)
+            compactor = CompactorProcess(TableRef(name, warehouse=wh), policy)
             times = _run_deltas(job, keys, checkpoints, delta, f"deltas, compactor ({name})", interval, compactor)
             compactor.close()
             done = compactor.results  # every compaction (retention expires old snapshots' summaries)

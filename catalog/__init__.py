@@ -4,10 +4,13 @@ Public surface:
 
 * ``IcebergStateTable``: a ``statestore.table.StateTable`` whose checkpoints are Iceberg
   snapshots (open, commit, restore, retention and garbage collection);
+* ``TableRef``: where a state table is (catalog, namespace, table, line); every opener of a
+  state table goes through one (``TableRef.open``);
 * ``default_catalog``: the embedded SQLite catalog used when none is given;
 * ``entries_view``, ``connect``: a checkpoint in DuckDB (raw entries, live state per variable).
 
 Only this package imports pyiceberg. Module guide: ``iceberg_table`` (the table),
+``table_ref`` (where a table is), ``output_table`` (a query's exactly-once output table),
 ``creation`` (create / validate / evolve), ``schema`` (layout <-> Iceberg schema),
 ``manifests`` (manifest cache), ``retention`` (what to expire and delete), ``naming``
 (URIs and tagged commit files), ``properties`` (stored keys), ``defaults``, ``sql``;
@@ -17,11 +20,13 @@ Only this package imports pyiceberg. Module guide: ``iceberg_table`` (the table)
 from catalog.defaults import DEFAULT_NAMESPACE, default_catalog
 from catalog.iceberg_table import DEFAULT_RETAIN_CHECKPOINTS, IcebergStateTable
 from catalog.sql import connect, entries_view
+from catalog.table_ref import TableRef
 
 __all__ = [
     "DEFAULT_NAMESPACE",
     "DEFAULT_RETAIN_CHECKPOINTS",
     "IcebergStateTable",
+    "TableRef",
     "connect",
     "default_catalog",
     "entries_view",

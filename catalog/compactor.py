@@ -11,7 +11,13 @@ compaction commits as its own snapshot and never blocks or fails a checkpoint
 (``catalog.compaction``). The process exits when its standard input closes: when the
 writer closes it, and also when the writer's process dies, so it never outlives its writer.
 
-``python -m catalog.compactor '<TableSpec json>' '<CompactionPolicy json>'`` is that process;
+``python -m catalog.compactor`` is that process. Its standard input is, one JSON object a line:
+
+1. ``{"table": <TableRef.to_json object>, "policy": <CompactionPolicy fields>}``, once, first:
+   the catalog's properties may hold secrets, which a command line would show to every user
+   of the host (``ps``, ``/proc/<pid>/cmdline``); a pipe shows them to nobody;
+2. then a checkpoint id per notification.
+
 ``icestate compact`` runs compactions on demand (or every few seconds, ``--follow``).
 """
 
@@ -27,11 +33,10 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
 from catalog.compaction import CompactionPolicy, CompactionResult, compact, needs_compaction
-from catalog.defaults import DEFAULT_NAMESPACE
 from catalog.iceberg_table import IcebergStateTable
+from catalog.table_ref import TableRef
 
 log = logging.getLogger(__name__)
 
@@ -39,48 +44,24 @@ NICE_INCREMENT = 10  # the compactor yields the cores to the stream's tasks
 ROUNDS_MAX = 8  # compactions per notification, until the policy is satisfied
 
 
-@dataclass(frozen=True)
-class TableSpec:
-    """How another process opens a state table: plain values only."""
-
-    table: str
-    namespace: str = DEFAULT_NAMESPACE
-    warehouse: str | None = None
-    catalog_name: str | None = None
-    catalog_properties: dict[str, str] = field(default_factory=dict)
-    branch: str = "main"
-
-    def open(self) -> IcebergStateTable:
-        """The table at its newest state, with the layout recorded in it."""
-        common = dict(namespace=self.namespace, table_name=self.table, branch=self.branch)
-        if self.warehouse is not None:
-            return IcebergStateTable.open_existing(warehouse=self.warehouse, **common)
-        from pyiceberg.catalog import load_catalog
-
-        catalog = load_catalog(self.catalog_name, **self.catalog_properties)
-        return IcebergStateTable.open_existing(catalog=catalog, close_catalog=True, **common)
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> TableSpec:
-        return cls(**json.loads(text))
+def header(ref: TableRef, policy: CompactionPolicy) -> str:
+    """The first line of the compactor's input: which table, compacted how (module docstring)."""
+    return json.dumps({"table": json.loads(ref.to_json()), "policy": dataclasses.asdict(policy)})
 
 
-def policy_to_json(policy: CompactionPolicy) -> str:
-    return json.dumps(dataclasses.asdict(policy))
-
-
-def policy_from_json(text: str) -> CompactionPolicy:
-    return CompactionPolicy(**json.loads(text))
+def read_header(line: str) -> tuple[TableRef, CompactionPolicy]:
+    """The table and policy of ``header``'s line."""
+    if not line.strip():
+        raise ValueError("the compactor's input ended before its first line (the table and the policy)")
+    values = json.loads(line)
+    return TableRef.from_json(values["table"]), CompactionPolicy(**values["policy"])
 
 
 class CompactorProcess:
     """The writer's handle on its compactor process (module docstring). Thread safe."""
 
-    def __init__(self, spec: TableSpec, policy: CompactionPolicy | None = None):
-        self.spec = spec
+    def __init__(self, ref: TableRef, policy: CompactionPolicy | None = None):
+        self.ref = ref
         self.policy = policy or CompactionPolicy()
         self._process: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
@@ -98,7 +79,7 @@ class CompactorProcess:
             if not needs_compaction(table, self.policy):
                 return False
         except Exception as e:  # a table being closed or restored by its writer meanwhile
-            log.warning("compaction check of %s failed (%s)", self.spec.table, e)
+            log.warning("compaction check of %s failed (%s)", self.ref.identifier, e)
             return False
         with self._lock:
             if self._closed:
@@ -114,7 +95,7 @@ class CompactorProcess:
             return True
         except (OSError, ValueError) as e:
             log.warning("could not reach the compactor of %s (%s); starting a new one at the next checkpoint",
-                        self.spec.table, e)
+                        self.ref.identifier, e)
             self._stop(kill=True)
             return False
 
@@ -137,7 +118,7 @@ class CompactorProcess:
         try:
             self._process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            log.warning("the compactor of %s did not stop within %.0f s; killed", self.spec.table, timeout_s)
+            log.warning("the compactor of %s did not stop within %.0f s; killed", self.ref.identifier, timeout_s)
             self._stop(kill=True)
         if self._reader is not None:
             self._reader.join(timeout=10)  # the last results, written before it exited
@@ -147,14 +128,17 @@ class CompactorProcess:
         if self._process is not None and self._process.poll() is None:
             return self._process
         if self._process is not None:
-            log.warning("the compactor of %s exited (code %s); starting it again", self.spec.table,
+            log.warning("the compactor of %s exited (code %s); starting it again", self.ref.identifier,
                         self._process.returncode)
+        # The working directory is the writer's (pyiceberg looks for .pyiceberg.yaml there too, so
+        # the child resolves a named catalog as the writer does); -P keeps it off the module path.
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "catalog.compactor", self.spec.to_json(), policy_to_json(self.policy)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=_project_root(),
+            [sys.executable, "-P", "-m", "catalog.compactor"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_project_root(),
                                                                               os.environ.get("PYTHONPATH")]))},
         )
+        self._process.stdin.write(header(self.ref, self.policy) + "\n")
         self._reader = threading.Thread(target=self._read_results, args=(self._process.stdout,),
                                         name="icestate-compactor-results", daemon=True)
         self._reader.start()
@@ -178,7 +162,7 @@ def _project_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def serve(spec: TableSpec, policy: CompactionPolicy, lines, report=None) -> list[CompactionResult]:
+def serve(ref: TableRef, policy: CompactionPolicy, lines, report=None) -> list[CompactionResult]:
     """The compactor process's loop: compact after each notification in ``lines`` (a text
     stream), those that arrived meanwhile coalesced; return at its end. Each result's figures
     go to ``report`` (a text stream) as a JSON line."""
@@ -191,7 +175,7 @@ def serve(spec: TableSpec, policy: CompactionPolicy, lines, report=None) -> list
 
     threading.Thread(target=read, name="icestate-compactor-input", daemon=True).start()
     results = []
-    table = spec.open()
+    table = ref.open()
     try:
         ended = False
         while not ended:
@@ -202,9 +186,9 @@ def serve(spec: TableSpec, policy: CompactionPolicy, lines, report=None) -> list
             ended = None in batch
             if not any(n is not None for n in batch):
                 continue
-            for result in _settle(spec, table, policy):
+            for result in _settle(ref, table, policy):
                 results.append(result)
-                log.info("compacted %s: %s", spec.table, result.summary())
+                log.info("compacted %s: %s", ref.identifier, result.summary())
                 if report is not None and not _report(report, result):
                     return results  # the writer is gone (its end of the pipe closed): so is its input
         return results
@@ -225,7 +209,7 @@ def _report(report, result: CompactionResult) -> bool:
     return True
 
 
-def _settle(spec: TableSpec, table: IcebergStateTable, policy: CompactionPolicy):
+def _settle(ref: TableRef, table: IcebergStateTable, policy: CompactionPolicy):
     """Compact until the policy selects nothing (at most ``ROUNDS_MAX`` commits): one merge
     can make a run of its own with the segments below it (a tiered policy's carry), so a
     single round does not always leave the units settled. Yields each committed result."""
@@ -233,7 +217,7 @@ def _settle(spec: TableSpec, table: IcebergStateTable, policy: CompactionPolicy)
         try:
             result = compact(table, policy=policy)
         except Exception:  # housekeeping: report, and try again at the next notification
-            log.exception("compaction of %s failed; the next checkpoint retries", spec.table)
+            log.exception("compaction of %s failed; the next checkpoint retries", ref.identifier)
             return
         if result is None:
             return
@@ -243,13 +227,13 @@ def _settle(spec: TableSpec, table: IcebergStateTable, policy: CompactionPolicy)
             return
 
 
-def main(argv: list[str]) -> int:
+def main() -> int:
     logging.basicConfig(level=os.environ.get("ICESTATE_COMPACTOR_LOG", "WARNING"),
                         format="icestate-compactor %(levelname)s %(message)s")
     with contextlib.suppress(OSError):
         os.nice(NICE_INCREMENT)
-    spec, policy = TableSpec.from_json(argv[0]), policy_from_json(argv[1])
-    serve(spec, policy, sys.stdin, sys.stdout)
+    ref, policy = read_header(sys.stdin.readline())
+    serve(ref, policy, sys.stdin, sys.stdout)
     with contextlib.suppress(OSError):
         sys.stdout.flush()
     # A writer that died closed its end of the pipe: nothing more to say to it, and nothing
@@ -259,4 +243,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

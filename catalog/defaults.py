@@ -1,8 +1,8 @@
 """The embedded default catalog: SQLite next to the warehouse, for one machine.
 
 A state table needs some Iceberg catalog to switch its metadata pointer atomically.
-Production deployments pass their own (REST, Glue, Hive, SQL on Postgres...) to
-``IcebergStateTable.open``; without one, a SQLite ``SqlCatalog`` in
+Production deployments name their own (REST, Glue, Hive, SQL on Postgres...) in a
+``TableRef`` (``catalog.table_ref``) or pass it to ``IcebergStateTable.open``; without one, a SQLite ``SqlCatalog`` in
 ``<warehouse>/catalog.db`` is created on first use. SQLite serializes writers with a file
 lock, which is enough for one driver per table and concurrent readers on one host.
 """
@@ -23,20 +23,26 @@ DEFAULT_CATALOG_FILE = "catalog.db"
 DEFAULT_NAMESPACE = "state"
 
 
+def check_warehouse(warehouse: str) -> str:
+    """``warehouse`` when it can hold the embedded catalog (a local directory path); else ValueError."""
+    if not isinstance(warehouse, str) or not warehouse:
+        raise ValueError(f"warehouse must be a non-empty local directory path, got {warehouse!r}")
+    if "://" in warehouse:
+        raise ValueError(
+            f"the embedded catalog keeps its SQLite file on local disk; warehouse {warehouse!r} is a URI: "
+            "pass a local directory, or name a pyiceberg catalog (catalog_name=, catalog_properties=) for "
+            "remote storage"
+        )
+    return warehouse
+
+
 def default_catalog(warehouse: str) -> SqlCatalog:
     """A SQLite SqlCatalog at ``<warehouse>/catalog.db`` with warehouse ``file://<abs warehouse>``.
 
     Creates the warehouse directory and the catalog's tables if missing. The caller owns
     the returned catalog and closes it (``catalog.close()``) when done.
     """
-    if not isinstance(warehouse, str) or not warehouse:
-        raise ValueError(f"warehouse must be a non-empty local directory path, got {warehouse!r}")
-    if "://" in warehouse:
-        raise ValueError(
-            f"the embedded catalog keeps its SQLite file on local disk; warehouse {warehouse!r} is a URI: "
-            "pass a local directory, or open the table with your own catalog= for remote storage"
-        )
-    root = os.path.abspath(warehouse)
+    root = os.path.abspath(check_warehouse(warehouse))
     os.makedirs(root, exist_ok=True)
     return SqlCatalog(
         DEFAULT_CATALOG_NAME,

@@ -12,7 +12,9 @@ Public surface:
 
 Module guide: ``query`` (driver: routing, commits), ``tasks`` (executors: one task's key
 groups), ``compat`` (Spark's handle and state variables), ``vectorized``, ``timers``,
-``outputs`` (the exactly-once output table), ``location``, ``datasource``.
+``location`` (a query's state table: its ``catalog.TableRef`` and parallelism), ``datasource``.
+Everything Iceberg (opening tables and catalogs, the exactly-once output table
+``catalog.output_table``) lives in ``catalog``: this package never imports the Iceberg client.
 """
 
 import importlib

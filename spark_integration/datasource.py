@@ -18,8 +18,9 @@ Options (names are case-insensitive, like every Spark option):
 * ``namespace``: its Iceberg namespace, default ``state``;
 * ``warehouse``: local directory of the embedded SQLite catalog
   (``catalog.defaults.default_catalog``), or instead options prefixed ``catalog.``: the
-  properties of any pyiceberg catalog, ``catalog.name`` its name (``load_catalog(name,
-  **props)``), e.g. ``catalog.type=rest``, ``catalog.uri=...``, ``catalog.warehouse=...``;
+  properties of any Iceberg catalog, ``catalog.name`` its name, resolved as
+  ``catalog.table_ref.TableRef`` does (the properties, then the Iceberg client's
+  configuration file and environment), e.g. ``catalog.type=rest``, ``catalog.uri=...``;
 * ``state``: the state variable; may be left out when the table declares exactly one;
 * ``checkpoint``: a retained checkpoint id, default the newest;
 * ``now_ms``: the processing time (epoch ms) at which TTL is evaluated, default now
@@ -127,9 +128,10 @@ from statestore.table import SegmentFile
 
 if TYPE_CHECKING:
     from catalog.iceberg_table import IcebergStateTable
+    from catalog.table_ref import TableRef
 
-# ``catalog`` (pyiceberg, SQLAlchemy) is imported where a table is opened, at planning only:
-# executors unpickling the reader need statestore, polars and pyarrow alone.
+# ``catalog`` (Iceberg, SQLAlchemy) is imported where options are parsed and a table is opened,
+# at planning only: executors unpickling the reader need statestore, polars and pyarrow alone.
 
 FORMAT_NAME = "icestate"
 FILTER_PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
@@ -168,22 +170,18 @@ _PUSHABLE_KEY = (pa.types.is_string, pa.types.is_binary, pa.types.is_integer, pa
 class ReadOptions:
     """The data source's options, parsed and validated (see the module docstring)."""
 
-    table: str
-    namespace: str
-    warehouse: str | None
-    catalog_properties: dict[str, str]
-    catalog_name: str
+    ref: TableRef
     state: str | None
     checkpoint_id: int | None
     now_ms: int | None
     partitions: int | None
     pushdown: bool
-    branch: str = "main"
     savepoint: str | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReadOptions:
         from catalog.defaults import DEFAULT_CATALOG_NAME, DEFAULT_NAMESPACE
+        from catalog.table_ref import TableRef
 
         opts = {str(k).lower(): v for k, v in options.items()}
         unknown = sorted(k for k in opts if k not in KNOWN_OPTIONS and not k.startswith(CATALOG_PREFIX))
@@ -215,7 +213,7 @@ class ReadOptions:
         if not warehouse and not has_catalog:
             raise ValueError(
                 "icestate data source: no catalog: pass option 'warehouse' (the local directory of the embedded "
-                "SQLite catalog) or pyiceberg catalog properties as 'catalog.*' options "
+                "SQLite catalog) or Iceberg catalog properties as 'catalog.*' options "
                 "(e.g. catalog.type, catalog.uri, catalog.warehouse; catalog.name names the catalog)"
             )
         pushdown = str(opts.get(OPT_PUSHDOWN, "true")).strip().lower()
@@ -224,61 +222,48 @@ class ReadOptions:
         partitions = _int_option(opts, OPT_PARTITIONS, minimum=1)
         if opts.get(OPT_SAVEPOINT) and opts.get(OPT_CHECKPOINT):
             raise ValueError("icestate data source: options checkpoint and savepoint both name what to read: give one")
+        try:
+            ref = TableRef(
+                table=table, namespace=opts.get(OPT_NAMESPACE) or DEFAULT_NAMESPACE, warehouse=warehouse,
+                catalog_name=None if warehouse else opts.get(CATALOG_NAME) or DEFAULT_CATALOG_NAME,
+                catalog_properties=catalog_props, branch=opts.get(OPT_BRANCH) or "main")
+        except ValueError as e:
+            raise ValueError(f"icestate data source: {e} (check the options table, namespace, branch and "
+                             "warehouse/catalog.*)") from e
         return cls(
-            table=table, namespace=opts.get(OPT_NAMESPACE) or DEFAULT_NAMESPACE, warehouse=warehouse,
-            catalog_properties=catalog_props, catalog_name=opts.get(CATALOG_NAME) or DEFAULT_CATALOG_NAME,
-            state=opts.get(OPT_STATE) or None, checkpoint_id=_int_option(opts, OPT_CHECKPOINT, minimum=1),
+            ref=ref, state=opts.get(OPT_STATE) or None, checkpoint_id=_int_option(opts, OPT_CHECKPOINT, minimum=1),
             now_ms=_int_option(opts, OPT_NOW_MS, minimum=None), partitions=partitions, pushdown=pushdown == "true",
-            branch=opts.get(OPT_BRANCH) or "main", savepoint=opts.get(OPT_SAVEPOINT) or None,
+            savepoint=opts.get(OPT_SAVEPOINT) or None,
         )
 
     @property
     def identifier(self) -> str:
-        return f"{self.namespace}.{self.table}"
+        return self.ref.identifier
 
     @contextlib.contextmanager
     def opened_table(self) -> Iterator[IcebergStateTable]:
-        """The state table opened (read only) at option ``checkpoint``, closed (with the catalog
-        this opened) on exit."""
-        catalog = None
-        if not self.warehouse:
-            from pyiceberg.catalog import load_catalog
+        """The state table opened (read only) at option ``checkpoint`` or ``savepoint``, closed
+        (with its catalog) on exit."""
+        from catalog.table_ref import CatalogUnavailableError
 
-            try:
-                catalog = load_catalog(self.catalog_name, **self.catalog_properties)
-            except Exception as e:  # pyiceberg raises many types for bad or unreachable catalogs
-                raise ValueError(
-                    f"icestate data source: cannot load pyiceberg catalog {self.catalog_name!r} from the catalog.* "
-                    f"options {sorted(self.catalog_properties)} ({type(e).__name__}: {e}): check them"
-                ) from e
+        ref = self.ref
         try:
-            table = self._open(catalog)
-            try:
-                yield table
-            finally:
-                table.close()
-        finally:
-            if catalog is not None:
-                _close_quietly(catalog)
-
-    def _open(self, catalog: Any) -> IcebergStateTable:
-        from catalog.iceberg_table import IcebergStateTable
-
-        try:
-            return IcebergStateTable.open_existing(
-                warehouse=self.warehouse, catalog=catalog, namespace=self.namespace, table_name=self.table,
-                checkpoint_id=self.checkpoint_id, branch=self.branch, savepoint=self.savepoint)
+            table = ref.open(checkpoint_id=self.checkpoint_id, savepoint=self.savepoint)
+        except CatalogUnavailableError as e:
+            raise ValueError(f"icestate data source: {e} (the catalog.* options)") from None
         except CheckpointNotFoundError as e:
             what = f"savepoint={self.savepoint}" if self.savepoint else f"checkpoint={self.checkpoint_id}"
             raise CheckpointNotFoundError(
                 f"icestate data source: option {what}: {e}; or leave the option out to read the newest checkpoint"
             ) from e
         except ValueError as e:
-            where = f"warehouse {self.warehouse!r}" if self.warehouse else f"catalog {self.catalog_name!r}"
+            where = f"warehouse {ref.warehouse!r}" if ref.warehouse else f"catalog {ref.catalog_name!r}"
             raise ValueError(
                 f"icestate data source: cannot read state table {self.identifier} in {where}: {e} "
                 "(check the options table, namespace and warehouse/catalog.*)"
             ) from e
+        with table:
+            yield table
 
     def descriptor(self, layout: StateLayout) -> StateDescriptor:
         """The state variable to read: option ``state``, or the table's only one."""
@@ -310,12 +295,6 @@ def _int_option(opts: Mapping[str, str], name: str, minimum: int | None) -> int 
     if minimum is not None and value < minimum:
         raise ValueError(f"icestate data source: option {name} must be >= {minimum}, got {value}")
     return value
-
-
-def _close_quietly(catalog: Any) -> None:
-    close = getattr(catalog, "close", None)
-    if close is not None:
-        close()
 
 
 # ------------------------------------------------------------------------------------ schema

@@ -32,9 +32,8 @@ from pyspark.sql.streaming import StatefulProcessor
 from rich.console import Console
 from rich.table import Table
 
-from catalog.defaults import default_catalog
-from catalog.iceberg_table import IcebergStateTable
 from catalog.sql import connect
+from catalog.table_ref import TableRef
 from spark_integration.location import StateLocation
 from spark_integration.query import runner_of, start_stateful_query
 from spark_integration.vectorized import RunningAggregate
@@ -112,7 +111,7 @@ def _session(console: Console) -> SparkSession:
 def _fresh(warehouse: str, work: str) -> None:
     """The demo starts from nothing: drop its tables and its input and checkpoints."""
     shutil.rmtree(work, ignore_errors=True)
-    catalog = default_catalog(warehouse)
+    catalog = TableRef(USERS_TABLE, warehouse=warehouse).catalog()  # the catalog of all three tables
     try:
         for identifier in (f"state.{USERS_TABLE}", f"state.{PAGES_TABLE}", OUTPUT_TABLE):
             if catalog.table_exists(identifier):
@@ -185,7 +184,7 @@ def _verify(spark: SparkSession, warehouse: str, input_dir: str, console: Consol
     want_pages = dict(views.group_by("page").len().iter_rows())
     got_users = {r.user: r.v_events.n for r in spark.read.format("icestate").option("warehouse", warehouse)
                  .option("table", USERS_TABLE).option("state", "events").load().collect()}
-    table = IcebergStateTable.open_existing(warehouse=warehouse, table_name=PAGES_TABLE)
+    table = TableRef(PAGES_TABLE, warehouse=warehouse).open()
     try:
         got_pages = dict(connect(table).sql("SELECT page, v_count FROM state_count").fetchall())
     finally:
@@ -195,7 +194,7 @@ def _verify(spark: SparkSession, warehouse: str, input_dir: str, console: Consol
         raise AssertionError(f"user state differs from the input tally, e.g. {bad}")
     if got_pages != want_pages:
         raise AssertionError("page view counts differ from the input tally")
-    catalog = default_catalog(warehouse)
+    catalog = TableRef(USERS_TABLE, warehouse=warehouse).catalog()  # the output table is in it too
     try:
         out = pl.from_arrow(catalog.load_table(OUTPUT_TABLE).scan().to_arrow())
     finally:
@@ -218,7 +217,7 @@ def _show(spark: SparkSession, warehouse: str, console: Console) -> None:
     for r in top:
         t.add_row(r.user, f"{r.v_events.n:,}", str(r.key_group))
     console.print(t)
-    table = IcebergStateTable.open_existing(warehouse=warehouse, table_name=USERS_TABLE)
+    table = TableRef(USERS_TABLE, warehouse=warehouse).open()
     try:
         c = Table(title=f"checkpoints of state.{USERS_TABLE} (Iceberg snapshots)")
         for col in ("checkpoint", "batch", "tasks", "snapshot"):

@@ -44,9 +44,9 @@ from pyspark.sql.types import StructType
 
 from catalog.compaction import CompactionPolicy
 from catalog.compactor import CompactorProcess
+from catalog.output_table import OutputTable
 from spark_integration.compat import declare, spark_struct
 from spark_integration.location import StateLocation
-from spark_integration.outputs import OutputTable
 from spark_integration.tasks import (
     HEARTBEAT,
     KG,
@@ -213,7 +213,7 @@ class StatefulRunner:
         self._reports = spark.sparkContext.accumulator([], ReportParam())
         self.reports: list[BatchReport] = []
         # Compaction beside the stream, in a process of its own started when a unit needs it.
-        self.compactor = None if compaction is None else CompactorProcess(location.table_spec(), compaction)
+        self.compactor = None if compaction is None else CompactorProcess(location.ref, compaction)
 
     # ------------------------------------------------------------------ the batch function
 
@@ -491,7 +491,7 @@ def _conform_initial(initial: DataFrame, df: DataFrame, keys: list[str]) -> Data
 def _warm_workers(spark: SparkSession, location: StateLocation, layout: StateLayout) -> None:
     """Start a Python worker per executor core (up to the query's parallelism), with the
     store's modules imported and the state table opened once: a cold worker spends seconds
-    importing pyarrow, polars and pyiceberg, which the first batch would otherwise wait for."""
+    importing pyarrow, polars and the Iceberg client, which the first batch would otherwise wait for."""
     workers = max(1, min(spark.sparkContext.defaultParallelism, location.parallelism))
 
     def warm(batches):
@@ -598,16 +598,8 @@ def start_stateful_query(
         initial_state = _conform_initial(initial_state, df, keys)
     spark = df.sparkSession
     output = None
-    if output_table is not None:
-        from catalog.defaults import default_catalog
-
-        if location.warehouse is None:
-            from pyiceberg.catalog import load_catalog
-
-            out_catalog = load_catalog(location.catalog_name, **location.catalog_properties)
-        else:
-            out_catalog = default_catalog(location.warehouse)
-        output = OutputTable.open(out_catalog, output_table, out_schema)
+    if output_table is not None:  # in the state table's catalog
+        output = OutputTable.open(location.ref.catalog(), output_table, out_schema)
     runner = StatefulRunner(
         spark, keys=keys, processor=processor, input_schema=run_schema, output_schema=out_schema, layout=layout,
         location=location, checkpoint_location=checkpoint_location, foreach_batch=foreach_batch, output=output,

@@ -342,7 +342,7 @@ _FROZEN = False
 
 def _freeze_imports_once() -> None:
     """In a PySpark worker, move what the worker holds before its first store (the modules
-    of pyspark, pyarrow, polars, pyiceberg, SQLAlchemy, ours: about 170k objects) to the
+    of pyspark, pyarrow, polars, the Iceberg client, SQLAlchemy, ours: about 170k objects) to the
     collector's permanent generation, once. PySpark's daemon runs a full ``gc.collect()``
     after every task of a reused worker, and each walked all of them: about 80 ms per task,
     a third of a vectorized batch's Python time. Stores are opened after the freeze, so

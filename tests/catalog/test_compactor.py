@@ -5,6 +5,7 @@
   dict model at every checkpoint, compactions committed between checkpoints, and the files
   per unit stay bounded.
 * The compactor exits when its writer process is killed (its input closes).
+* The compactor's command line holds no catalog property (secrets travel on its stdin).
 * ``icestate compact`` compacts on demand.
 * A compaction process killed at each crash point loses no state and leaks no file.
 """
@@ -27,7 +28,8 @@ import pytest
 from catalog import IcebergStateTable, connect
 from catalog import iceberg_table as iceberg_table_module
 from catalog.compaction import CompactionPolicy, compactions, needs_compaction, units
-from catalog.compactor import CompactorProcess, TableSpec, serve
+from catalog.compactor import CompactorProcess, serve
+from catalog.table_ref import TableRef
 from statestore import (
     ListStateDescriptor,
     StateLayout,
@@ -66,7 +68,7 @@ def test_a_compactor_process_compacts_while_the_writer_checkpoints(tmp_path):
     wh = str(tmp_path / "wh")
     table = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op", retain_checkpoints=5)
     stores = [StateStore(table, task_index=t, parallelism=2) for t in range(2)]
-    compactor = CompactorProcess(TableSpec("op", warehouse=wh), CompactionPolicy(min_segments=3))
+    compactor = CompactorProcess(TableRef("op", warehouse=wh), CompactionPolicy(min_segments=3))
     model_v: dict[int, int] = {}
     model_l: dict[int, list] = {}
     checked = {}
@@ -125,12 +127,13 @@ WRITER = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from catalog import IcebergStateTable
     from catalog.compaction import CompactionPolicy
-    from catalog.compactor import CompactorProcess, TableSpec
+    from catalog.compactor import CompactorProcess
+    from catalog.table_ref import TableRef
     from statestore import StateLayout, StateStore, ValueStateDescriptor
     layout = StateLayout.of(pa.schema([("k", pa.int64())]), [ValueStateDescriptor("v", pa.int64())], 16)
     table = IcebergStateTable.open(layout, warehouse={wh!r}, table_name="op")
     store = StateStore(table)
-    compactor = CompactorProcess(TableSpec("op", warehouse={wh!r}), CompactionPolicy(min_segments=2))
+    compactor = CompactorProcess(TableRef("op", warehouse={wh!r}), CompactionPolicy(min_segments=2))
     for b in range(3):
         store.get_state("v").update_batch(pa.table({{"k": pa.array([b], pa.int64())}}), [b])
         store.checkpoint(batch_id=b)
@@ -154,6 +157,37 @@ def test_the_compactor_exits_when_its_writer_is_killed(tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(pid), "the compactor outlived its killed writer"
+
+
+def test_the_compactor_command_line_holds_no_catalog_property(tmp_path):
+    """The catalog's properties (here a secret key and the catalog's URI) reach the compactor
+    on its standard input: its command line, which every user of the host can read, holds
+    none of them; and the compactor still opens the table and compacts it."""
+    root = tmp_path / "named"
+    root.mkdir()
+    secret = "not-a-real-secret-7c1f"
+    ref = TableRef("op", catalog_name="named", catalog_properties={
+        "type": "sql", "uri": f"sqlite:///{root / 'catalog.db'}", "warehouse": f"file://{root}",
+        "init_catalog_tables": "true", "s3.secret-access-key": secret})
+    table = ref.open(LAYOUT)
+    store = StateStore(table)
+    compactor = CompactorProcess(ref, CompactionPolicy(min_segments=2, size_ratio=1e12))
+    try:
+        for b in range(3):
+            store.get_state("v").update_batch(ks([b]), [b])
+            store.checkpoint(batch_id=b)
+            compactor.checkpoint_committed(table)
+        assert compactor.pid is not None
+        argv = Path(f"/proc/{compactor.pid}/cmdline").read_bytes().decode().split("\0")
+        for value in ref.catalog_properties.values():
+            assert not any(value in arg for arg in argv), (value, argv)
+    finally:
+        compactor.close()
+    assert compactor.results, "the compactor did not compact: it could not open the table from its input"
+    table.restore()
+    assert len(compactions(table)) >= 1
+    store.close()
+    table.close()
 
 
 def _alive(pid: int) -> bool:
@@ -206,7 +240,7 @@ def test_one_notification_compacts_until_the_policy_is_satisfied(tmp_path):
     policy = CompactionPolicy(min_segments=2, max_merge=2)
     assert needs_compaction(table, policy)
     report = io.StringIO()
-    results = serve(TableSpec(table="op", warehouse=wh), policy, io.StringIO("3\n"), report)
+    results = serve(TableRef(table="op", warehouse=wh), policy, io.StringIO("3\n"), report)
     assert len(results) >= 2  # 4 equal segments, 2 per merge: the first merge alone leaves a run
     assert len(report.getvalue().splitlines()) == len(results)
     table.restore()
@@ -227,7 +261,7 @@ def test_the_compactor_stops_quietly_when_its_writer_stopped_reading(tmp_path):
     table, store = four_equal_segments(wh)
     before = state_of(table)
     policy = CompactionPolicy(min_segments=2, max_merge=2)
-    results = serve(TableSpec(table="op", warehouse=wh), policy, io.StringIO("3\n3\n"), Closed())
+    results = serve(TableRef(table="op", warehouse=wh), policy, io.StringIO("3\n3\n"), Closed())
     assert len(results) == 1  # one committed, then it noticed nobody reads its results
     table.restore()
     assert len(compactions(table)) == 1

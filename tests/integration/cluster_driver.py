@@ -165,7 +165,7 @@ def _state_dump(warehouse: str, table: str) -> dict:
 
 def _output_dump(warehouse: str, identifier: str) -> dict:
     from catalog.defaults import default_catalog
-    from spark_integration.outputs import BATCH_ID_PROPERTY
+    from catalog.output_table import BATCH_ID_PROPERTY
 
     cat = default_catalog(warehouse)
     try:

@@ -409,6 +409,9 @@ def test_pushdown_option_off_gives_a_reader_without_push_filters(warehouse: str)
     ({"warehouse": "W", "table": "op", "state": "count", "partitions": "zero"}, "partitions must be an integer"),
     ({"warehouse": "W", "table": "op", "state": "count", "checkpint": "1"}, r"unknown option\(s\) \['checkpint'\]"),
     ({"warehouse": "W", "table": "op", "catalog.uri": "x"}, "both option 'warehouse'"),
+    ({"table": "op", "catalog.name": "nope", "catalog.uri": "ftp://me:pw@host"},
+     r"cannot load pyiceberg catalog 'nope' .*ftp://me:\*\*\*@host"),
+    ({"warehouse": "s3://bucket/wh", "table": "op"}, "warehouse 's3://bucket/wh' is a URI"),
 ])
 def test_bad_options_are_clear_errors(warehouse: str, options: dict, message: str):
     options = {k: (warehouse if v == "W" else v) for k, v in options.items()}

@@ -126,7 +126,7 @@ def _mid_state(run: Run) -> dict:
     """What the killed driver left: the state table's batch and the output table's batches."""
     from catalog.defaults import default_catalog
     from catalog.iceberg_table import IcebergStateTable
-    from spark_integration.outputs import BATCH_ID_PROPERTY
+    from catalog.output_table import BATCH_ID_PROPERTY
 
     with IcebergStateTable.open_existing(warehouse=str(run.warehouse), table_name="t_q") as table:
         info = table.current_checkpoint()

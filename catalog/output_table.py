@@ -20,7 +20,8 @@ QUERY_ID_PROPERTY = "icestate.query-id"
 
 
 class OutputTable:
-    """An Iceberg table receiving a query's output rows, one snapshot per batch."""
+    """An Iceberg table receiving a query's output rows, one snapshot per batch. It owns its
+    catalog (closed by ``close``)."""
 
     def __init__(self, catalog: Catalog, table: Table):
         self._catalog = catalog
@@ -28,28 +29,16 @@ class OutputTable:
 
     @classmethod
     def open(cls, catalog: Catalog, identifier: str, schema: pa.Schema) -> OutputTable:
-        """Open the table ``namespace.name``, creating it with ``schema`` when missing.
+        """Open the table ``namespace.name`` of ``catalog``, creating it with ``schema`` when
+        missing. The table owns ``catalog`` from here on: closed with it, or when opening fails.
 
         Raises SchemaMismatchError when an existing table has other columns or types.
         """
-        if "." not in identifier:
-            raise ValueError(f"output table {identifier!r} must be 'namespace.name'")
-        namespace = identifier.rsplit(".", 1)[0]
-        catalog.create_namespace_if_not_exists(namespace)
         try:
-            table = catalog.load_table(identifier)
-        except NoSuchTableError:
-            table = catalog.create_table_if_not_exists(identifier, schema=schema)
-        existing = table.schema().as_arrow()
-        want = [(f.name, f.type) for f in schema]
-        have = [(f.name, f.type) for f in existing]
-        if [n for n, _ in want] != [n for n, _ in have] or not all(
-                _compatible(a, b) for (_, a), (_, b) in zip(want, have, strict=True)):
-            raise SchemaMismatchError(
-                f"output table {identifier} has schema {existing}, the query's output schema is {schema}; "
-                "write to another table or migrate this one"
-            )
-        return cls(catalog, table)
+            return cls(catalog, _opened(catalog, identifier, schema))
+        except BaseException:
+            _close(catalog)
+            raise
 
     @property
     def table(self) -> Table:
@@ -94,9 +83,34 @@ class OutputTable:
         return True
 
     def close(self) -> None:
-        close = getattr(self._catalog, "close", None)
-        if close is not None:
-            close()
+        _close(self._catalog)
+
+
+def _opened(catalog: Catalog, identifier: str, schema: pa.Schema) -> Table:
+    if "." not in identifier:
+        raise ValueError(f"output table {identifier!r} must be 'namespace.name'")
+    namespace = identifier.rsplit(".", 1)[0]
+    catalog.create_namespace_if_not_exists(namespace)
+    try:
+        table = catalog.load_table(identifier)
+    except NoSuchTableError:
+        table = catalog.create_table_if_not_exists(identifier, schema=schema)
+    existing = table.schema().as_arrow()
+    want = [(f.name, f.type) for f in schema]
+    have = [(f.name, f.type) for f in existing]
+    if [n for n, _ in want] != [n for n, _ in have] or not all(
+            _compatible(a, b) for (_, a), (_, b) in zip(want, have, strict=True)):
+        raise SchemaMismatchError(
+            f"output table {identifier} has schema {existing}, the query's output schema is {schema}; "
+            "write to another table or migrate this one"
+        )
+    return table
+
+
+def _close(catalog: Catalog) -> None:
+    close = getattr(catalog, "close", None)
+    if close is not None:
+        close()
 
 
 def _compatible(want: pa.DataType, have: pa.DataType) -> bool:
