@@ -32,7 +32,7 @@ from statestore.descriptors import (
     StateKind,
     ValueStateDescriptor,
 )
-from statestore.errors import StateStoreError, StateTableMismatchError
+from statestore.errors import StateFunctionUnavailableError, StateTableMismatchError
 from statestore.layout import KEY_GROUP, StateLayout
 
 # Partition field ids start here in Iceberg (spec rule); a fresh spec uses the first one.
@@ -211,7 +211,7 @@ class _StoredFunctionUnavailable(AggregateFunction):
         self.state_name = state_name
 
     def __call__(self, *args: object) -> object:
-        raise StateStoreError(
+        raise StateFunctionUnavailableError(
             f"state {self.state_name!r} was opened from the table's recorded layout, which has no reduce or "
             "aggregate function: open the table with the operator's own layout to add values"
         )

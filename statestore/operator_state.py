@@ -30,7 +30,12 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from statestore.errors import CorruptSegmentError, SchemaMismatchError, StateStoreError
+from statestore.errors import (
+    CorruptSegmentError,
+    SchemaMismatchError,
+    StateDescriptorMismatchError,
+    StateNotDeclaredError,
+)
 
 STATE_COLUMN = "state"
 INDEX_COLUMN = "idx"
@@ -170,10 +175,11 @@ class OperatorStateStore:
     def get_list_state(self, descriptor: OperatorStateDescriptor | str) -> OperatorListState:
         name = descriptor if isinstance(descriptor, str) else descriptor.name
         if name not in self._descriptors:
-            raise StateStoreError(f"operator state {name!r} is not declared (declared: {sorted(self._descriptors)})")
+            raise StateNotDeclaredError(
+                f"operator state {name!r} is not declared (declared: {sorted(self._descriptors)})")
         if not isinstance(descriptor, str) and descriptor != self._descriptors[name]:
-            raise StateStoreError(f"operator state {name!r} is declared as {self._descriptors[name]}, "
-                                  f"requested as {descriptor}")
+            raise StateDescriptorMismatchError(f"operator state {name!r} is declared as {self._descriptors[name]}, "
+                                               f"requested as {descriptor}")
         return OperatorListState(self._descriptors[name], self._lists[name])
 
     def restore(self) -> None:

@@ -14,7 +14,7 @@ from pyiceberg.transforms import IdentityTransform, TruncateTransform
 from catalog import IcebergStateTable, default_catalog
 from catalog import properties as props
 from statestore.descriptors import ListStateDescriptor, ReducingStateDescriptor, ValueStateDescriptor
-from statestore.errors import StateClosedError, StateStoreError, StateTableMismatchError
+from statestore.errors import StateClosedError, StateFunctionUnavailableError, StateTableMismatchError
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import StateLayout
 from statestore.store import StateStore
@@ -208,7 +208,7 @@ def test_open_existing_rebuilds_the_recorded_layout(open_table, warehouse):
         assert existing.current_checkpoint().checkpoint_id == cp
         assert [(d.name, d.kind) for d in existing.layout.descriptors] == [(d.name, d.kind) for d in layout.descriptors]
         assert existing.layout.key_names == ["user"] and existing.layout.max_parallelism == MAX_PARALLELISM
-        with pytest.raises(StateStoreError, match="'total'"):
+        with pytest.raises(StateFunctionUnavailableError, match="'total'"):
             existing.layout.descriptor("total").reduce_fn(1, 2)
         metadata_location = existing.iceberg_table.metadata_location
     finally:
