@@ -7,10 +7,12 @@ Public surface:
 * ``default_catalog``: the embedded SQLite catalog used when none is given;
 * ``entries_view``, ``connect``: a checkpoint in DuckDB (raw entries, live state per variable).
 
-Only this package imports pyiceberg. Module guide: ``iceberg_table`` (the table),
+Only this package imports pyiceberg. Module guide: ``iceberg_table`` (the table facade),
+``commit`` (validate and commit a checkpoint, retries), ``refs`` (savepoints and forks),
+``gc`` (expire and delete files), ``retention`` (what to expire and delete: pure planning),
 ``creation`` (create / validate / evolve), ``schema`` (layout <-> Iceberg schema),
-``manifests`` (manifest cache), ``retention`` (what to expire and delete), ``naming``
-(URIs and tagged commit files), ``properties`` (stored keys), ``defaults``, ``sql``;
+``manifests`` (manifest cache), ``naming`` (URIs and tagged commit files), ``properties``
+(Iceberg configuration; the stored keys are ``statestore.stored_keys``), ``defaults``, ``sql``;
 ``cli`` and ``demo`` are the ``icestate`` command and the main job.
 """
 

@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from statestore import stored_keys
 from statestore.errors import (
     CorruptSegmentError,
     SchemaMismatchError,
@@ -209,7 +210,7 @@ class OperatorStateStore:
             full[offset:offset + len(values)] = values
             arrays[desc.value_column] = pa.array(full, desc.value_type)
             offset += len(values)
-        table = pa.table(arrays).replace_schema_metadata({"statestore.operator-state": json.dumps(
+        table = pa.table(arrays).replace_schema_metadata({stored_keys.OPERATOR_STATE_MODES: json.dumps(
             {d.name: d.mode.value for d in self._descriptors.values()})})
         path = self._table.new_operator_state_path(checkpoint_id, self.task_index)
         pq.write_table(table, path, filesystem=self._table.filesystem, compression="zstd")
