@@ -30,7 +30,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +99,7 @@ class CheckpointCommitter:
 
     def check_args(
         self, checkpoint_id: int, segments: Sequence[SegmentFile], parallelism: int, batch_id: int | None,
-        properties: dict[str, str], committed_paths: set[str] | dict[str, Any],
+        properties: dict[str, str], committed_paths: Container[str],
     ) -> None:
         """Raise ValueError/TypeError for bad arguments; ``committed_paths`` are the segment
         paths the opened checkpoint already holds (a segment is committed once)."""
@@ -119,7 +119,7 @@ class CheckpointCommitter:
             self._check_segment(s, checkpoint_id, seen, committed_paths)
 
     def _check_segment(self, s: SegmentFile, checkpoint_id: int, seen: set[str],
-                       committed_paths: set[str] | dict[str, Any]) -> None:
+                       committed_paths: Container[str]) -> None:
         if not isinstance(s, SegmentFile):
             raise TypeError(f"segments must be SegmentFile values, got {type(s).__name__}")
         path = self._locations.to_path(self._locations.to_uri(s.path))

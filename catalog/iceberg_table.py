@@ -104,7 +104,6 @@ class IcebergStateTable:
         self._owns_catalog = owns_catalog
         self._table = table
         self._layout = layout
-        self._retain = retain
         self._name = ".".join(table.name())
         self._locations = Locations.of(table.location(), table.io)
         self._width = int(stored_keys.get(table.properties, stored_keys.PARTITION_WIDTH, layout.max_parallelism))
