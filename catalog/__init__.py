@@ -9,12 +9,15 @@ Public surface:
 * ``default_catalog``: the embedded SQLite catalog used when none is given;
 * ``entries_view``, ``connect``: a checkpoint in DuckDB (raw entries, live state per variable).
 
-Only this package imports pyiceberg. Module guide: ``iceberg_table`` (the table),
-``table_ref`` (where a table is), ``output_table`` (a query's exactly-once output table),
-``creation`` (create / validate / evolve), ``schema`` (layout <-> Iceberg schema),
-``manifests`` (manifest cache), ``retention`` (what to expire and delete), ``naming``
-(URIs and tagged commit files), ``properties`` (stored keys), ``defaults``, ``sql``;
-``cli`` holds the state-table commands of the ``icestate`` program.
+Only this package imports pyiceberg. Module guide: ``iceberg_table`` (the table facade),
+``table_ref`` (where a table is: the one door to a table), ``commit`` (validate and commit a
+checkpoint, retries), ``refs`` (savepoints and forks), ``gc`` (expire and delete files),
+``retention`` (what to expire and delete: pure planning), ``output_table`` (a query's
+exactly-once output table), ``creation`` (create / validate / evolve), ``schema`` (layout <->
+Iceberg schema), ``manifests`` (manifest cache), ``naming`` (URIs and tagged commit files),
+``properties`` (Iceberg configuration; the stored keys are ``statestore.stored_keys``),
+``compaction`` and ``compactor``, ``defaults``, ``sql``; ``cli`` holds the state-table commands
+of the ``icestate`` program.
 """
 
 from catalog.defaults import DEFAULT_NAMESPACE, default_catalog

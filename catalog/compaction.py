@@ -51,6 +51,7 @@ from pyiceberg.io.pyarrow import parquet_file_to_data_file
 
 from catalog.iceberg_table import IcebergStateTable
 from catalog.retention import line, newest_checkpoint_id
+from statestore import stored_keys
 from statestore.entries import read_entries
 from statestore.faults import crash_point
 from statestore.keygroups import KeyGroupRange, compute_key_group_range_for_task
@@ -62,7 +63,7 @@ from statestore.table import SegmentFile
 
 log = logging.getLogger(__name__)
 
-SUMMARY_COMPACTION = "statestore.compaction"
+SUMMARY_COMPACTION = stored_keys.SUMMARY_COMPACTION
 ATTEMPTS_MAX = 5
 
 

@@ -28,6 +28,7 @@ from catalog.schema import (
     partition_spec,
     sort_order,
 )
+from statestore import stored_keys
 from statestore.errors import CommitConflictError
 from statestore.layout import KEY_GROUP, StateLayout
 
@@ -66,8 +67,8 @@ def _create(catalog: Catalog, identifier: tuple[str, str], layout: StateLayout, 
     properties = {
         **props.iceberg_table_properties(),
         **layout_properties(layout),
-        props.PARTITION_WIDTH: str(width),
-        props.LAST_CHECKPOINT_ID: "0",
+        stored_keys.PARTITION_WIDTH: str(width),
+        stored_keys.LAST_CHECKPOINT_ID: "0",
     }
     tx = catalog.create_table_transaction(
         identifier, schema=schema, partition_spec=partition_spec(schema, width),
@@ -82,7 +83,8 @@ def _create(catalog: Catalog, identifier: tuple[str, str], layout: StateLayout, 
 def _bring_up_to_date(table: Table, layout: StateLayout, width: int | None) -> Table:
     check_compatible(".".join(table.name()), table.schema(), table.properties, layout)
     added = new_columns(table.schema(), layout)
-    width_change = width is not None and str(width) != table.properties.get(props.PARTITION_WIDTH)
+    current = stored_keys.upgraded(table.properties)
+    width_change = width is not None and str(width) != current.get(stored_keys.PARTITION_WIDTH)
     tx = table.transaction()
     if len(added):
         with tx.update_schema() as update:
@@ -90,21 +92,21 @@ def _bring_up_to_date(table: Table, layout: StateLayout, width: int | None) -> T
     if width_change:
         _evolve_partitioning(tx, width)
     wanted = _wanted_properties(tx, layout, width if width_change else None)
-    changed = {k: v for k, v in wanted.items() if table.properties.get(k) != v}
+    changed = {k: v for k, v in wanted.items() if current.get(k) != v}
     if changed:
         tx.set_properties(changed)
     return tx.commit_transaction()  # a no-op without staged changes
 
 
 def _wanted_properties(tx: Transaction, layout: StateLayout, width: int | None) -> dict[str, str]:
-    current = tx.table_metadata.properties
+    current = stored_keys.upgraded(tx.table_metadata.properties)
     wanted = {k: v for k, v in props.iceberg_table_properties().items() if k in _ENFORCED or k not in current}
-    wanted.update(layout_properties(layout, current.get(props.LAYOUT)))
-    if json.loads(wanted[props.LAYOUT]) == json.loads(current.get(props.LAYOUT, "null")):
-        del wanted[props.LAYOUT]  # same content, maybe other formatting: no commit for that
+    wanted.update(layout_properties(layout, current.get(stored_keys.LAYOUT)))
+    if json.loads(wanted[stored_keys.LAYOUT]) == json.loads(current.get(stored_keys.LAYOUT, "null")):
+        del wanted[stored_keys.LAYOUT]  # same content, maybe other formatting: no commit for that
     wanted[TableProperties.DEFAULT_NAME_MAPPING] = _name_mapping(tx)
     if width is not None:
-        wanted[props.PARTITION_WIDTH] = str(width)
+        wanted[stored_keys.PARTITION_WIDTH] = str(width)
     return wanted
 
 

@@ -1,43 +1,14 @@
-"""Names and values the state store writes into Iceberg metadata.
+"""The Iceberg configuration every state table carries, and which summary keys are Iceberg's.
 
-Every key here is stored in table metadata or snapshot summaries of existing state
-tables: renaming one breaks reading them. Iceberg's own keys are pyiceberg's constants.
+The state store's own stored keys (table properties, snapshot summary keys) live in
+``statestore.stored_keys``; Iceberg's own keys are pyiceberg's constants.
 """
 
 from __future__ import annotations
 
 from pyiceberg.table import TableProperties
 
-# Table properties (stored: do not rename).
-MAX_PARALLELISM = "statestore.max-parallelism"
-KEY_SCHEMA = "statestore.key-schema"
-LAYOUT = "statestore.layout"
-PARTITION_WIDTH = "statestore.partition-width"
-# Highest checkpoint id ever committed, kept so that ids stay monotonic after the snapshots
-# of an abandoned line (restore to an older checkpoint) are expired.
-LAST_CHECKPOINT_ID = "statestore.last-checkpoint-id"
-
-
-def last_checkpoint_id_key(branch: str) -> str:
-    """The table property holding the highest checkpoint id committed on a fork (a branch
-    other than main; main's is ``LAST_CHECKPOINT_ID``)."""
-    return f"{LAST_CHECKPOINT_ID}@{branch}"
-
-
-def fork_base_key(branch: str) -> str:
-    """The table property holding the snapshot id a fork was created at."""
-    return f"statestore.fork-base@{branch}"
-
-# Snapshot summary properties of a checkpoint (stored: do not rename).
-SUMMARY_CHECKPOINT_ID = "statestore.checkpoint-id"
-SUMMARY_BATCH_ID = "statestore.batch-id"
-SUMMARY_PARALLELISM = "statestore.parallelism"
-SUMMARY_MAX_PARALLELISM = "statestore.max-parallelism"
-# JSON list of the checkpoint's operator state files (statestore.operator_state), one per task.
-SUMMARY_OPERATOR_STATE = "statestore.operator-state"
-RESERVED_SUMMARY_KEYS = frozenset(
-    {SUMMARY_CHECKPOINT_ID, SUMMARY_BATCH_ID, SUMMARY_PARALLELISM, SUMMARY_MAX_PARALLELISM, SUMMARY_OPERATOR_STATE}
-)
+from statestore import stored_keys
 
 # Partitioning. A segment covers the key groups of one partition, truncate(key_group, W).
 # The default is one partition for the whole table (W = max parallelism): a task writes one
@@ -45,7 +16,6 @@ RESERVED_SUMMARY_KEYS = frozenset(
 # statistics of each file, which Iceberg keeps in the manifests. Identity partitioning
 # would write one tiny file per touched key group (DESIGN: measured facts).
 DEFAULT_PARTITION_COUNT = 1
-PARTITION_FIELD_PREFIX = "key_group_range_w"
 
 # Manifest merging. A fast append adds one manifest per commit and carries all earlier ones
 # forward, so the manifest list of the head (and scan planning, and the open of a table)
@@ -80,3 +50,9 @@ _ICEBERG_SUMMARY_PREFIXES = ("added-", "deleted-", "removed-", "total-", "change
 
 def is_iceberg_summary_key(key: str) -> bool:
     return key == "operation" or key.startswith(_ICEBERG_SUMMARY_PREFIXES)
+
+
+def is_user_summary_key(key: str) -> bool:
+    """Whether a checkpoint property may use ``key``: not a key the state store reserves
+    (under its current or legacy name) nor one Iceberg writes."""
+    return not stored_keys.is_reserved_summary_key(key) and not is_iceberg_summary_key(key)

@@ -41,9 +41,9 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 
-from catalog import properties as props
 from catalog.manifests import ManifestCache
 from catalog.naming import checkpoint_of_commit_file
+from statestore import stored_keys
 from statestore.paths import (
     COMPACTION_GRACE_CHECKPOINTS,
     parse_compaction_name,
@@ -56,8 +56,13 @@ _METADATA_JSON = re.compile(r"^(\d+)-[^/]*\.metadata\.json$")
 
 def checkpoint_id_of(snapshot: Snapshot) -> int | None:
     """The checkpoint id a snapshot's summary carries; None for other snapshots."""
-    value = snapshot.summary.additional_properties.get(props.SUMMARY_CHECKPOINT_ID) if snapshot.summary else None
+    value = _summary_value(snapshot, stored_keys.SUMMARY_CHECKPOINT_ID)
     return None if value is None else int(value)
+
+
+def _summary_value(snapshot: Snapshot, key: str) -> str | None:
+    """A state store key of a snapshot's summary, under its current or legacy name."""
+    return stored_keys.get(snapshot.summary.additional_properties, key) if snapshot.summary else None
 
 
 def line(metadata: TableMetadata, branch: str = MAIN_BRANCH) -> list[Snapshot]:
@@ -82,10 +87,10 @@ def newest_checkpoint_id(metadata: TableMetadata, branch: str = MAIN_BRANCH) -> 
                     if name != MAIN_BRANCH and ref.snapshot_ref_type == SnapshotRefType.BRANCH
                     for s in line(metadata, name)} - {s.snapshot_id for s in line(metadata)}
         ids = [checkpoint_id_of(s) for s in metadata.snapshots if s.snapshot_id not in on_forks]
-        recorded = int(metadata.properties.get(props.LAST_CHECKPOINT_ID, "0"))
+        recorded = int(stored_keys.get(metadata.properties, stored_keys.LAST_CHECKPOINT_ID, "0"))
     else:
         ids = [checkpoint_id_of(s) for s in line(metadata, branch)]
-        recorded = int(metadata.properties.get(props.last_checkpoint_id_key(branch), "0"))
+        recorded = int(stored_keys.get(metadata.properties, stored_keys.last_checkpoint_id_key(branch), "0"))
     return max([recorded, *(i for i in ids if i is not None)])
 
 
@@ -126,7 +131,7 @@ def unreferenced_files(cache: ManifestCache, expired: Sequence[Snapshot], retain
 
 def operator_files_of(snapshot: Snapshot) -> list[dict]:
     """The operator state files a checkpoint snapshot lists (``statestore.operator_state``)."""
-    value = snapshot.summary.additional_properties.get(props.SUMMARY_OPERATOR_STATE) if snapshot.summary else None
+    value = _summary_value(snapshot, stored_keys.SUMMARY_OPERATOR_STATE)
     return [] if not value else json.loads(value)
 
 

@@ -22,6 +22,7 @@ from pyiceberg.table.sorting import SortField, SortOrder
 from pyiceberg.transforms import IdentityTransform, TruncateTransform
 
 from catalog import properties as props
+from statestore import stored_keys
 from statestore.descriptors import (
     AggregateFunction,
     AggregatingStateDescriptor,
@@ -32,7 +33,7 @@ from statestore.descriptors import (
     StateKind,
     ValueStateDescriptor,
 )
-from statestore.errors import StateStoreError, StateTableMismatchError
+from statestore.errors import StateFunctionUnavailableError, StateTableMismatchError
 from statestore.layout import KEY_GROUP, StateLayout
 
 # Partition field ids start here in Iceberg (spec rule); a fresh spec uses the first one.
@@ -60,7 +61,7 @@ def partition_spec(schema: Schema, width: int, field_id: int = _FIRST_PARTITION_
 
 
 def partition_field_name(width: int) -> str:
-    return f"{props.PARTITION_FIELD_PREFIX}{width}"
+    return f"{stored_keys.PARTITION_FIELD_PREFIX}{width}"
 
 
 def sort_order(schema: Schema) -> SortOrder:
@@ -89,9 +90,9 @@ def layout_properties(layout: StateLayout, recorded_layout: str | None = None) -
             "user_key_type": None if d.user_key_type is None else str(d.user_key_type),
         }
     return {
-        props.MAX_PARALLELISM: str(layout.max_parallelism),
-        props.KEY_SCHEMA: json.dumps([{"name": f.name, "type": str(f.type)} for f in layout.key_schema]),
-        props.LAYOUT: json.dumps({"states": list(states.values())}, sort_keys=True),
+        stored_keys.MAX_PARALLELISM: str(layout.max_parallelism),
+        stored_keys.KEY_SCHEMA: json.dumps([{"name": f.name, "type": str(f.type)} for f in layout.key_schema]),
+        stored_keys.LAYOUT: json.dumps({"states": list(states.values())}, sort_keys=True),
     }
 
 
@@ -106,25 +107,26 @@ def check_compatible(table_name: str, schema: Schema, properties: dict[str, str]
     and the same kind and column types for every state variable the table already knows.
     New state variables are fine (``new_columns`` lists what to add).
     """
-    if props.MAX_PARALLELISM not in properties:
+    properties = stored_keys.upgraded(properties)
+    if stored_keys.MAX_PARALLELISM not in properties:
         raise StateTableMismatchError(
-            f"table {table_name} is not a state table (it has no {props.MAX_PARALLELISM} property): "
+            f"table {table_name} is not a state table (it has no {stored_keys.MAX_PARALLELISM} property): "
             "pick a table_name that is unused or was created by IcebergStateTable.open"
         )
-    recorded_n = int(properties[props.MAX_PARALLELISM])
+    recorded_n = int(properties[stored_keys.MAX_PARALLELISM])
     if recorded_n != layout.max_parallelism:
         raise StateTableMismatchError(
             f"state table {table_name} was created with max_parallelism={recorded_n}, the operator declares "
             f"{layout.max_parallelism}: key groups are fixed for the life of the state; open it with "
             f"max_parallelism={recorded_n} or start a new table"
         )
-    recorded_keys = [k["name"] for k in json.loads(properties[props.KEY_SCHEMA])]
+    recorded_keys = [k["name"] for k in json.loads(properties[stored_keys.KEY_SCHEMA])]
     if recorded_keys != layout.key_names:
         raise StateTableMismatchError(
             f"state table {table_name} has key columns {recorded_keys}, the operator declares "
             f"{layout.key_names}: {_FIX}"
         )
-    _check_state_kinds(table_name, properties.get(props.LAYOUT), layout)
+    _check_state_kinds(table_name, properties.get(stored_keys.LAYOUT), layout)
     _check_column_types(table_name, schema, layout)
 
 
@@ -180,12 +182,14 @@ def recorded_layout(table_name: str, schema: Schema, properties: dict[str, str])
     refuse to run: their code is not stored, so such a layout reads state but cannot fold
     new values into it (open with the operator's own layout for that).
     """
-    if props.MAX_PARALLELISM not in properties:
-        raise StateTableMismatchError(f"table {table_name} is not a state table (no {props.MAX_PARALLELISM} property)")
-    keys = [k["name"] for k in json.loads(properties[props.KEY_SCHEMA])]
+    properties = stored_keys.upgraded(properties)
+    if stored_keys.MAX_PARALLELISM not in properties:
+        raise StateTableMismatchError(
+            f"table {table_name} is not a state table (no {stored_keys.MAX_PARALLELISM} property)")
+    keys = [k["name"] for k in json.loads(properties[stored_keys.KEY_SCHEMA])]
     key_schema = pa.schema([pa.field(k, _column_type(schema, k)) for k in keys])
-    descriptors = [_descriptor(s, schema) for s in _recorded_states(properties.get(props.LAYOUT))]
-    return StateLayout.of(key_schema, descriptors, int(properties[props.MAX_PARALLELISM]))
+    descriptors = [_descriptor(s, schema) for s in _recorded_states(properties.get(stored_keys.LAYOUT))]
+    return StateLayout.of(key_schema, descriptors, int(properties[stored_keys.MAX_PARALLELISM]))
 
 
 def _column_type(schema: Schema, name: str) -> pa.DataType:
@@ -211,7 +215,7 @@ class _StoredFunctionUnavailable(AggregateFunction):
         self.state_name = state_name
 
     def __call__(self, *args: object) -> object:
-        raise StateStoreError(
+        raise StateFunctionUnavailableError(
             f"state {self.state_name!r} was opened from the table's recorded layout, which has no reduce or "
             "aggregate function: open the table with the operator's own layout to add values"
         )

@@ -37,6 +37,7 @@ from pyspark.accumulators import AccumulatorParam
 from spark_integration.location import StateLocation
 from spark_integration.timers import TimerService
 from statestore.config import StoreConfig
+from statestore.faults import fail_if_first_attempt
 from statestore.layout import StateLayout
 from statestore.store import StateStore
 from statestore.table import SegmentFile
@@ -65,10 +66,6 @@ class ReportParam(AccumulatorParam):
     def addInPlace(self, value1: list, value2: list) -> list:
         value1.extend(value2)
         return value1
-
-
-# env var naming a file: when it exists, every task attempt 0 raises after flushing (failure tests)
-FAIL_FIRST_ATTEMPT_ENV = "ICESTATE_FAIL_FIRST_ATTEMPT"
 
 
 @dataclass(frozen=True)
@@ -282,7 +279,7 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
         processed = time.perf_counter()
         segments = store.flush(plan.checkpoint_id)
     ts.pending = (plan.checkpoint_id, token)
-    _maybe_fail_first_attempt()
+    fail_if_first_attempt(_attempt_number)
     flushed = time.perf_counter()
     outputs = _write_output(plan, task, token, output)
     after = store.stats()
@@ -416,15 +413,11 @@ def _write_output(plan: BatchPlan, task: int, token: str, output: pa.Table | Non
     return [{"uri": f"{plan.output_dir.rstrip('/')}/{name}", "rows": output.num_rows}]
 
 
-def _maybe_fail_first_attempt() -> None:
-    flag = os.environ.get(FAIL_FIRST_ATTEMPT_ENV)
-    if not flag or not os.path.exists(flag):
-        return
+def _attempt_number() -> int | None:
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
-    if ctx is not None and ctx.attemptNumber() == 0:
-        raise RuntimeError("injected failure of a task's first attempt (after its flush)")
+    return None if ctx is None else ctx.attemptNumber()
 
 
 def segment_of(payload: str) -> SegmentFile:

@@ -27,7 +27,7 @@ import pyarrow.fs as pafs
 
 from statestore import paths
 from statestore.errors import CheckpointNotFoundError, CorruptSegmentError, StateTableMismatchError
-from statestore.faults import crash_point
+from statestore.faults import COMMIT_DONE, COMMIT_METADATA_WRITTEN, FILES_DELETED, SNAPSHOTS_EXPIRED, crash_point
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import StateLayout
 from statestore.table import CheckpointInfo, SegmentFile
@@ -134,9 +134,9 @@ class DirectoryStateTable:
             "properties": dict(properties or {}), "segments": visible,
         }
         _write_atomic(self._cp_path(checkpoint_id), json.dumps(record))
-        crash_point("commit_metadata_written")
+        crash_point(COMMIT_METADATA_WRITTEN)
         _write_atomic(self._root / CHECKPOINT_DIR / HEAD, str(checkpoint_id))
-        crash_point("commit_done")
+        crash_point(COMMIT_DONE)
         self._set_current(record)
         self._apply_retention()
         return _info(record)
@@ -223,7 +223,7 @@ class DirectoryStateTable:
         for c in self._all_checkpoints():
             if c["checkpoint_id"] not in keep_ids:
                 self._cp_path(c["checkpoint_id"]).unlink(missing_ok=True)
-        crash_point("snapshots_expired")
+        crash_point(SNAPSHOTS_EXPIRED)
         referenced = {s["path"] for c in keep for s in c["segments"]}
         newest = self._current["checkpoint_id"]
         data = self._root / paths.DATA_DIR
@@ -231,7 +231,7 @@ class DirectoryStateTable:
             parsed = paths.parse_segment_name(f.name)
             if parsed and parsed[0] <= newest and self._relative(str(f)) not in referenced:
                 f.unlink(missing_ok=True)
-        crash_point("files_deleted")
+        crash_point(FILES_DELETED)
 
 
 def _seg_dict(s: SegmentFile) -> dict:

@@ -6,7 +6,10 @@ Every message names the object at fault and says what to do. Bad arguments to a 
 
 from __future__ import annotations
 
-import pyarrow as pa
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for annotations: this module (and statestore.faults) imports no third-party package
+    import pyarrow as pa
 
 
 class StateStoreError(Exception):
@@ -14,6 +17,8 @@ class StateStoreError(Exception):
 
 
 class UnsupportedKeyTypeError(StateStoreError, TypeError):
+    """A key column's type cannot be hashed to a key group the way Spark does."""
+
     def __init__(self, column: str, dtype: pa.DataType):
         super().__init__(
             f"key column {column!r} has type {dtype}, which cannot be a state key: use string, binary, "
@@ -44,7 +49,50 @@ class CommitConflictError(StateStoreError):
 
 
 class CheckpointFailedError(StateStoreError):
-    """A checkpoint did not commit; the previous checkpoint stays the newest complete one."""
+    """A checkpoint did not commit for a reason other than a commit race (see
+    ``CommitConflictError``); the previous checkpoint stays the newest complete one."""
+
+
+class TaskReportError(CheckpointFailedError):
+    """The tasks of a micro-batch did not report their flushed segments exactly once (none
+    after a full run, or one task twice), so the batch's checkpoint was not committed."""
+
+
+class CheckpointPendingError(StateStoreError):
+    """A store was asked to flush while an earlier flush was neither completed nor aborted."""
+
+
+class StateNotDeclaredError(StateStoreError):
+    """A state variable (keyed or operator state) was requested that the layout does not declare."""
+
+
+class StateDescriptorMismatchError(StateStoreError):
+    """A state variable was requested with another descriptor (kind, type, TTL) than declared."""
+
+
+class NoCurrentKeyError(StateStoreError):
+    """The per-key state API was used before a current key was set."""
+
+
+class StateFunctionUnavailableError(StateStoreError):
+    """A reducing or aggregating state opened from a table's recorded layout was asked to add
+    values: the recorded layout holds no reduce or aggregate function."""
+
+
+class TimersDisabledError(StateStoreError):
+    """Timers were used by a query started without a time mode (ProcessingTime or EventTime)."""
+
+
+class QueryCheckpointUnreadableError(StateStoreError):
+    """A file of Spark's streaming checkpoint (offset log, query metadata) could not be read."""
+
+
+class QueryMismatchError(StateStoreError):
+    """A state or output table holds the batches of another streaming query than this one."""
+
+
+class InjectedFaultError(StateStoreError, RuntimeError):
+    """A failure injected by a test through ``statestore.faults``; never raised in production."""
 
 
 class StateTableMismatchError(StateStoreError):

@@ -30,7 +30,13 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from statestore.errors import CorruptSegmentError, SchemaMismatchError, StateStoreError
+from statestore import stored_keys
+from statestore.errors import (
+    CorruptSegmentError,
+    SchemaMismatchError,
+    StateDescriptorMismatchError,
+    StateNotDeclaredError,
+)
 
 STATE_COLUMN = "state"
 INDEX_COLUMN = "idx"
@@ -170,10 +176,11 @@ class OperatorStateStore:
     def get_list_state(self, descriptor: OperatorStateDescriptor | str) -> OperatorListState:
         name = descriptor if isinstance(descriptor, str) else descriptor.name
         if name not in self._descriptors:
-            raise StateStoreError(f"operator state {name!r} is not declared (declared: {sorted(self._descriptors)})")
+            raise StateNotDeclaredError(
+                f"operator state {name!r} is not declared (declared: {sorted(self._descriptors)})")
         if not isinstance(descriptor, str) and descriptor != self._descriptors[name]:
-            raise StateStoreError(f"operator state {name!r} is declared as {self._descriptors[name]}, "
-                                  f"requested as {descriptor}")
+            raise StateDescriptorMismatchError(f"operator state {name!r} is declared as {self._descriptors[name]}, "
+                                               f"requested as {descriptor}")
         return OperatorListState(self._descriptors[name], self._lists[name])
 
     def restore(self) -> None:
@@ -203,7 +210,7 @@ class OperatorStateStore:
             full[offset:offset + len(values)] = values
             arrays[desc.value_column] = pa.array(full, desc.value_type)
             offset += len(values)
-        table = pa.table(arrays).replace_schema_metadata({"statestore.operator-state": json.dumps(
+        table = pa.table(arrays).replace_schema_metadata({stored_keys.OPERATOR_STATE_MODES: json.dumps(
             {d.name: d.mode.value for d in self._descriptors.values()})})
         path = self._table.new_operator_state_path(checkpoint_id, self.task_index)
         pq.write_table(table, path, filesystem=self._table.filesystem, compression="zstd")

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from pyiceberg.io.pyarrow import parquet_file_to_data_file
 
-from catalog import properties as props
+from statestore import stored_keys
 from statestore.errors import CommitConflictError, CorruptSegmentError
 from statestore.keygroups import KeyGroupRange
 from statestore.table import SegmentFile
@@ -29,13 +29,13 @@ def test_checkpoint_is_one_snapshot_with_summary(open_table):
     assert len(ice.metadata.snapshots) == 1
     snapshot = ice.current_snapshot()
     summary = snapshot.summary.additional_properties
-    assert summary[props.SUMMARY_CHECKPOINT_ID] == str(cp)
-    assert summary[props.SUMMARY_BATCH_ID] == "41"
-    assert summary[props.SUMMARY_PARALLELISM] == "4"
-    assert summary[props.SUMMARY_MAX_PARALLELISM] == str(MAX_PARALLELISM)
+    assert summary[stored_keys.SUMMARY_CHECKPOINT_ID] == str(cp)
+    assert summary[stored_keys.SUMMARY_BATCH_ID] == "41"
+    assert summary[stored_keys.SUMMARY_PARALLELISM] == "4"
+    assert summary[stored_keys.SUMMARY_MAX_PARALLELISM] == str(MAX_PARALLELISM)
     assert summary["added-data-files"] == "4" and summary["source"] == "kafka"
     assert info.snapshot_id == snapshot.snapshot_id
-    assert ice.properties[props.LAST_CHECKPOINT_ID] == str(cp)
+    assert ice.properties[stored_keys.LAST_CHECKPOINT_ID] == str(cp)
 
 
 def test_checkpoint_id_error_names_the_way_out(open_table):
@@ -54,7 +54,10 @@ def test_checkpoint_id_error_names_the_way_out(open_table):
         ({"parallelism": 0}, "parallelism"),
         ({"parallelism": MAX_PARALLELISM + 1}, "parallelism"),
         ({"batch_id": -1}, "batch_id"),
-        ({"properties": {props.SUMMARY_CHECKPOINT_ID: "9"}}, "reserved"),
+        ({"properties": {stored_keys.SUMMARY_CHECKPOINT_ID: "9"}}, "reserved"),
+        ({"properties": {"statestore.checkpoint-id": "9"}}, "reserved"),  # the name older versions stored
+        ({"properties": {"icestate.operator-state": "[]"}}, "reserved"),
+        ({"properties": {"statestore.parallelism": "2"}}, "reserved"),
         ({"properties": {"total-records": "9"}}, "reserved"),
     ],
 )

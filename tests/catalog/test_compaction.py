@@ -9,7 +9,7 @@ import pytest
 
 from catalog import IcebergStateTable, connect
 from catalog import compaction as compaction_module
-from catalog import iceberg_table as iceberg_table_module
+from catalog import gc as gc_module
 from catalog.compaction import CompactionPolicy, compact, compact_partition
 from statestore import (
     KeyGroupRange,
@@ -204,7 +204,7 @@ def test_a_crashed_compactions_output_is_collected_only_once_it_can_no_longer_co
     for _ in range(COMPACTION_GRACE_CHECKPOINTS):
         checkpoint_with_sweep()
     assert outputs[0].exists()  # past its grace in checkpoints, but younger than its grace in seconds
-    monkeypatch.setattr(iceberg_table_module, "COMPACTION_GRACE_SECONDS", 0.0)
+    monkeypatch.setattr(gc_module, "COMPACTION_GRACE_SECONDS", 0.0)
     checkpoint_with_sweep()
     assert not outputs[0].exists()
     # and compaction still works afterwards, with its own outputs kept

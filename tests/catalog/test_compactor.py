@@ -26,7 +26,7 @@ import pyarrow as pa
 import pytest
 
 from catalog import IcebergStateTable, connect
-from catalog import iceberg_table as iceberg_table_module
+from catalog import gc as gc_module
 from catalog.compaction import CompactionPolicy, compactions, needs_compaction, units
 from catalog.compactor import CompactorProcess, serve
 from catalog.table_ref import TableRef
@@ -304,7 +304,7 @@ def test_a_compaction_killed_at_any_point_loses_nothing_and_leaks_nothing(tmp_pa
     child = subprocess.run([sys.executable, "-c", CRASHING.format(root=str(ROOT), wh=wh)],
                            env={**os.environ, CRASH_ENV: point}, capture_output=True, text=True, timeout=120)
     assert child.returncode == CRASH_EXIT_CODE, child.stderr
-    monkeypatch.setattr(iceberg_table_module, "COMPACTION_GRACE_SECONDS", 0.0)  # its grace in seconds: none
+    monkeypatch.setattr(gc_module, "COMPACTION_GRACE_SECONDS", 0.0)  # its grace in seconds: none
     committed = point == "compaction_committed"
     table.restore()
     assert state_of(table) == before

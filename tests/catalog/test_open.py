@@ -14,9 +14,9 @@ from pyiceberg.table import TableProperties
 from pyiceberg.transforms import IdentityTransform, TruncateTransform
 
 from catalog import IcebergStateTable, default_catalog
-from catalog import properties as props
+from statestore import stored_keys
 from statestore.descriptors import ListStateDescriptor, ReducingStateDescriptor, ValueStateDescriptor
-from statestore.errors import StateStoreError, StateTableMismatchError
+from statestore.errors import StateFunctionUnavailableError, StateTableMismatchError
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import StateLayout
 from tests.catalog.catalog_helpers import DESCRIPTORS, KEY_SCHEMA, LAYOUT, MAX_PARALLELISM, commit_next
@@ -32,11 +32,11 @@ def test_create_sets_schema_spec_sort_order_and_properties(open_table, warehouse
     assert part.transform == TruncateTransform(MAX_PARALLELISM)  # default: one partition
     assert ice.sort_order().fields[0].transform == IdentityTransform()
     p = ice.properties
-    assert p[props.MAX_PARALLELISM] == str(MAX_PARALLELISM)
-    assert json.loads(p[props.KEY_SCHEMA]) == [{"name": "user", "type": "string"}]
-    states = {s["name"]: s for s in json.loads(p[props.LAYOUT])["states"]}
+    assert p[stored_keys.MAX_PARALLELISM] == str(MAX_PARALLELISM)
+    assert json.loads(p[stored_keys.KEY_SCHEMA]) == [{"name": "user", "type": "string"}]
+    states = {s["name"]: s for s in json.loads(p[stored_keys.LAYOUT])["states"]}
     assert states["seen"] == {"name": "seen", "kind": "map", "value_type": "int32", "user_key_type": "string"}
-    assert p[props.PARTITION_WIDTH] == str(MAX_PARALLELISM)
+    assert p[stored_keys.PARTITION_WIDTH] == str(MAX_PARALLELISM)
     assert p[TableProperties.PARQUET_COMPRESSION] == "zstd"
     assert p[TableProperties.METADATA_DELETE_AFTER_COMMIT_ENABLED] == "true"
     assert "user" in p[TableProperties.DEFAULT_NAME_MAPPING]
@@ -105,7 +105,7 @@ def test_new_state_variable_is_added_by_schema_evolution(open_table):
     ice = table.iceberg_table
     assert ice.schema().find_field("v_last_seen").required is False
     assert "v_last_seen" in ice.properties[TableProperties.DEFAULT_NAME_MAPPING]
-    assert "last_seen" in ice.properties[props.LAYOUT]
+    assert "last_seen" in ice.properties[stored_keys.LAYOUT]
     assert ice.metadata.current_snapshot_id == table.current_checkpoint().snapshot_id  # metadata only
     assert table.current_checkpoint().checkpoint_id == first
     assert table.segments(KeyGroupRange.of(0, MAX_PARALLELISM - 1)) == old_segments
@@ -125,7 +125,7 @@ def test_partition_width_is_kept_and_evolves_metadata_only(open_table):
     table.close()
     table = open_table(partition_width=4)
     assert table.iceberg_table.spec().fields[0].transform == TruncateTransform(4)
-    assert table.iceberg_table.properties[props.PARTITION_WIDTH] == "4"
+    assert table.iceberg_table.properties[stored_keys.PARTITION_WIDTH] == "4"
     commit_next(table, [[0, 3], [4, 7], [8, 11], [12, 15]])
     assert len(table.segments(KeyGroupRange.of(0, 15))) == 6
     assert len(table.segments(KeyGroupRange.of(5, 6))) == 2  # the old 0-7 segment and the new 4-7 one
@@ -165,7 +165,7 @@ def test_open_existing_rebuilds_the_recorded_layout(open_table, warehouse):
         assert existing.current_checkpoint().checkpoint_id == cp
         assert [(d.name, d.kind) for d in existing.layout.descriptors] == [(d.name, d.kind) for d in layout.descriptors]
         assert existing.layout.key_names == ["user"] and existing.layout.max_parallelism == MAX_PARALLELISM
-        with pytest.raises(StateStoreError, match="'total'"):
+        with pytest.raises(StateFunctionUnavailableError, match="'total'"):
             existing.layout.descriptor("total").reduce_fn(1, 2)
         metadata_location = existing.iceberg_table.metadata_location
     finally:

@@ -16,7 +16,8 @@ from statestore import (
     OperatorStateStore,
     Redistribution,
     SchemaMismatchError,
-    StateStoreError,
+    StateDescriptorMismatchError,
+    StateNotDeclaredError,
 )
 from statestore.operator_state import redistribute
 from tests.catalog.catalog_helpers import LAYOUT, commit_next, write_segment
@@ -129,8 +130,10 @@ def test_bad_operator_state_is_refused_before_anything_is_written(open_table):
         store.get_list_state(KAFKA).add({"topic": "t", "partition": "not a number", "offset": 1})
     with pytest.raises(ValueError, match="null"):
         store.get_list_state(KAFKA).add(None)
-    with pytest.raises(StateStoreError, match="not declared"):
+    with pytest.raises(StateNotDeclaredError, match="not declared"):
         store.get_list_state("nope")
+    with pytest.raises(StateDescriptorMismatchError, match="requested as"):
+        store.get_list_state(OperatorStateDescriptor("offsets", pa.int64()))
     with pytest.raises(ValueError, match="twice"):
         OperatorStateStore(table, [SEEN, SEEN])
     with pytest.raises(ValueError, match="identifier"):

@@ -204,3 +204,14 @@ def test_fork_cannot_remove_itself_or_main(open_table):
         main.remove_fork("main")
     with pytest.raises(ValueError, match="no fork 'g'"):
         main.remove_fork("g")
+
+
+def test_a_fork_that_never_committed_can_be_removed(open_table):
+    """Regression: removing a fork without a checkpoint of its own raised KeyError (pyiceberg
+    refuses to remove its absent last-checkpoint-id property)."""
+    main = open_table()
+    commit_next(main)
+    main.fork("f")
+    main.remove_fork("f")
+    assert main.forks() == {}
+    assert not [k for k in main.iceberg_table.properties if k.endswith("@f")]

@@ -44,7 +44,7 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
-    from spark_integration.tasks import FAIL_FIRST_ATTEMPT_ENV
+    from statestore.faults import FAIL_FIRST_ATTEMPT_ENV
 
     # Python workers inherit the environment of the JVM: set before it starts. Tests create
     # the file to make every task's first attempt fail after its flush.

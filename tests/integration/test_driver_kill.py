@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from spark_integration.query import KILL_ENV, KILL_STEPS
-from spark_integration.tasks import FAIL_FIRST_ATTEMPT_ENV
+from statestore.faults import FAIL_FIRST_ATTEMPT_ENV
 from tests.integration.process_helpers import stop_session, tail
 
 pytestmark = [

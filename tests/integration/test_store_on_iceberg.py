@@ -146,10 +146,10 @@ def test_several_tasks_commit_one_snapshot(warehouse: Path):
         store.checkpoint_complete(cp)
     assert len(table.iceberg_table.snapshots()) == snapshots_before + 1
     summary = table.snapshot.summary.additional_properties
-    assert summary["statestore.checkpoint-id"] == str(cp)
-    assert summary["statestore.batch-id"] == "41"
-    assert summary["statestore.parallelism"] == "2"
-    assert summary["statestore.max-parallelism"] == str(N)
+    assert summary["icestate.checkpoint-id"] == str(cp)
+    assert summary["icestate.batch-id"] == "41"
+    assert summary["icestate.parallelism"] == "2"
+    assert summary["icestate.max-parallelism"] == str(N)
     assert (info.checkpoint_id, info.batch_id, info.parallelism) == (cp, 41, 2)
 
     # Restored at parallelism 1, one task sees every key of both.

@@ -1,0 +1,137 @@
+"""Garbage collection of a state table: expire what retention plans, delete the files.
+
+Role: the I/O half of retention. ``catalog.retention`` plans, from metadata alone, which
+snapshots a branch's writer expires and which files become unreferenced or orphaned;
+``GarbageCollector`` commits the expiry, lists the table's directories and deletes the
+files. After each checkpoint commit (whose own transaction already staged the expiry,
+``catalog.commit``) it deletes what that expiry left unreferenced, then runs retention
+again (the SNAPSHOTS_EXPIRED and FILES_DELETED crash points), and every
+``ORPHAN_SWEEP_INTERVAL_COMMITS`` commits, and at the first after open, sweeps orphans of
+crashed commits.
+
+Invariants: a file is deleted only when no retained snapshot references it (the plan) or
+it is an orphan by name (``retention.orphans``); a missing file is already deleted; a
+failed delete or a lost expiry race is logged and retried by a later commit, never raised:
+the checkpoint is already committed. Only ``main``'s writer sweeps orphans (a fork's
+leftovers of crashed commits stay until the fork is removed). Metadata files of other
+writers are never touched.
+
+Thread safety: none. One collector per opened table, used by the branch's one writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import pyarrow.fs as pafs
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.table import Table
+from pyiceberg.table.refs import MAIN_BRANCH
+from pyiceberg.table.snapshots import Snapshot
+
+from catalog.manifests import ManifestCache
+from catalog.naming import Locations, merged_away_manifests
+from catalog.retention import orphans, plan_retention, unreferenced_files, unreferenced_operator_files
+from statestore.faults import FILES_DELETED, SNAPSHOTS_EXPIRED, crash_point
+from statestore.paths import COMPACTION_GRACE_SECONDS, DATA_DIR, OPERATOR_DIR
+
+logger = logging.getLogger(__name__)
+
+# Orphans appear only when a process crashes or a commit fails, so the directory listing
+# (a full listing of the table's data, costly on object stores) runs at the first commit
+# after open and then once per this many commits, not at every checkpoint.
+ORPHAN_SWEEP_INTERVAL_COMMITS = 100
+METADATA_DIR = "metadata"
+
+
+class GarbageCollector:
+    """Retention and file deletion for the writer of ``branch`` of ``table``."""
+
+    def __init__(self, table: Table, branch: str, locations: Locations, cache: ManifestCache, retain: int):
+        self._table = table
+        self._branch = branch
+        self._locations = locations
+        self._cache = cache
+        self._retain = retain
+        self._name = ".".join(table.name())
+        self._commits_until_sweep = 0  # sweep at the first commit after open
+
+    def after_commit(self, snapshot: Snapshot, commit: uuid.UUID, unreferenced: list[str]) -> None:
+        """Clean up after the commit of ``snapshot`` (files named after ``commit``), whose
+        staged expiry left ``unreferenced`` files; then retention, and a sweep when due."""
+        # The expiry went with the commit; a crash from here on leaves files only the sweep finds.
+        crash_point(SNAPSHOTS_EXPIRED)
+        listed = [m.manifest_path for m in self._cache.manifests(snapshot)]
+        self.delete(merged_away_manifests(commit, listed) + unreferenced)
+        self.collect(sweep=self._commits_until_sweep <= 0)
+
+    def collect(self, sweep: bool) -> None:
+        """Expire what retention drops now and delete its files; with ``sweep`` (on main
+        only), also delete orphans of crashed commits."""
+        sweep = sweep and self._branch == MAIN_BRANCH
+        plan = plan_retention(self._table.metadata, self._retain, self._branch)
+        if plan.expired:
+            try:
+                doomed = unreferenced_files(self._cache, plan.expired, plan.retained)
+                doomed += unreferenced_operator_files(plan.expired, plan.retained)
+            except FileNotFoundError as e:
+                # Another branch's writer expired and deleted some of these since: the next commit retries.
+                logger.info("retention of %s skipped: the metadata changed under it (%s)", self._name, e)
+                self._table.refresh()
+                return
+            if self._expire([s.snapshot_id for s in plan.expired]):
+                crash_point(SNAPSHOTS_EXPIRED)
+                self.delete(doomed)
+        else:
+            crash_point(SNAPSHOTS_EXPIRED)
+        self._commits_until_sweep -= 1
+        if sweep:
+            self.delete(self._orphans())
+            self._commits_until_sweep = ORPHAN_SWEEP_INTERVAL_COMMITS
+        crash_point(FILES_DELETED)
+
+    def _expire(self, snapshot_ids: list[int]) -> bool:
+        try:
+            self._table.maintenance.expire_snapshots().by_ids(snapshot_ids).commit()
+        except (CommitFailedException, ValueError) as e:
+            # Housekeeping only: the checkpoint is committed; the next commit retries. (A
+            # ValueError: another branch's writer expired some of these snapshots first.)
+            logger.warning("expiring %d snapshots of %s lost a race (%s)", len(snapshot_ids), self._name, e)
+            self._table.refresh()
+            return False
+        return True
+
+    def _orphans(self) -> list[str]:
+        location = self._table.location().rstrip("/")
+        data = self._list_file_infos(f"{location}/{DATA_DIR}")
+        young = time.time() - COMPACTION_GRACE_SECONDS
+        return orphans(
+            list(data), self._list_files(f"{location}/{METADATA_DIR}"),
+            self._table.metadata, self._table.metadata_location, self._cache,
+            operator_files=self._list_files(f"{location}/{DATA_DIR}/{OPERATOR_DIR}"),
+            settled=lambda uri: data[uri] is not None and data[uri] < young,
+        )
+
+    def _list_files(self, directory_uri: str) -> list[str]:
+        return list(self._list_file_infos(directory_uri))
+
+    def _list_file_infos(self, directory_uri: str) -> dict[str, float | None]:
+        """URI -> modification time (epoch seconds; None when the filesystem has none)."""
+        selector = pafs.FileSelector(self._locations.to_path(directory_uri), allow_not_found=True)
+        infos = self._locations.filesystem.get_file_info(selector)
+        return {self._locations.to_uri(i.path): (None if i.mtime is None else i.mtime.timestamp())
+                for i in infos if i.type == pafs.FileType.File}
+
+    def delete(self, uris: list[str]) -> None:
+        """Delete the files ``uris``; a missing one is already deleted, a failure is logged."""
+        for uri in uris:
+            try:
+                self._locations.filesystem.delete_file(self._locations.to_path(uri))
+            except FileNotFoundError:
+                # Deleted by an earlier, interrupted collection: nothing left to do.
+                continue
+            except OSError as e:
+                logger.warning("could not delete %s of state table %s (%s); the next sweep retries", uri, self._name, e)
+        self._cache.forget(uris)
