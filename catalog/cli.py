@@ -38,12 +38,12 @@ Checkpoint = Annotated[int | None, typer.Option(help="Checkpoint id (see `icesta
                                                 "Default: the newest.")]
 
 
-def _open_table(warehouse: str, namespace: str, table: str, **at) -> IcebergStateTable:
-    """Open an existing state table for a command; ``at`` picks the line or the point in time
-    (``branch``, ``checkpoint_id``, ``savepoint``). The one opener of this module."""
-    from catalog.iceberg_table import IcebergStateTable
+def _open_table(warehouse: str, namespace: str, table: str, branch: str = "main", **at) -> IcebergStateTable:
+    """Open an existing state table for a command (``TableRef.open``); ``at`` picks the point in
+    time (``checkpoint_id``, ``savepoint``). The one opener of this module."""
+    from catalog.table_ref import TableRef
 
-    return IcebergStateTable.open_existing(warehouse=warehouse, namespace=namespace, table_name=table, **at)
+    return TableRef(table, namespace=namespace, warehouse=warehouse, branch=branch).open(**at)
 
 
 @_command()

@@ -26,7 +26,7 @@ entries keep their own ``checkpoint_id`` and ``seq``):
 
 The rewrite commits as one Iceberg overwrite of the branch's head that deletes exactly the
 files it read and adds its outputs; its snapshot carries no checkpoint id, and the writer's
-next checkpoint follows it (``IcebergStateTable._plan_parent``). When a checkpoint commits
+next checkpoint follows it (``catalog.commit.CheckpointCommitter._plan_parent``). When a checkpoint commits
 in between, the catalog's compare-and-swap fails and the compaction commits the same
 outputs again on the new head, provided every file it read is still live there (a
 checkpoint only adds files; a restore or another compaction may have removed some: then it
@@ -51,7 +51,7 @@ from pyiceberg.io.pyarrow import parquet_file_to_data_file
 
 from catalog.iceberg_table import IcebergStateTable
 from catalog.retention import line, newest_checkpoint_id
-from statestore import stored_keys
+from statestore import faults, stored_keys
 from statestore.entries import read_entries
 from statestore.faults import crash_point
 from statestore.keygroups import KeyGroupRange, compute_key_group_range_for_task
@@ -63,7 +63,6 @@ from statestore.table import SegmentFile
 
 log = logging.getLogger(__name__)
 
-SUMMARY_COMPACTION = stored_keys.SUMMARY_COMPACTION
 ATTEMPTS_MAX = 5
 
 
@@ -287,7 +286,7 @@ def _plan_and_write(table: IcebergStateTable, policy: CompactionPolicy | None, k
     except BaseException:
         plan.discard(table)
         raise
-    crash_point("compaction_outputs_written")
+    crash_point(faults.COMPACTION_OUTPUTS_WRITTEN)
     return plan
 
 
@@ -309,7 +308,7 @@ def _merge_partition(table: IcebergStateTable, plan: _Plan, partition: int, now_
         if kept.num_rows:
             path = table.new_compaction_path(plan.base_checkpoint_id, partition)
             plan.outputs.append(write_segment_file(table, kept, path))
-            crash_point("compaction_output_written")
+            crash_point(faults.COMPACTION_OUTPUT_WRITTEN)
 
 
 def _read_all(table: IcebergStateTable, inputs: Sequence[SegmentFile], kgs: KeyGroupRange) -> pl.DataFrame:
@@ -338,7 +337,7 @@ def _commit(table: IcebergStateTable, plan: _Plan) -> int:
     by_path = {task.file.file_path: task.file for task in ice.scan(snapshot_id=head.snapshot_id).plan_files()}
     # started_ms: when its planning began (with the snapshot's timestamp, the span it ran)
     figures = {**plan.result(table, 0, 0, 0.0).summary(), "started_ms": plan.started_ms}
-    summary = {SUMMARY_COMPACTION: json.dumps(figures)}
+    summary = {stored_keys.SUMMARY_COMPACTION: json.dumps(figures)}
     tx = ice.transaction()
     with tx.update_snapshot(snapshot_properties=summary, branch=table.branch).overwrite() as ow:
         for s in plan.inputs:
@@ -346,7 +345,7 @@ def _commit(table: IcebergStateTable, plan: _Plan) -> int:
         for f in plan.outputs:
             ow.append_data_file(parquet_file_to_data_file(ice.io, ice.metadata, table.to_uri(f.path)))
     tx.commit_transaction()
-    crash_point("compaction_committed")
+    crash_point(faults.COMPACTION_COMMITTED)
     return ice.metadata.snapshot_by_name(table.branch).snapshot_id
 
 
@@ -355,7 +354,7 @@ def compactions(table: IcebergStateTable) -> list[dict]:
     (``CompactionResult.summary``) with ``snapshot_id`` and ``timestamp_ms``."""
     found = []
     for s in reversed(line(table.iceberg_table.metadata, table.branch)):
-        value = s.summary.additional_properties.get(SUMMARY_COMPACTION) if s.summary else None
+        value = stored_keys.get(s.summary.additional_properties, stored_keys.SUMMARY_COMPACTION) if s.summary else None
         if value:
             figures = json.loads(value) if value.startswith("{") else {}
             found.append({**figures, "snapshot_id": s.snapshot_id, "timestamp_ms": s.timestamp_ms})

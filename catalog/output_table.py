@@ -13,10 +13,8 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.table import Table
 
-from statestore.errors import SchemaMismatchError, StateStoreError
-
-BATCH_ID_PROPERTY = "icestate.batch-id"
-QUERY_ID_PROPERTY = "icestate.query-id"
+from statestore.errors import QueryMismatchError, SchemaMismatchError
+from statestore.stored_keys import OUTPUT_BATCH_ID, OUTPUT_QUERY_ID
 
 
 class OutputTable:
@@ -54,8 +52,8 @@ class OutputTable:
         snapshot = self._table.current_snapshot()
         while snapshot is not None:
             props = snapshot.summary.additional_properties if snapshot.summary else {}
-            if BATCH_ID_PROPERTY in props:
-                return int(props[BATCH_ID_PROPERTY]), props.get(QUERY_ID_PROPERTY)
+            if OUTPUT_BATCH_ID in props:
+                return int(props[OUTPUT_BATCH_ID]), props.get(OUTPUT_QUERY_ID)
             parent = snapshot.parent_snapshot_id
             snapshot = self._table.snapshot_by_id(parent) if parent is not None else None
         return None
@@ -63,12 +61,12 @@ class OutputTable:
     def commit(self, batch_id: int, uris: list[str], query_id: str | None = None) -> bool:
         """Add ``uris`` as batch ``batch_id``'s rows; False (nothing done) when already committed.
 
-        Raises StateStoreError when the table's batches come from another streaming query.
+        Raises QueryMismatchError when the table's batches come from another streaming query.
         """
         committed = self.committed_batch()
         if committed is not None:
             if query_id is not None and committed[1] is not None and committed[1] != query_id:
-                raise StateStoreError(
+                raise QueryMismatchError(
                     f"output table {'.'.join(self._table.name())} receives the output of streaming query "
                     f"{committed[1]}, not of this query {query_id}: batch ids would not line up; use another "
                     "output table or the original checkpointLocation")
@@ -76,9 +74,9 @@ class OutputTable:
                 return False
         if not uris:
             return False  # an empty batch adds nothing, replayed or not
-        props = {BATCH_ID_PROPERTY: str(batch_id)}
+        props = {OUTPUT_BATCH_ID: str(batch_id)}
         if query_id is not None:
-            props[QUERY_ID_PROPERTY] = query_id
+            props[OUTPUT_QUERY_ID] = query_id
         self._table.add_files(uris, snapshot_properties=props)
         return True
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from catalog.defaults import DEFAULT_NAMESPACE, check_warehouse, default_catalog
-from statestore.errors import StateStoreError
+from statestore.errors import CatalogUnavailableError
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
@@ -47,10 +47,6 @@ REDACTED = "***"
 SECRET_WORDS = ("secret", "key", "token", "password", "credential")
 # The password of a URI's user information: ``scheme://user:password@host``.
 _URI_PASSWORD = re.compile(r"(://[^/:@\s]*:)[^/@\s]*@")
-
-
-class CatalogUnavailableError(StateStoreError, ValueError):
-    """The pyiceberg catalog of a ``TableRef`` could not be loaded from its name and properties."""
 
 
 @dataclass(frozen=True)

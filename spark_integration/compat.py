@@ -37,7 +37,12 @@ from statestore.descriptors import (
     TtlConfig,
     ValueStateDescriptor,
 )
-from statestore.errors import StateStoreError
+from statestore.errors import (
+    NoCurrentKeyError,
+    StateDescriptorMismatchError,
+    StateNotDeclaredError,
+    TimersDisabledError,
+)
 from statestore.store import StateStore
 
 
@@ -101,12 +106,12 @@ class DeclaringHandle:
         self._declare(MapStateDescriptor(stateName, key_type=k, value_type=v, ttl=_ttl(ttlDurationMs, stateName)))
 
     def registerTimer(self, expiryTimestampMs: int) -> None:
-        raise StateStoreError("registerTimer needs a grouping key: call it from handleInputRows, not init()")
+        raise NoCurrentKeyError("registerTimer needs a grouping key: call it from handleInputRows, not init()")
 
     deleteTimer = registerTimer
 
     def listTimers(self) -> Iterator[int]:
-        raise StateStoreError("listTimers needs a grouping key: call it from handleInputRows, not init()")
+        raise NoCurrentKeyError("listTimers needs a grouping key: call it from handleInputRows, not init()")
 
     def deleteIfExists(self, stateName: str) -> None:
         self.deleted.append(stateName)
@@ -251,12 +256,13 @@ class StoreHandle:
         try:
             desc = self._store.layout.descriptor(name)
         except KeyError:
-            raise StateStoreError(
+            raise StateNotDeclaredError(
                 f"state variable {name!r} was not declared when the query started; init() must declare the "
                 "same state variables on every call (it runs on the driver first to learn them)"
             ) from None
         if desc.kind is not kind:
-            raise StateStoreError(f"state variable {name!r} is a {desc.kind.value} state, requested as {kind.value}")
+            raise StateDescriptorMismatchError(
+                f"state variable {name!r} is a {desc.kind.value} state, requested as {kind.value}")
         return _WRAPPERS[kind](self._store, desc)
 
     def getValueState(self, stateName: str, schema: Any = None, ttlDurationMs: int | None = None) -> ValueState:
@@ -271,7 +277,7 @@ class StoreHandle:
 
     def _timer_service(self) -> TimerService:
         if self._timers is None:
-            raise StateStoreError("timers need time_mode='ProcessingTime' or 'EventTime' when the query starts")
+            raise TimersDisabledError("timers need time_mode='ProcessingTime' or 'EventTime' when the query starts")
         return self._timers
 
     def registerTimer(self, expiryTimestampMs: int) -> None:

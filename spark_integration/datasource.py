@@ -244,7 +244,7 @@ class ReadOptions:
     def opened_table(self) -> Iterator[IcebergStateTable]:
         """The state table opened (read only) at option ``checkpoint`` or ``savepoint``, closed
         (with its catalog) on exit."""
-        from catalog.table_ref import CatalogUnavailableError
+        from statestore.errors import CatalogUnavailableError
 
         ref = self.ref
         try:

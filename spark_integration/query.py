@@ -60,21 +60,20 @@ from spark_integration.tasks import (
 )
 from spark_integration.timers import normalize_time_mode, timers_descriptor
 from spark_integration.vectorized import VectorizedProcessor
+from statestore import stored_keys
 from statestore.config import StoreConfig
-from statestore.errors import SchemaMismatchError, StateStoreError
+from statestore.errors import (
+    QueryCheckpointUnreadableError,
+    QueryMismatchError,
+    SchemaMismatchError,
+    TaskReportError,
+)
+from statestore.faults import kill_if_asked
 from statestore.keygroups import check_key_type
 from statestore.layout import StateLayout
 
 log = logging.getLogger(__name__)
 
-# SIGKILL the driver at a step of a given batch: "<step>:<batch_id>" (failure tests).
-KILL_ENV = "ICESTATE_KILL_AT"
-KILL_STEPS = ("tasks_done", "outputs_committed", "state_committed")
-
-WATERMARK_PROPERTY = "icestate.watermark-ms"
-MAX_EVENT_PROPERTY = "icestate.max-event-time-ms"
-RUN_PROPERTY = "icestate.run-id"
-QUERY_PROPERTY = "icestate.query-id"
 
 
 @dataclass
@@ -109,14 +108,6 @@ def _struct_of(schema: pa.Schema) -> StructType:
     return from_arrow_schema(schema)
 
 
-def _kill_if_asked(step: str, batch_id: int) -> None:
-    spec = os.environ.get(KILL_ENV)
-    if spec and spec == f"{step}:{batch_id}":
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _read_checkpoint_file(spark: SparkSession, checkpoint_location: str, name: str) -> str:
     """A file of Spark's streaming checkpoint, read through Spark's own Hadoop filesystem (so
     any scheme Spark can use works: file, hdfs, s3a, abfss, dbfs...)."""
@@ -137,7 +128,7 @@ def _offset_metadata(spark: SparkSession, checkpoint_location: str, batch_id: in
         lines = _read_checkpoint_file(spark, checkpoint_location, f"offsets/{batch_id}").splitlines()
         return json.loads(lines[1])
     except Exception as e:
-        raise StateStoreError(
+        raise QueryCheckpointUnreadableError(
             f"cannot read Spark's offset log entry {checkpoint_location}/offsets/{batch_id} for batch {batch_id}'s "
             f"timestamp and watermark ({e}); is {checkpoint_location!r} the query's checkpointLocation?"
         ) from e
@@ -148,7 +139,7 @@ def _query_id(spark: SparkSession, checkpoint_location: str) -> str:
     try:
         return json.loads(_read_checkpoint_file(spark, checkpoint_location, "metadata"))["id"]
     except Exception as e:
-        raise StateStoreError(f"cannot read the query id in {checkpoint_location}/metadata: {e}") from e
+        raise QueryCheckpointUnreadableError(f"cannot read the query id in {checkpoint_location}/metadata: {e}") from e
 
 
 def _murmur3_int(value: int, seed: int = 42) -> int:
@@ -256,7 +247,7 @@ class StatefulRunner:
             frame.write.format("noop").mode("overwrite").save()
             rows = self._reported(plan)
             if rows is None:
-                raise StateStoreError(f"batch {plan.batch_id}: tasks did not report after a full run; nothing "
+                raise TaskReportError(f"batch {plan.batch_id}: tasks did not report after a full run; nothing "
                                       "committed")
         report.tasks_ms = (time.perf_counter() - started) * 1000
         self._reports.value = []
@@ -279,7 +270,7 @@ class StatefulRunner:
         for task, kind, payload in rows:
             if kind == "task":
                 if task in report.tasks:
-                    raise StateStoreError(f"task {task} reported twice in batch {batch_id}; nothing committed")
+                    raise TaskReportError(f"task {task} reported twice in batch {batch_id}; nothing committed")
                 report.tasks[task] = json.loads(payload)
             elif kind == "segment":
                 segments.append(segment_of(payload))
@@ -290,12 +281,12 @@ class StatefulRunner:
         if plan.inline_outputs:
             report.output_rows = sum(t["rows_out"] for t in report.tasks.values())
         report.segments = len(segments)
-        _kill_if_asked("tasks_done", batch_id)
+        kill_if_asked("tasks_done", batch_id)
         commit_started = time.perf_counter()
         # A replay of a batch whose outputs are already committed wrote spare copies: they serve
         # the callback, then go.
         spare = self.output is not None and not self.output.commit(batch_id, uris, self.query_id)
-        _kill_if_asked("outputs_committed", batch_id)
+        kill_if_asked("outputs_committed", batch_id)
         if self.foreach_batch is not None and not plan.inline_outputs:
             called = time.perf_counter()
             self.foreach_batch(self._output_frame(uris), batch_id)
@@ -304,7 +295,7 @@ class StatefulRunner:
                                      batch_id=batch_id, properties=self._properties(plan, report))
         for task, stats in report.tasks.items():
             self.task_tokens[task] = (plan.checkpoint_id, stats["token"])
-        _kill_if_asked("state_committed", batch_id)
+        kill_if_asked("state_committed", batch_id)
         if self.compactor is not None:
             self.compactor.checkpoint_committed(self.table)
         if spare:
@@ -320,13 +311,13 @@ class StatefulRunner:
         state as its starting point (True: no batch of it is a replay)."""
         if self.query_id is None:
             self.query_id = _query_id(self.spark, self.checkpoint_location)
-        owner = None if info is None else info.properties.get(QUERY_PROPERTY)
+        owner = None if info is None else info.properties.get(stored_keys.QUERY_ID)
         if owner is not None and owner != self.query_id:
             if self.table.at_fork_point():
                 log.info("fork %s of %s: this query starts from checkpoint %d of query %s", self.table.branch,
                          self.table.identifier, info.checkpoint_id, owner)
                 return True
-            raise StateStoreError(
+            raise QueryMismatchError(
                 f"state table {self.table.identifier} holds the state of streaming query {owner}, but this query "
                 f"({self.checkpoint_location}) is {self.query_id}: its batch ids would not line up with the "
                 "checkpoints. Restart with the original checkpointLocation, give this query its own state table, "
@@ -426,12 +417,12 @@ class StatefulRunner:
         return self.spark.read.schema(struct).parquet(*uris)
 
     def _properties(self, plan: BatchPlan, report: BatchReport) -> dict[str, str]:
-        props = {RUN_PROPERTY: self.run_id, QUERY_PROPERTY: self.query_id}
+        props = {stored_keys.QUERY_RUN_ID: self.run_id, stored_keys.QUERY_ID: self.query_id}
         if plan.watermark_ms >= 0:
-            props[WATERMARK_PROPERTY] = str(plan.watermark_ms)
+            props[stored_keys.QUERY_WATERMARK_MS] = str(plan.watermark_ms)
         events = [t["max_event_ms"] for t in report.tasks.values() if t.get("max_event_ms") is not None]
         if events:
-            props[MAX_EVENT_PROPERTY] = str(max(events))
+            props[stored_keys.QUERY_MAX_EVENT_TIME_MS] = str(max(events))
         return props
 
     def _delete_files(self, uris: Sequence[str]) -> None:

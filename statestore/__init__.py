@@ -19,6 +19,7 @@ from statestore.descriptors import (
 )
 from statestore.directory_table import DirectoryStateTable
 from statestore.errors import (
+    CatalogUnavailableError,
     CheckpointFailedError,
     CheckpointNotFoundError,
     CheckpointPendingError,
@@ -67,6 +68,7 @@ __all__ = [
     "AggregatingState",
     "AggregatingStateDescriptor",
     "AverageAggregate",
+    "CatalogUnavailableError",
     "CheckpointFailedError",
     "CheckpointInfo",
     "CheckpointNotFoundError",

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from statestore import paths
-from statestore.errors import CheckpointNotFoundError, CorruptSegmentError, StateTableMismatchError
+from statestore.errors import CheckpointNotFoundError, CorruptSegmentError, StateClosedError, StateTableMismatchError
 from statestore.faults import COMMIT_DONE, COMMIT_METADATA_WRITTEN, FILES_DELETED, SNAPSHOTS_EXPIRED, crash_point
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import StateLayout
@@ -82,6 +82,7 @@ class DirectoryStateTable:
         (self._root / CHECKPOINT_DIR).mkdir(parents=True, exist_ok=True)
         self._check_layout()
         self._current: dict | None = None
+        self._closed = False
         self.restore(checkpoint_id)
 
     # -- StateTable
@@ -108,19 +109,23 @@ class DirectoryStateTable:
         return paths.segment_path(str(self._root), checkpoint_id, task_index, partition)
 
     def segments(self, key_groups: KeyGroupRange) -> list[SegmentFile]:
+        self._check_open()
         if self._current is None:
             return []
         return [s for s in self._segments if not s.key_groups().intersection(key_groups).is_empty()]
 
     def current_checkpoint(self) -> CheckpointInfo | None:
+        self._check_open()
         return None if self._current is None else _info(self._current)
 
     def next_checkpoint_id(self) -> int:
+        self._check_open()
         ids = [c["checkpoint_id"] for c in self._all_checkpoints()]
         return max(ids, default=0) + 1
 
     def commit_checkpoint(self, checkpoint_id: int, segments: Sequence[SegmentFile], *, parallelism: int,
                           batch_id: int | None = None, properties: dict[str, str] | None = None) -> CheckpointInfo:
+        self._check_open()
         if checkpoint_id < self.next_checkpoint_id():
             raise ValueError(f"checkpoint id {checkpoint_id} is not greater than every committed id of {self._root}")
         for s in segments:
@@ -144,9 +149,11 @@ class DirectoryStateTable:
     def list_checkpoints(self) -> list[CheckpointInfo]:
         """The restorable checkpoints: HEAD's line. After ``restore(n)`` the newer ones stay
         listed (and restorable) until the next commit abandons them, as in Iceberg."""
+        self._check_open()
         return [_info(c) for c in self._line(self._head())]
 
     def restore(self, checkpoint_id: int | None = None) -> CheckpointInfo | None:
+        self._check_open()
         if checkpoint_id is None:
             head = self._root / CHECKPOINT_DIR / HEAD
             if not head.exists():
@@ -165,7 +172,21 @@ class DirectoryStateTable:
         self._set_current(json.loads(path.read_text()))
         return _info(self._current)
 
+    def close(self) -> None:
+        """Refuse every later call (``StateClosedError``); the directory holds no open handle. Idempotent."""
+        self._closed = True
+
+    def __enter__(self) -> DirectoryStateTable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateClosedError(f"state table {self._root} is closed; open it again")
 
     def _set_current(self, record: dict | None) -> None:
         self._current = record

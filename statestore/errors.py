@@ -101,3 +101,7 @@ class StateTableMismatchError(StateStoreError):
 
 class StateClosedError(StateStoreError):
     """The store or table was closed."""
+
+
+class CatalogUnavailableError(StateStoreError, ValueError):
+    """The pyiceberg catalog of a ``TableRef`` could not be loaded from its name and properties."""

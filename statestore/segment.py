@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from statestore import faults
 from statestore.errors import CorruptSegmentError
 from statestore.faults import crash_point
 from statestore.layout import CHECKPOINT_ID, KEY_GROUP, SEQ, STATE
@@ -67,7 +68,7 @@ def write_segments(
         part = entries.slice(lo, hi - lo)
         path = table.new_segment_path(checkpoint_id, task_index, int(partitions[lo]))
         files.append(_write_one(table.filesystem, path, part, kgs[lo:hi], checkpoint_id, rows_min, rows_max))
-        crash_point("segment_written")
+        crash_point(faults.SEGMENT_WRITTEN)
     return files
 
 

@@ -21,9 +21,17 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from statestore import faults
 from statestore.config import StoreConfig
 from statestore.descriptors import StateDescriptor
-from statestore.errors import KeyGroupOutOfRangeError, StateClosedError, StateStoreError
+from statestore.errors import (
+    CheckpointPendingError,
+    KeyGroupOutOfRangeError,
+    NoCurrentKeyError,
+    StateClosedError,
+    StateDescriptorMismatchError,
+    StateNotDeclaredError,
+)
 from statestore.faults import crash_point
 from statestore.keygroups import assign_key_group, assign_key_groups, compute_key_group_range_for_task
 from statestore.layout import CHECKPOINT_ID, KEY_GROUP, SEQ, STATE
@@ -70,12 +78,12 @@ class StateStore:
         try:
             declared = self.layout.descriptor(name)
         except KeyError as e:
-            raise StateStoreError(
+            raise StateNotDeclaredError(
                 f"state {name!r} is not declared in table layout (declared: "
                 f"{[d.name for d in self.layout.descriptors]}); declare it when opening the state table"
             ) from e
         if not isinstance(descriptor, str) and descriptor != declared:
-            raise StateStoreError(f"state {name!r} is declared as {declared}, requested as {descriptor}")
+            raise StateDescriptorMismatchError(f"state {name!r} is declared as {declared}, requested as {descriptor}")
         if name not in self._handles:
             self._handles[name] = STATE_CLASSES[declared.kind](self, declared)
         return self._handles[name]
@@ -126,7 +134,7 @@ class StateStore:
 
     def current_key(self) -> tuple[tuple, int]:
         if self._current_key is None:
-            raise StateStoreError("no current key: call set_current_key(key) before the per-key state API")
+            raise NoCurrentKeyError("no current key: call set_current_key(key) before the per-key state API")
         return self._current_key, self._current_key_group
 
     # ---------------------------------------------------------------- batched plumbing
@@ -185,12 +193,12 @@ class StateStore:
             raise ValueError(
                 f"checkpoint_id must be an int in [1, {MEMTABLE_CHECKPOINT_ID - 1}], got {checkpoint_id!r}")
         if self._outstanding:
-            raise StateStoreError(
+            raise CheckpointPendingError(
                 f"checkpoint {next(iter(self._outstanding))} was flushed but neither completed nor aborted; call "
                 "checkpoint_complete(id) after its commit, or checkpoint_aborted(id) when the commit failed"
             )
         self.seal()
-        crash_point("flush_started")
+        crash_point(faults.FLUSH_STARTED)
         entries = self._memtable_as_entries(checkpoint_id)
         # Writes after this flush get ords at or above the watermark and stay in the memtable
         # when the checkpoint completes.
@@ -231,7 +239,7 @@ class StateStore:
         """Flush and commit a checkpoint of this store alone (single-task use)."""
         checkpoint_id = self._table.next_checkpoint_id()
         segments = self.flush(checkpoint_id)
-        crash_point("segments_written")
+        crash_point(faults.SEGMENTS_WRITTEN)
         try:
             info = self._table.commit_checkpoint(
                 checkpoint_id, segments, parallelism=self.parallelism, batch_id=batch_id, properties=properties

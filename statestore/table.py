@@ -102,3 +102,8 @@ class StateTable(Protocol):
         Raises CheckpointNotFoundError for an id that is not retained.
         """
         ...
+
+    def close(self) -> None:
+        """Release what the table holds (a catalog, connections); every later call raises
+        StateClosedError. Idempotent."""
+        ...

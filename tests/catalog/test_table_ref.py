@@ -26,8 +26,9 @@ import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
 from catalog import TableRef
-from catalog.table_ref import CatalogUnavailableError, redacted
+from catalog.table_ref import redacted
 from statestore import StateLayout, StateStore, ValueStateDescriptor
+from statestore.errors import CatalogUnavailableError
 
 LAYOUT = StateLayout.of(pa.schema([("k", pa.int64())]), [ValueStateDescriptor("v", pa.int64())], 16)
 SECRET = "not-a-real-secret-5e2a"

@@ -165,7 +165,7 @@ def _state_dump(warehouse: str, table: str) -> dict:
 
 def _output_dump(warehouse: str, identifier: str) -> dict:
     from catalog.defaults import default_catalog
-    from catalog.output_table import BATCH_ID_PROPERTY
+    from statestore.stored_keys import OUTPUT_BATCH_ID
 
     cat = default_catalog(warehouse)
     try:
@@ -174,8 +174,8 @@ def _output_dump(warehouse: str, identifier: str) -> dict:
         batches = []
         for snap in table.snapshots():
             props = snap.summary.additional_properties if snap.summary else {}
-            if BATCH_ID_PROPERTY in props:
-                batches.append(int(props[BATCH_ID_PROPERTY]))
+            if OUTPUT_BATCH_ID in props:
+                batches.append(int(props[OUTPUT_BATCH_ID]))
     finally:
         cat.close()
     return {"rows": sorted(rows, key=lambda r: json.dumps(r, sort_keys=True, default=str)), "batches": batches}

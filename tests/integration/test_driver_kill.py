@@ -40,8 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spark_integration.query import KILL_ENV, KILL_STEPS
-from statestore.faults import FAIL_FIRST_ATTEMPT_ENV
+from statestore.faults import FAIL_FIRST_ATTEMPT_ENV, KILL_ENV, KILL_STEPS
 from tests.integration.process_helpers import stop_session, tail
 
 pytestmark = [
@@ -126,7 +125,7 @@ def _mid_state(run: Run) -> dict:
     """What the killed driver left: the state table's batch and the output table's batches."""
     from catalog.defaults import default_catalog
     from catalog.iceberg_table import IcebergStateTable
-    from catalog.output_table import BATCH_ID_PROPERTY
+    from statestore.stored_keys import OUTPUT_BATCH_ID
 
     with IcebergStateTable.open_existing(warehouse=str(run.warehouse), table_name="t_q") as table:
         info = table.current_checkpoint()
@@ -134,8 +133,8 @@ def _mid_state(run: Run) -> dict:
     catalog = default_catalog(str(run.warehouse))
     try:
         snapshots = catalog.load_table("out.q").snapshots()
-        output_batches = [int(s.summary.additional_properties[BATCH_ID_PROPERTY]) for s in snapshots
-                          if s.summary and BATCH_ID_PROPERTY in s.summary.additional_properties]
+        output_batches = [int(s.summary.additional_properties[OUTPUT_BATCH_ID]) for s in snapshots
+                          if s.summary and OUTPUT_BATCH_ID in s.summary.additional_properties]
     finally:
         catalog.close()
     return {"state_batch": state_batch, "output_batches": output_batches,

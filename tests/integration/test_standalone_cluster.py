@@ -33,8 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spark_integration.query import KILL_ENV
-from statestore.faults import FAIL_FIRST_ATTEMPT_ENV
+from statestore.faults import FAIL_FIRST_ATTEMPT_ENV, KILL_ENV
 from tests.integration.process_helpers import stop_session, tail
 
 pytestmark = [
