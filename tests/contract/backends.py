@@ -14,6 +14,7 @@ object store gets them for free.
 
 from __future__ import annotations
 
+import abc
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,7 +28,7 @@ from tests.contract.helpers import LAYOUT
 DEFAULT_RETAIN_CHECKPOINTS = 10
 
 
-class Backend:
+class Backend(abc.ABC):
     """Opens, reopens and inspects the state tables of one implementation under ``location``.
 
     Each ``open`` returns a fresh table object, as a restarted process would get; tables are
@@ -54,25 +55,26 @@ class Backend:
 
     def close_all(self) -> None:
         for table in self._opened:
-            close(table)
+            table.close()
 
     # -- to define per backend
 
+    @abc.abstractmethod
     def _open(self, layout: StateLayout, **options: Any) -> StateTable:
-        raise NotImplementedError
+        """A new table object of this implementation at ``self.location``."""
 
+    @abc.abstractmethod
     def root(self, table: StateTable) -> str:
         """The table's root as a path of ``table.filesystem``: every file of the table is below it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def name_in_errors(self, table: StateTable) -> str:
         """How the table's error messages name it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def commit_record(self, table: StateTable) -> object:
         """What a new reader of the storage takes as committed (compared before and after a
         failed commit: equal means nothing was committed)."""
-        raise NotImplementedError
 
     # -- the storage side, through the table's filesystem
 
@@ -102,13 +104,6 @@ class Backend:
             data = f.read()
         damaged = {"truncate": data[: len(data) // 2], "append": data + b"x", "garbage": bytes(len(data))}[how]
         self.write_bytes(table, path, damaged)
-
-
-def close(table: StateTable) -> None:
-    """Close a table that can be closed (closing is not part of the protocol yet)."""
-    closer = getattr(table, "close", None)
-    if closer is not None:
-        closer()
 
 
 class DirectoryBackend(Backend):
