@@ -15,6 +15,8 @@ object store gets them for free.
 from __future__ import annotations
 
 import abc
+import hashlib
+import os
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -23,6 +25,7 @@ import pyarrow.fs as pafs
 from statestore.directory_table import CHECKPOINT_DIR, HEAD, DirectoryStateTable
 from statestore.layout import StateLayout
 from statestore.table import StateTable
+from tests import s3_server
 from tests.contract.helpers import LAYOUT
 
 DEFAULT_RETAIN_CHECKPOINTS = 10
@@ -153,4 +156,49 @@ class IcebergSqliteBackend(Backend):
         return table.iceberg_table.refresh().metadata_location
 
 
-BACKENDS: dict[str, type[Backend]] = {b.id: b for b in (DirectoryBackend, IcebergSqliteBackend)}
+class IcebergS3Backend(Backend):
+    """``IcebergStateTable`` whose files live on S3 (moto's server, ``tests.s3_server``), with
+    a SQLite catalog named by properties as any pyiceberg catalog is (``TableRef``). The
+    server's endpoint comes from ``s3_server.ENDPOINT_ENV``, so a child process finds it."""
+
+    id = "iceberg-s3"
+    TABLE_NAME = "op"
+    BUCKET = "icestate-contract"
+
+    def __init__(self, location: str):
+        super().__init__(location)
+        self._endpoint = os.environ[s3_server.ENDPOINT_ENV]
+        # One prefix of the bucket per location: tests share the server, never a table.
+        self._prefix = hashlib.sha256(location.encode()).hexdigest()[:16]
+
+    def properties(self) -> dict[str, str]:
+        os.makedirs(self.location, exist_ok=True)
+        return {
+            "type": "sql",
+            "uri": f"sqlite:///{self.location}/catalog.db",
+            "init_catalog_tables": "true",
+            "warehouse": f"s3://{self.BUCKET}/{self._prefix}",
+            **s3_server.properties(self._endpoint),
+        }
+
+    def _open(self, layout: StateLayout, *, checkpoint_id: int | None, retain_checkpoints: int,
+              key_groups_per_partition: int | None) -> StateTable:
+        from catalog import TableRef
+
+        ref = TableRef(self.TABLE_NAME, catalog_name="contract", catalog_properties=self.properties())
+        return ref.open(layout, checkpoint_id=checkpoint_id, retain_checkpoints=retain_checkpoints,
+                        partition_width=key_groups_per_partition)
+
+    def root(self, table: StateTable) -> str:
+        return table.location.removeprefix("s3://")
+
+    def name_in_errors(self, table: StateTable) -> str:
+        return table.identifier
+
+    def commit_record(self, table: StateTable) -> object:
+        return table.iceberg_table.refresh().metadata_location
+
+
+BACKENDS: dict[str, type[Backend]] = {b.id: b for b in (DirectoryBackend, IcebergSqliteBackend, IcebergS3Backend)}
+# Backends that need a server, and the fixture that starts it.
+SERVERS: dict[str, str] = {IcebergS3Backend.id: "s3_endpoint"}

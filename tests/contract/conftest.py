@@ -3,7 +3,8 @@
 As Flink's ``StateBackendTestBase`` and pyiceberg's catalog suite do, every test in this
 package takes the ``backend`` fixture, parametrized over ``backends.BACKENDS``
 (``directory``: ``DirectoryStateTable``; ``iceberg-sqlite``: ``IcebergStateTable`` on an
-embedded SQLite catalog), and checks only what ``statestore.table.StateTable`` promises:
+embedded SQLite catalog; ``iceberg-s3``: ``IcebergStateTable`` with its files on S3, moto's
+server on loopback, and a SQLite catalog named by properties through ``TableRef``), and checks only what ``statestore.table.StateTable`` promises:
 
 * segment paths are fresh, named by ``statestore.paths`` and under the table's root;
   segments are written with ``file_schema()``;
@@ -39,12 +40,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.contract.backends import BACKENDS, Backend
+from tests import s3_server
+from tests.contract.backends import BACKENDS, SERVERS, Backend
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """moto's S3 server on loopback for the whole session, with the contract's bucket."""
+    server = s3_server.start(tmp_path_factory.mktemp("moto"))
+    try:
+        s3_server.create_bucket(server.endpoint, BACKENDS["iceberg-s3"].BUCKET)
+        yield server.endpoint
+    finally:
+        server.stop()
 
 
 @pytest.fixture(params=list(BACKENDS), ids=list(BACKENDS))
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     """A backend whose tables live in a fresh location; every table it opened is closed after."""
+    if request.param in SERVERS:
+        request.getfixturevalue(SERVERS[request.param])
     made = BACKENDS[request.param](str(tmp_path / request.param))
     yield made
     made.close_all()
