@@ -58,10 +58,10 @@ def start(log_dir: Path) -> S3Server:
         try:
             urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
             break
-        except OSError:
+        except OSError as e:
             if process.poll() is not None or time.monotonic() > deadline:
                 process.kill()
-                raise RuntimeError(f"moto_server did not start on {endpoint}; see {log_dir / 'moto_server.log'}")
+                raise RuntimeError(f"moto_server did not start on {endpoint}; see {log_dir / 'moto_server.log'}") from e
             time.sleep(0.1)
     os.environ[ENDPOINT_ENV] = endpoint
     return S3Server(endpoint, process)

@@ -4,7 +4,8 @@ As Flink's ``StateBackendTestBase`` and pyiceberg's catalog suite do, every test
 package takes the ``backend`` fixture, parametrized over ``backends.BACKENDS``
 (``directory``: ``DirectoryStateTable``; ``iceberg-sqlite``: ``IcebergStateTable`` on an
 embedded SQLite catalog; ``iceberg-s3``: ``IcebergStateTable`` with its files on S3, moto's
-server on loopback, and a SQLite catalog named by properties through ``TableRef``), and checks only what ``statestore.table.StateTable`` promises:
+server on loopback, and a SQLite catalog named by properties through ``TableRef``), and
+checks only what ``statestore.table.StateTable`` promises:
 
 * segment paths are fresh, named by ``statestore.paths`` and under the table's root;
   segments are written with ``file_schema()``;
