@@ -156,13 +156,12 @@ class IcebergSqliteBackend(Backend):
         return table.iceberg_table.refresh().metadata_location
 
 
-class IcebergS3Backend(Backend):
+class IcebergS3Backend(IcebergSqliteBackend):
     """``IcebergStateTable`` whose files live on S3 (moto's server, ``tests.s3_server``), with
     a SQLite catalog named by properties as any pyiceberg catalog is (``TableRef``). The
     server's endpoint comes from ``s3_server.ENDPOINT_ENV``, so a child process finds it."""
 
     id = "iceberg-s3"
-    TABLE_NAME = "op"
     BUCKET = "icestate-contract"
 
     def __init__(self, location: str):
@@ -191,12 +190,6 @@ class IcebergS3Backend(Backend):
 
     def root(self, table: StateTable) -> str:
         return table.location.removeprefix("s3://")
-
-    def name_in_errors(self, table: StateTable) -> str:
-        return table.identifier
-
-    def commit_record(self, table: StateTable) -> object:
-        return table.iceberg_table.refresh().metadata_location
 
 
 BACKENDS: dict[str, type[Backend]] = {b.id: b for b in (DirectoryBackend, IcebergSqliteBackend, IcebergS3Backend)}
