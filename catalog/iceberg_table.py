@@ -71,6 +71,7 @@ from catalog.retention import (
     operator_files_of,
 )
 from catalog.schema import recorded_layout
+from catalog.task_view import CheckpointView, io_properties
 from statestore import stored_keys
 from statestore.errors import CheckpointNotFoundError, StateClosedError
 from statestore.faults import COMMIT_DONE, crash_point
@@ -116,6 +117,7 @@ class IcebergStateTable:
         self._expected_head: int | None = None  # the branch's head when last seen
         self._index: dict[str, SegmentFile] = {}
         self._ordered: list[SegmentFile] = []
+        self._view: tuple[tuple, CheckpointView] | None = None  # checkpoint_view's, by snapshot
         self._closed = False
 
     @classmethod
@@ -297,6 +299,26 @@ class IcebergStateTable:
         refs.check_branch(self._table, self._branch)
         self._open_at(self._find_checkpoint(checkpoint_id, savepoint))
         return self.current_checkpoint()
+
+    def checkpoint_view(self) -> CheckpointView:
+        """The opened checkpoint as a task needs it (``catalog.task_view``): what the driver
+        ships so that tasks never open the catalog. Built from the in-memory index: no I/O."""
+        self._check_open()
+        key = (None if self._snapshot is None else self._snapshot.snapshot_id, len(self._ordered))
+        if self._view is None or self._view[0] != key:
+            data_dir = f"{self._table.location().rstrip('/')}/{DATA_DIR}"
+            if self._segment_subdir:
+                data_dir = f"{data_dir}/{self._segment_subdir}"
+            view = CheckpointView(
+                identifier=self._name, location=self._table.location(), branch=self._branch,
+                max_parallelism=self._layout.max_parallelism, partition_width=self._width,
+                file_schema=self.file_schema(), data_dir=data_dir, operator_dir=self._operator_dir_uri,
+                checkpoint=self.current_checkpoint(), segments=tuple(self._ordered),
+                operator_state=tuple(self.operator_state_files()), next_checkpoint_id=self.next_checkpoint_id(),
+                io=io_properties(self._table.io.properties),
+            )
+            self._view = (key, view)
+        return self._view[1]
 
     # --- savepoints and forks -------------------------------------------------------------
 

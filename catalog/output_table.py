@@ -8,11 +8,14 @@ so the table holds every batch's output exactly once.
 
 from __future__ import annotations
 
+import contextlib
+
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.table import Table
 
+from catalog.task_view import io_properties
 from statestore.errors import QueryMismatchError, SchemaMismatchError
 from statestore.stored_keys import OUTPUT_BATCH_ID, OUTPUT_QUERY_ID
 
@@ -45,6 +48,18 @@ class OutputTable:
     @property
     def data_location(self) -> str:
         return f"{self._table.location().rstrip('/')}/data"
+
+    @property
+    def io_properties(self) -> dict[str, str]:
+        """The storage properties a task needs to write this table's data files."""
+        return io_properties(self._table.io.properties)
+
+    def delete_files(self, uris: list[str]) -> None:
+        """Delete data files that no snapshot references (a replayed batch's spare copies)."""
+        io = self._table.io
+        for uri in uris:
+            with contextlib.suppress(FileNotFoundError):
+                io.delete(uri)
 
     def committed_batch(self) -> tuple[int, str | None] | None:
         """(batch id, query id) of the newest batch committed to the table (None when none)."""

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
@@ -45,6 +44,7 @@ from pyspark.sql.types import StructType
 from catalog.compaction import CompactionPolicy
 from catalog.compactor import CompactorProcess
 from catalog.output_table import OutputTable
+from catalog.task_view import CheckpointView
 from spark_integration.compat import declare, spark_struct
 from spark_integration.location import StateLocation
 from spark_integration.tasks import (
@@ -334,12 +334,14 @@ class StatefulRunner:
         output_dir = self.output.data_location if self.output is not None else None
         inline = self.output is None and self.foreach_batch is not None
         return BatchPlan(
-            run_id=self.run_id, location=self.location, layout=self.layout, processor=self.processor,
+            run_id=self.run_id, table=self.location.identity, parallelism=self.location.parallelism,
+            view=self.table.checkpoint_view(), layout=self.layout, processor=self.processor,
             input_columns=tuple(self.input_schema.names), output_schema=self.output_schema, batch_id=batch_id,
             checkpoint_id=self.table.next_checkpoint_id(),
             base_checkpoint_id=None if info is None else info.checkpoint_id,
             task_tokens=dict(self.task_tokens), processing_time_ms=processing_time, watermark_ms=watermark,
             time_mode=self.time_mode, event_time_column=self.event_time_column, output_dir=output_dir,
+            output_io={} if self.output is None else self.output.io_properties,
             store_config=self.store_config, inline_outputs=inline,
         )
 
@@ -426,10 +428,7 @@ class StatefulRunner:
         return props
 
     def _delete_files(self, uris: Sequence[str]) -> None:
-        for uri in uris:
-            fs, path = pafs.FileSystem.from_uri(uri)
-            with contextlib.suppress(FileNotFoundError):
-                fs.delete_file(path)
+        self.output.delete_files(list(uris))
 
     def close(self) -> None:
         """Release the state table and output table, and stop the compactor (after the
@@ -479,7 +478,7 @@ def _conform_initial(initial: DataFrame, df: DataFrame, keys: list[str]) -> Data
     return initial
 
 
-def _warm_workers(spark: SparkSession, location: StateLocation, layout: StateLayout) -> None:
+def _warm_workers(spark: SparkSession, location: StateLocation, view: CheckpointView, layout: StateLayout) -> None:
     """Start a Python worker per executor core (up to the query's parallelism), with the
     store's modules imported and the state table opened once: a cold worker spends seconds
     importing pyarrow, polars and the Iceberg client, which the first batch would otherwise wait for."""
@@ -490,7 +489,7 @@ def _warm_workers(spark: SparkSession, location: StateLocation, layout: StateLay
 
         for _ in batches:
             pass
-        warm_worker(location, layout)
+        warm_worker(view, layout)
         yield pa.RecordBatch.from_pydict({"pid": [os.getpid()]}, schema=pa.schema([("pid", pa.int64())]))
 
     try:
@@ -598,7 +597,8 @@ def start_stateful_query(
         store_config=store_config or StoreConfig(), compaction=compaction,
     )
     if warm_workers:
-        threading.Thread(target=_warm_workers, args=(spark, location, layout), name="icestate-warm-workers",
+        view = runner.table.checkpoint_view()
+        threading.Thread(target=_warm_workers, args=(spark, location, view, layout), name="icestate-warm-workers",
                          daemon=True).start()
     writer = df.writeStream.foreachBatch(runner).option("checkpointLocation", checkpoint_location)
     if query_name:

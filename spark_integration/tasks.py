@@ -6,6 +6,10 @@ processor, flushes the memtable as new segments of the batch's checkpoint, write
 output rows as Parquet, and returns only metadata (segment and output file descriptions,
 statistics) to the driver: state never passes through the driver.
 
+Tasks never open the catalog: the plan carries the batch's base checkpoint as the driver
+sees it (``catalog.task_view.CheckpointView``: segments, storage properties), so executors on
+any host work whatever catalog the driver uses, and only the driver commits.
+
 Stores live across batches in the Python worker (``_STORES``, keyed by run and task), so
 their caches stay warm. Each batch's plan says which flush of each task the driver
 committed (a token per attempt): a store whose last flush was committed completes it and
@@ -30,11 +34,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pyspark.accumulators import AccumulatorParam
 
-from spark_integration.location import StateLocation
+from catalog.task_view import CheckpointView, TaskStateTable, locations_of
 from spark_integration.timers import TimerService
 from statestore.config import StoreConfig
 from statestore.faults import fail_if_first_attempt
@@ -70,10 +73,15 @@ class ReportParam(AccumulatorParam):
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """Everything a task needs for one micro-batch; pickled into the task closure."""
+    """Everything a task needs for one micro-batch; pickled into the task closure.
+
+    ``view`` is the base checkpoint (``base_checkpoint_id``) as the driver holds it; ``table``
+    says which table and line (``TableRef.identity``: no secret); no catalog travels."""
 
     run_id: str
-    location: StateLocation
+    table: tuple
+    parallelism: int
+    view: CheckpointView
     layout: StateLayout
     processor: Any
     input_columns: tuple[str, ...]
@@ -87,6 +95,7 @@ class BatchPlan:
     time_mode: str
     event_time_column: str | None
     output_dir: str | None
+    output_io: dict[str, str] = field(default_factory=dict, repr=False)  # the output table's storage
     store_config: StoreConfig = field(default_factory=StoreConfig)
     inline_outputs: bool = False  # the output rows are the tasks' result; reports go to an accumulator
 
@@ -132,13 +141,14 @@ _STORES: dict[tuple[str, int], _TaskStore] = {}
 def _open(plan: BatchPlan, task: int) -> _TaskStore:
     clock = _Clock()
     config = dataclasses.replace(plan.store_config, clock_ms=clock)
-    table = plan.location.open(plan.layout, checkpoint_id=plan.base_checkpoint_id)
-    store = StateStore(table, task_index=task, parallelism=plan.location.parallelism, config=config)
+    table = TaskStateTable(plan.view, plan.layout)
+    store = StateStore(table, task_index=task, parallelism=plan.parallelism, config=config)
     timers = TimerService(store) if plan.time_mode != "none" else None
-    return _TaskStore(store, clock, timers, plan.task_tokens.get(task), plan.location.identity)
+    return _TaskStore(store, clock, timers, plan.task_tokens.get(task), plan.table)
 
 
 def _reset(ts: _TaskStore, plan: BatchPlan, task: int) -> None:
+    ts.store.table.advance(plan.view)
     ts.store.restore(plan.base_checkpoint_id)
     ts.token = plan.task_tokens.get(task)
     ts.timers = TimerService(ts.store) if ts.timers is not None else None
@@ -167,11 +177,12 @@ def _reconcile(ts: _TaskStore, plan: BatchPlan, task: int) -> None:
     committed = plan.task_tokens.get(task)
     current = ts.token
     pending, ts.pending = ts.pending, None
+    # The batch's base checkpoint, as the driver shipped it. Only this task writes its key
+    # groups during a run: newer checkpoints hold other tasks' segments (or compactions of
+    # the same entries), so moving forward keeps every cached view valid.
+    ts.store.table.advance(plan.view)
     if pending is not None:
         if committed == pending:
-            # Move the table to the base first: the flush's own checkpoint may have been
-            # expired by retention since (a task without rows for many batches).
-            ts.store.table.restore(plan.base_checkpoint_id)
             ts.store.checkpoint_complete(pending[0])
             current = ts.token = pending
         else:
@@ -179,13 +190,6 @@ def _reconcile(ts: _TaskStore, plan: BatchPlan, task: int) -> None:
             current = None  # its memtable holds a batch that was not committed
     if current is None or current != committed:
         _reset(ts, plan, task)
-        return
-    table = ts.store.table
-    info = table.current_checkpoint()
-    if (info.checkpoint_id if info else None) != plan.base_checkpoint_id:
-        # Only this task writes its key groups during a run: later checkpoints hold other
-        # tasks' segments, so moving the table forward keeps every cached view valid.
-        table.restore(plan.base_checkpoint_id)
 
 
 def _evict(plan: BatchPlan) -> None:
@@ -194,7 +198,7 @@ def _evict(plan: BatchPlan) -> None:
     for key, ts in list(_STORES.items()):
         run, task = key
         if run != plan.run_id:
-            if ts.location == plan.location.identity:
+            if ts.location == plan.table:
                 _drop(key)  # a finished run of the same query (another query's stores stay)
         elif ts.pending is None and not ts.dirty and ts.token != plan.task_tokens.get(task):
             _drop(key)
@@ -405,11 +409,12 @@ def _conform(output: pa.Table, schema: pa.Schema) -> pa.Table:
 def _write_output(plan: BatchPlan, task: int, token: str, output: pa.Table | None) -> list[dict]:
     if plan.output_dir is None or output is None or output.num_rows == 0:
         return []
-    fs, root = pafs.FileSystem.from_uri(plan.output_dir)
-    fs.create_dir(root, recursive=True)
+    # The output table's storage, with its own properties (an S3 endpoint, credentials).
+    where = locations_of(plan.output_dir, plan.output_io)
+    root = where.to_path(plan.output_dir.rstrip("/"))
+    where.filesystem.create_dir(root, recursive=True)
     name = f"batch-{plan.batch_id:012d}-task-{task:05d}-{token[:12]}.parquet"
-    path = f"{root}/{name}"
-    pq.write_table(output, path, filesystem=fs, compression="zstd")
+    pq.write_table(output, f"{root}/{name}", filesystem=where.filesystem, compression="zstd")
     return [{"uri": f"{plan.output_dir.rstrip('/')}/{name}", "rows": output.num_rows}]
 
 
@@ -424,12 +429,13 @@ def segment_of(payload: str) -> SegmentFile:
     return SegmentFile(**json.loads(payload))
 
 
-def warm_worker(location: StateLocation, layout: StateLayout) -> None:
-    """Import what a task needs and open the state table once (``query._warm_workers``)."""
+def warm_worker(view: CheckpointView, layout: StateLayout) -> None:
+    """Import what a task needs and make the state table's filesystem once
+    (``query._warm_workers``); like a task, without the catalog."""
     import spark_integration.compat
     import spark_integration.vectorized  # noqa: F401
 
-    location.open(layout).close()
+    TaskStateTable(view, layout).close()
     _freeze_imports_once()
 
 

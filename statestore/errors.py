@@ -105,3 +105,8 @@ class StateClosedError(StateStoreError):
 
 class CatalogUnavailableError(StateStoreError, ValueError):
     """The pyiceberg catalog of a ``TableRef`` could not be loaded from its name and properties."""
+
+
+class TaskCommitError(StateStoreError):
+    """A task's table (``catalog.task_view.TaskStateTable``) was asked to commit: only the driver
+    commits checkpoints."""

@@ -75,7 +75,8 @@ class Driver:
     def plan(self, processing_time_ms: int = 0, watermark_ms: int = -1) -> BatchPlan:
         info = self.table.current_checkpoint()
         return BatchPlan(
-            run_id=self.run_id, location=self.location, layout=self.layout, processor=self.processor,
+            run_id=self.run_id, table=self.location.identity, parallelism=self.location.parallelism,
+            view=self.table.checkpoint_view(), layout=self.layout, processor=self.processor,
             input_columns=tuple(self.input_schema.names), output_schema=self.output_schema, batch_id=self.batch_id,
             checkpoint_id=self.table.next_checkpoint_id(),
             base_checkpoint_id=None if info is None else info.checkpoint_id,
