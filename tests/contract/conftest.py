@@ -46,14 +46,11 @@ from tests.contract.backends import BACKENDS, SERVERS, Backend
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """moto's S3 server on loopback for the whole session, with the contract's bucket."""
-    server = s3_server.start(tmp_path_factory.mktemp("moto"))
-    try:
-        s3_server.create_bucket(server.endpoint, BACKENDS["iceberg-s3"].BUCKET)
-        yield server.endpoint
-    finally:
-        server.stop()
+def s3_endpoint(s3_server_endpoint: str) -> str:
+    """moto's S3 server on loopback for the whole session (``tests/conftest.py``, shared with
+    other test packages), with the contract's bucket."""
+    s3_server.create_bucket(s3_server_endpoint, BACKENDS["iceberg-s3"].BUCKET)
+    return s3_server_endpoint
 
 
 @pytest.fixture(params=list(BACKENDS), ids=list(BACKENDS))
