@@ -413,10 +413,24 @@ class StatefulRunner:
         return routed.mapInArrow(task, schema)
 
     def _output_frame(self, uris: Sequence[str]) -> DataFrame:
+        """The batch's output files as a DataFrame read on the executors. Local files go
+        through Spark's own Parquet reader; files elsewhere (an object store, which Spark's
+        Hadoop filesystems would need extra jars and their own credentials to read) through
+        pyarrow with the output table's storage properties, one Spark task per file."""
         struct = _struct_of(self.output_schema)
         if not uris:
             return self.spark.createDataFrame([], struct)
-        return self.spark.read.schema(struct).parquet(*uris)
+        if all(u.startswith("file:") or "://" not in u for u in uris):
+            return self.spark.read.schema(struct).parquet(*uris)
+        io, schema = self.output.io_properties, self.output_schema
+
+        def read(batches):
+            from spark_integration.tasks import read_output_files
+
+            yield from read_output_files(batches, io, schema)
+
+        names = self.spark.createDataFrame([(u,) for u in uris], "uri string").repartition(len(uris))
+        return names.mapInArrow(read, struct)
 
     def _properties(self, plan: BatchPlan, report: BatchReport) -> dict[str, str]:
         props = {stored_keys.QUERY_RUN_ID: self.run_id, stored_keys.QUERY_ID: self.query_id}

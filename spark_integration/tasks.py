@@ -418,6 +418,16 @@ def _write_output(plan: BatchPlan, task: int, token: str, output: pa.Table | Non
     return [{"uri": f"{plan.output_dir.rstrip('/')}/{name}", "rows": output.num_rows}]
 
 
+def read_output_files(batches: Iterator[pa.RecordBatch], io: dict[str, str], schema: pa.Schema,
+                      ) -> Iterator[pa.RecordBatch]:
+    """The rows of the output files named in ``batches`` (column ``uri``), read through pyarrow
+    with the output table's storage properties (``StatefulRunner._output_frame``)."""
+    for batch in batches:
+        for uri in batch.column(0).to_pylist():
+            where = locations_of(uri, io)
+            yield from pq.read_table(where.to_path(uri), filesystem=where.filesystem, schema=schema).to_batches()
+
+
 def _attempt_number() -> int | None:
     from pyspark import TaskContext
 
