@@ -1,19 +1,35 @@
 """SQL access to a state table at a checkpoint with DuckDB.
 
-DuckDB's iceberg extension cannot be loaded offline, so the entries view reads the
-Parquet files the checkpoint's snapshot plans (``read_parquet`` over pyiceberg's file
-list) with DuckDB's bundled reader. Entries are raw: every put, append and tombstone of
-every segment. ``connect`` adds one table per state variable with its live state: the
-same files read by the one entry reader (``statestore.entries``) and resolved by
+DuckDB runs with the Python package alone: no extension is loaded or downloaded (its
+iceberg and httpfs extensions would be fetched from the internet at run time), and DuckDB is
+never given storage credentials. The entries view reads the Parquet files the checkpoint's
+snapshot plans (pyiceberg's file list):
+
+* on local disk, with DuckDB's bundled Parquet reader (``read_parquet`` by path);
+* on any other filesystem (S3, GCS, ADLS... whatever the table's pyiceberg FileIO reaches), as
+  a pyarrow dataset over the table's own filesystem (``IcebergStateTable.filesystem``, so the
+  catalog's endpoint and credentials apply), registered with DuckDB: read lazily, with
+  DuckDB's projections and filters pushed into the scan.
+
+Both give the same view: the columns of every file by name, in order of first appearance,
+types widened where files differ (``read_parquet(..., union_by_name = true)``). Entries are
+raw: every put, append and tombstone of every segment. ``connect`` adds one table per state
+variable with its live state: the same files read by the one entry reader
+(``statestore.entries``, through the table's filesystem) and resolved by
 ``statestore.resolve`` (invariant 5: the same way as every other reader).
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import duckdb
 import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 from pyiceberg.io.pyarrow import schema_to_pyarrow
 from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
@@ -29,6 +45,11 @@ from statestore.table import SegmentFile
 DEFAULT_VIEW_NAME = "state_entries"
 ENTRIES_VIEW = "entries"
 STATE_TABLE_PREFIX = "state_"
+# DuckDB settings of the connections made here: never download an extension at run time (a
+# query naming s3:// would otherwise fetch httpfs from the internet); a clear error instead.
+DUCKDB_CONFIG = {"autoinstall_known_extensions": False}
+# Parallel footer reads of remote files (each is a round trip to the object store).
+_FOOTER_READERS = 16
 
 
 def connect(
@@ -41,12 +62,13 @@ def connect(
     here: one row per key (value, reducing, aggregating), per map entry, or per list
     element. Meant for inspection; it reads every entry of the checkpoint.
     """
-    con = connection if connection is not None else duckdb.connect()
-    entries_view(table, checkpoint_id=checkpoint_id, connection=con, view_name=ENTRIES_VIEW)
+    con = connection if connection is not None else new_connection()
+    files = _data_files(table.iceberg_table, _snapshot_of(table, checkpoint_id))
+    _create_entries_view(con, table.iceberg_table, files, ENTRIES_VIEW)
     now = int(time.time() * 1000) if now_ms is None else now_ms
     layout = table.layout
     keys = layout.key_names
-    segments = _segments_of(table, checkpoint_id)
+    segments = _segments_of(table, checkpoint_id, files)
     reader = SegmentReader(table.filesystem)
     every = np.arange(layout.max_parallelism, dtype=np.int64)
     for desc in layout.descriptors:
@@ -80,16 +102,47 @@ def entries_view(
         snapshot_id = snapshot_id if snapshot_id is not None else _snapshot_of(table, checkpoint_id)
     elif checkpoint_id is not None:
         raise TypeError("checkpoint_id needs an IcebergStateTable; pass snapshot_id for a plain Iceberg table")
-    con = connection if connection is not None else duckdb.connect()
-    files = _planned_files(iceberg, snapshot_id)
-    con.execute(f"DROP VIEW IF EXISTS {_ident(view_name)}")
-    if files:
-        source = f"read_parquet({_sql_list(files)}, union_by_name = true)"
-        con.execute(f"CREATE OR REPLACE VIEW {_ident(view_name)} AS SELECT * FROM {source}")
-    else:
-        # read_parquet needs at least one file: an empty table of the schema stands in.
-        con.register(view_name, schema_to_pyarrow(iceberg.schema(), include_field_ids=False).empty_table())
+    con = connection if connection is not None else new_connection()
+    _create_entries_view(con, iceberg, _data_files(iceberg, snapshot_id), view_name)
     return con.table(view_name)
+
+
+def new_connection() -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection that never downloads an extension (``DUCKDB_CONFIG``)."""
+    return duckdb.connect(config=DUCKDB_CONFIG)
+
+
+def _create_entries_view(con: duckdb.DuckDBPyConnection, iceberg: Table, files: list[DataFile], name: str) -> None:
+    """(Re)create view ``name`` over the entries of ``files`` (module docstring: local files by
+    path, others as a pyarrow dataset over the table's filesystem)."""
+    locations = Locations.of(iceberg.location(), iceberg.io)
+    con.execute(f"DROP VIEW IF EXISTS {_ident(name)}")
+    if not files:
+        # Neither reader takes an empty file list: an empty table of the schema stands in.
+        con.register(name, schema_to_pyarrow(iceberg.schema(), include_field_ids=False).empty_table())
+        return
+    paths = [locations.to_path(f.file_path) for f in files]
+    if isinstance(locations.filesystem, pafs.LocalFileSystem):
+        source = f"read_parquet({_sql_list(paths)}, union_by_name = true)"
+        con.execute(f"CREATE OR REPLACE VIEW {_ident(name)} AS SELECT * FROM {source}")
+    else:
+        con.register(name, _dataset(locations.filesystem, paths))
+
+
+def _dataset(fs: pafs.FileSystem, paths: list[str]) -> pads.Dataset:
+    """The Parquet files ``paths`` of ``fs`` as one lazy dataset whose schema is the union of
+    theirs by name, as ``read_parquet(..., union_by_name = true)`` makes it: columns in order of
+    first appearance, a column missing from a file null there, types widened (int -> bigint)."""
+    with ThreadPoolExecutor(min(_FOOTER_READERS, len(paths))) as pool:
+        schemas = list(pool.map(lambda p: _plain(pq.read_schema(p, filesystem=fs)), paths))
+    schema = pa.unify_schemas(schemas, promote_options="permissive")
+    return pads.dataset(paths, schema=schema, format="parquet", filesystem=fs)
+
+
+def _plain(schema: pa.Schema) -> pa.Schema:
+    """``schema`` without metadata (Parquet field ids, pandas/Arrow annotations): files are
+    joined by column name, as DuckDB does."""
+    return pa.schema([f.remove_metadata() for f in schema]).remove_metadata()
 
 
 def _snapshot_of(table: IcebergStateTable, checkpoint_id: int | None) -> int | None:
@@ -105,10 +158,10 @@ def _snapshot_of(table: IcebergStateTable, checkpoint_id: int | None) -> int | N
     )
 
 
-def _segments_of(table: IcebergStateTable, checkpoint_id: int | None) -> list[SegmentFile]:
-    """The data files the entries view reads (``entries_view``), as segments spanning every
-    key group (the state tables read every key group of each) and named after the checkpoint
-    read (in a read error's message)."""
+def _segments_of(table: IcebergStateTable, checkpoint_id: int | None, files: list[DataFile]) -> list[SegmentFile]:
+    """The data files the entries view reads (``files``), as segments spanning every key group
+    (the state tables read every key group of each) and named after the checkpoint read (in a
+    read error's message)."""
     iceberg = table.iceberg_table
     locations = Locations.of(iceberg.location(), iceberg.io)
     current = table.current_checkpoint()
@@ -116,15 +169,7 @@ def _segments_of(table: IcebergStateTable, checkpoint_id: int | None) -> list[Se
     last = table.layout.max_parallelism - 1
     return [SegmentFile(path=locations.to_path(f.file_path), checkpoint_id=read_id, key_group_min=0,
                         key_group_max=last, record_count=f.record_count, size_bytes=f.file_size_in_bytes)
-            for f in _data_files(iceberg, _snapshot_of(table, checkpoint_id))]
-
-
-def _planned_files(iceberg: Table, snapshot_id: int | None) -> list[str]:
-    """Paths DuckDB can open of the data files ``snapshot_id`` (or the current snapshot) holds."""
-    locations = Locations.of(iceberg.location(), iceberg.io)
-    uris = [f.file_path for f in _data_files(iceberg, snapshot_id)]
-    # DuckDB reads local files by path and remote ones (s3://...) by URI.
-    return [locations.to_path(u) for u in uris] if locations.scheme == "file" else uris
+            for f in files]
 
 
 def _data_files(iceberg: Table, snapshot_id: int | None) -> list[DataFile]:
