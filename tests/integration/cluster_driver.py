@@ -17,10 +17,15 @@ Config keys:
 * ``input`` (directory of Parquet files ``key string, v long``);
 * ``warehouse`` and ``checkpoint_root`` (default locations of the queries' state tables,
   output tables and Spark checkpoints), ``result`` (the JSON file written at the end);
+* ``catalog``: instead of ``warehouse``, ``{"name", "properties"}`` of an Iceberg catalog
+  (``TableRef``), for state and outputs on an object store;
+* ``probe_hidden``: a path the driver sees; the result says whether the executors see it;
 * ``queries``: a list of ``{"name", "processor", "parallelism", "max_parallelism"}`` with
   optionally their own ``warehouse``, ``checkpoint`` and ``label`` (key in the result);
   processor is ``count``, ``count_list`` or ``vec_count``; the query named N keeps its
-  state in table ``t_N`` and its output in ``out.N``;
+  state in table ``t_N`` and its output in ``out.N`` (``table`` overrides N, so that a
+  later query restarts an earlier one, e.g. at another parallelism); ``add_files`` are
+  moved into the input directory before the query starts;
 * ``wait_executors``: executors to wait for before starting (on a cluster);
 * ``progress``: a file that gets a line per batch whose outputs are committed.
 """
@@ -131,6 +136,12 @@ def _executor_of(pid: int) -> dict | None:
     return None
 
 
+def _executors_see(spark: SparkSession, path: str, executors: int) -> list[bool]:
+    """Whether the Python workers of the executors see ``path`` (one answer per task)."""
+    n = max(2, 2 * executors)
+    return spark.sparkContext.parallelize(range(n), n).map(lambda _: os.path.exists(path)).collect()
+
+
 def _plain(value):
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
@@ -141,12 +152,11 @@ def _plain(value):
     return value
 
 
-def _state_dump(warehouse: str, table: str) -> dict:
+def _state_dump(ref) -> dict:
     """Every state variable's live state, one sorted list of rows per variable (no ord/expiry)."""
     from catalog import sql
-    from catalog.iceberg_table import IcebergStateTable
 
-    with IcebergStateTable.open_existing(warehouse=warehouse, table_name=table) as state:
+    with ref.open() as state:
         info = state.current_checkpoint()
         checkpoints = [(c.checkpoint_id, c.batch_id) for c in state.list_checkpoints()]
         con = sql.connect(state)
@@ -163,11 +173,10 @@ def _state_dump(warehouse: str, table: str) -> dict:
             "batch_id": info.batch_id if info else None, "checkpoints": checkpoints}
 
 
-def _output_dump(warehouse: str, identifier: str) -> dict:
-    from catalog.defaults import default_catalog
+def _output_dump(ref, identifier: str) -> dict:
     from statestore.stored_keys import OUTPUT_BATCH_ID
 
-    cat = default_catalog(warehouse)
+    cat = ref.catalog()
     try:
         table = cat.load_table(identifier)
         rows = table.scan().to_arrow().to_pylist()
@@ -185,10 +194,15 @@ def run_query(spark: SparkSession, df, cfg: dict, q: dict) -> dict:
     from spark_integration import StateLocation, runner_of, start_stateful_query
 
     name = q["name"]
+    table = q.get("table", name)
     warehouse = q.get("warehouse", cfg.get("warehouse"))
-    checkpoint = q.get("checkpoint", os.path.join(cfg.get("checkpoint_root", ""), name))
+    catalog = {} if warehouse else cfg["catalog"]
+    checkpoint = q.get("checkpoint", os.path.join(cfg.get("checkpoint_root", ""), table))
     processor, schema = _processor(q["processor"])
-    location = StateLocation(table=f"t_{name}", warehouse=warehouse,
+    for path in q.get("add_files", []):
+        os.replace(path, os.path.join(cfg["input"], os.path.basename(path)))
+    location = StateLocation(table=f"t_{table}", warehouse=warehouse, catalog_name=catalog.get("name"),
+                             catalog_properties=catalog.get("properties", {}),
                              max_parallelism=int(q.get("max_parallelism", 16)),
                              parallelism=int(q.get("parallelism", 2)))
     progress = cfg.get("progress")
@@ -214,7 +228,7 @@ def run_query(spark: SparkSession, df, cfg: dict, q: dict) -> dict:
     query = start_stateful_query(
         df, ["key"], processor, schema, location=location,
         checkpoint_location=checkpoint, trigger={"availableNow": True},
-        output_table=f"out.{name}", foreach_batch=note, query_name=f"q_{name}")
+        output_table=f"out.{table}", foreach_batch=note, query_name=f"q_{name}")
     holder["query"] = query
     query.awaitTermination()
     resolve_pids()
@@ -230,8 +244,8 @@ def run_query(spark: SparkSession, df, cfg: dict, q: dict) -> dict:
     return {
         "seconds": round(elapsed, 2), "reports": reports,
         "executors": {str(pid): info for pid, info in sorted(executors.items())},
-        "state": _state_dump(warehouse, f"t_{name}"),
-        "output": _output_dump(warehouse, f"out.{name}"),
+        "state": _state_dump(location.ref),
+        "output": _output_dump(location.ref, f"out.{table}"),
     }
 
 
@@ -245,6 +259,9 @@ def run(cfg: dict) -> dict:
         timings["executors"] = time.perf_counter() - started
     df = spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1).parquet(cfg["input"])
     results: dict = {"driver_pid": os.getpid(), "queries": {}, "timings": timings}
+    if cfg.get("probe_hidden"):
+        results["driver_sees_hidden"] = os.path.exists(cfg["probe_hidden"])
+        results["executors_see_hidden"] = _executors_see(spark, cfg["probe_hidden"], int(cfg.get("wait_executors", 1)))
     for q in cfg["queries"]:
         label = q.get("label", q["name"])
         results["queries"][label] = run_query(spark, df, cfg, q)

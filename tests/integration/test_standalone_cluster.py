@@ -70,6 +70,7 @@ class Cluster:
     processes: list[subprocess.Popen]
     logs: list[Path]
     env: dict[str, str]
+    driver_only: Path  # the workers (and their executors) see an empty directory here
 
     def state(self) -> dict:
         with urllib.request.urlopen(f"{self.ui_url}/json/", timeout=5) as r:
@@ -110,15 +111,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         commands.append((f"worker{i}", ["org.apache.spark.deploy.worker.Worker", master_url, "--host", "127.0.0.1",
                                         "--cores", "1", "--memory", "1g", "--webui-port", str(_free_port())],
                          {"SPARK_WORKER_DIR": str(root / f"work{i}")}))
+    # The workers run in a mount namespace of their own where ``driver_only`` is an empty
+    # tmpfs: their executors cannot read what the driver keeps there (its SQLite catalog, its
+    # Spark checkpoints), as on another host.
+    driver_only = root / "driver-only"
+    driver_only.mkdir()
+    hide = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+            'mount -t tmpfs -o size=1m icestate-hidden "$0" && exec "$@"', str(driver_only)]
     processes, logs = [], []
-    c = Cluster(master_url, ui_url, processes, logs, env)
+    c = Cluster(master_url, ui_url, processes, logs, env, driver_only)
     try:
         for name, args, extra in commands:
             log = root / f"{name}.log"
             logs.append(log)
             with open(log, "wb") as out:
                 # own session: the finalizer stops the JVM and every executor it started
-                processes.append(subprocess.Popen([spark_class, *args], env={**env, **extra}, stdout=out,
+                prefix = hide if name.startswith("worker") else []
+                processes.append(subprocess.Popen([*prefix, spark_class, *args], env={**env, **extra}, stdout=out,
                                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                   start_new_session=True))
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -138,11 +147,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             stop_session(p, grace_s=15)
 
 
-def _write_input(directory: Path) -> list[list[str]]:
-    """FILES Parquet files with distinct modification times (the order Spark reads them)."""
+def _write_input(directory: Path, files: range = range(FILES)) -> list[list[str]]:
+    """Parquet files with distinct modification times (the order Spark reads them)."""
     directory.mkdir()
     batches = []
-    for b in range(FILES):
+    for b in files:
         ids = range(b * ROWS_PER_FILE, (b + 1) * ROWS_PER_FILE)
         keys = [f"k{(i * 7 + b) % KEYS}" for i in ids]
         path = directory / f"part-{b}.parquet"
@@ -165,6 +174,41 @@ def _count_of(value) -> int:
     return value["count"] if isinstance(value, dict) else value
 
 
+SPARK_CONF = {
+    "spark.executor.cores": 1,
+    "spark.cores.max": WORKERS,
+    "spark.executor.memory": "512m",
+    "spark.driver.memory": "512m",
+    "spark.driver.host": "127.0.0.1",
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.catalogImplementation": "in-memory",
+    "spark.sql.shuffle.partitions": PARALLELISM,
+    # Spread the tasks: no coalescing of the shuffle, no waiting for a preferred executor.
+    "spark.sql.adaptive.coalescePartitions.enabled": "false",
+    "spark.locality.wait": "0",
+    "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+}
+
+
+def _run_driver(cluster: Cluster, config: dict, where: Path) -> None:
+    """Run ``cluster_driver.py`` with ``config`` (its files in ``where``) to the end."""
+    (where / "config.json").write_text(json.dumps(config))
+    env = {**cluster.env, "SPARK_LOCAL_DIRS": str(where / "driver-local")}
+    log = where / "driver.log"
+    with open(log, "wb") as out:
+        driver = subprocess.Popen([sys.executable, str(DRIVER), str(where / "config.json")], env=env,
+                                  stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  start_new_session=True)
+    try:
+        rc = driver.wait(timeout=480)
+    finally:
+        stop_session(driver, grace_s=15)
+    assert rc == 0, f"driver exited with {rc}\n{tail(log, 8000)}\n{cluster.log_tails()}"
+
+
 @pytest.mark.timeout(600)
 def test_stateful_query_on_standalone_cluster(cluster: Cluster, tmp_path: Path) -> None:
     batches = _write_input(tmp_path / "input")
@@ -173,23 +217,7 @@ def test_stateful_query_on_standalone_cluster(cluster: Cluster, tmp_path: Path) 
     config = {
         "master": cluster.master_url,
         "app_name": "icestate-standalone-test",
-        "conf": {
-            "spark.executor.cores": 1,
-            "spark.cores.max": WORKERS,
-            "spark.executor.memory": "512m",
-            "spark.driver.memory": "512m",
-            "spark.driver.host": "127.0.0.1",
-            "spark.driver.bindAddress": "127.0.0.1",
-            "spark.ui.enabled": "false",
-            "spark.ui.showConsoleProgress": "false",
-            "spark.sql.session.timeZone": "UTC",
-            "spark.sql.catalogImplementation": "in-memory",
-            "spark.sql.shuffle.partitions": PARALLELISM,
-            # Spread the tasks: no coalescing of the shuffle, no waiting for a preferred executor.
-            "spark.sql.adaptive.coalescePartitions.enabled": "false",
-            "spark.locality.wait": "0",
-            "spark.scheduler.minRegisteredResourcesRatio": "1.0",
-        },
+        "conf": SPARK_CONF,
         "wait_executors": WORKERS,
         "input": str(tmp_path / "input"),
         "warehouse": str(warehouse),
@@ -200,18 +228,7 @@ def test_stateful_query_on_standalone_cluster(cluster: Cluster, tmp_path: Path) 
             {"name": "vec", "processor": "vec_count", "parallelism": PARALLELISM, "max_parallelism": 16},
         ],
     }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    env = {**cluster.env, "SPARK_LOCAL_DIRS": str(tmp_path / "driver-local")}
-    log = tmp_path / "driver.log"
-    with open(log, "wb") as out:
-        driver = subprocess.Popen([sys.executable, str(DRIVER), str(tmp_path / "config.json")], env=env,
-                                  stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  start_new_session=True)
-    try:
-        rc = driver.wait(timeout=480)
-    finally:
-        stop_session(driver, grace_s=15)
-    assert rc == 0, f"driver exited with {rc}\n{tail(log, 8000)}\n{cluster.log_tails()}"
+    _run_driver(cluster, config, tmp_path)
     result = json.loads((tmp_path / "result.json").read_text())
     driver_pid = result["driver_pid"]
 
@@ -259,3 +276,64 @@ def test_stateful_query_on_standalone_cluster(cluster: Cluster, tmp_path: Path) 
             finally:
                 con.close()
         assert {r["key"]: _count_of(r["v_count"]) for r in live} == totals, name
+
+
+@pytest.mark.timeout(900)
+def test_executors_that_cannot_read_the_drivers_disk_run_a_query_on_s3_and_its_restart(
+        cluster: Cluster, tmp_path: Path, s3_server_endpoint: str) -> None:
+    """State and outputs on S3, the embedded SQLite catalog on the driver's disk where no
+    executor can read it: tasks work from what the driver ships, the driver alone commits.
+    Then the query restarts at another parallelism over two more input files."""
+    from catalog import TableRef
+    from tests import s3_server
+
+    bucket = "icestate-cluster"
+    s3_server.create_bucket(s3_server_endpoint, bucket)
+    driver_files = cluster.driver_only / tmp_path.name  # seen by the driver only
+    driver_files.mkdir()
+    more = FILES + 2
+    batches = _write_input(tmp_path / "input")
+    batches += _write_input(tmp_path / "later", range(FILES, more))
+    properties = {"type": "sql", "uri": f"sqlite:///{driver_files}/catalog.db", "init_catalog_tables": "true",
+                  "warehouse": f"s3://{bucket}/{tmp_path.name}", **s3_server.properties(s3_server_endpoint)}
+    config = {
+        "master": cluster.master_url, "app_name": "icestate-standalone-s3", "conf": SPARK_CONF,
+        "wait_executors": WORKERS, "input": str(tmp_path / "input"),
+        "catalog": {"name": "driver_sqlite", "properties": properties},
+        "checkpoint_root": str(driver_files / "checkpoints"), "result": str(driver_files / "result.json"),
+        "probe_hidden": str(driver_files / "catalog.db"),
+        "queries": [
+            {"name": "first", "table": "rows", "processor": "count", "parallelism": PARALLELISM},
+            {"name": "restarted", "table": "rows", "processor": "count", "parallelism": 3,
+             "add_files": [str(tmp_path / "later" / f"part-{b}.parquet") for b in range(FILES, more)]},
+        ],
+    }
+    _run_driver(cluster, config, driver_files)
+    result = json.loads((driver_files / "result.json").read_text())
+    assert result["driver_sees_hidden"] is True
+    assert result["executors_see_hidden"] and not any(result["executors_see_hidden"]), result["executors_see_hidden"]
+
+    first, restarted = result["queries"]["first"], result["queries"]["restarted"]
+    totals_first, rows_first = _expected_outputs(batches[:FILES])
+    totals, expected_rows = _expected_outputs(batches)
+    assert [r["batch_id"] for r in first["reports"]] == list(range(FILES))
+    assert [r["batch_id"] for r in restarted["reports"]] == list(range(FILES, more))
+    assert {len(r["tasks"]) for r in first["reports"]} == {PARALLELISM}
+    assert {len(r["tasks"]) for r in restarted["reports"]} == {3}
+    for q in (first, restarted):
+        pids = {t["pid"] for r in q["reports"] for t in r["tasks"].values()}
+        assert result["driver_pid"] not in pids
+        assert all(q["executors"][str(pid)] is not None for pid in pids), q["executors"]
+    assert {r["key"]: _count_of(r["v_count"]) for r in first["state"]["variables"]["count"]} == totals_first
+    assert sorted((r["key"], r["count"]) for r in first["output"]["rows"]) == rows_first
+    state = restarted["state"]
+    assert (state["checkpoint_id"], state["batch_id"]) == (more, more - 1)
+    assert {r["key"]: _count_of(r["v_count"]) for r in state["variables"]["count"]} == totals
+    assert restarted["output"]["batches"] == list(range(more))
+    assert sorted((r["key"], r["count"]) for r in restarted["output"]["rows"]) == expected_rows
+
+    # Every segment is on S3, none on the driver's disk.
+    with TableRef("t_rows", catalog_name="driver_sqlite", catalog_properties=properties).open() as table:
+        assert table.location.startswith(f"s3://{bucket}/")
+        assert table.current_checkpoint().parallelism == 3
+    assert not list(driver_files.rglob("*.parquet"))
