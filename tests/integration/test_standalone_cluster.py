@@ -301,7 +301,7 @@ def test_executors_that_cannot_read_the_drivers_disk_run_a_query_on_s3_and_its_r
         "wait_executors": WORKERS, "input": str(tmp_path / "input"),
         "catalog": {"name": "driver_sqlite", "properties": properties},
         "checkpoint_root": str(driver_files / "checkpoints"), "result": str(driver_files / "result.json"),
-        "probe_hidden": str(driver_files / "catalog.db"),
+        "probe_hidden": str(driver_files / "config.json"),
         "queries": [
             {"name": "first", "table": "rows", "processor": "count", "parallelism": PARALLELISM},
             {"name": "restarted", "table": "rows", "processor": "count", "parallelism": 3,
