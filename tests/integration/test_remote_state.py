@@ -6,7 +6,12 @@ storage properties, and a restart at another parallelism continues the same stat
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
+import os
+import threading
+import uuid
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,12 +19,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from catalog import TableRef
+from catalog.compaction import CompactionPolicy
 from spark_integration import StateLocation
 from statestore import StateStore
 from tests import s3_server
 from tests.integration.streaming_helpers import CountProcessor, counts, key_batches, run_to_end, write_batches
 
 BUCKET = "icestate-spark"
+# moto takes any credentials: a secret key planted to be looked for everywhere afterwards.
+SECRET = f"planted-secret-{uuid.uuid4().hex}"
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +40,8 @@ def bucket(s3_server_endpoint: str) -> str:
 def s3_location(tmp_path: Path, bucket: str):
     prefix = hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12]
     props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "init_catalog_tables": "true",
-             "warehouse": f"s3://{BUCKET}/{prefix}", **s3_server.properties(bucket)}
+             "warehouse": f"s3://{BUCKET}/{prefix}", **s3_server.properties(bucket),
+             "s3.secret-access-key": SECRET}
 
     def location(parallelism: int) -> StateLocation:
         return StateLocation(table="counts", catalog_name="remote", catalog_properties=props,
@@ -50,7 +59,32 @@ def _state(location: StateLocation, keys: list[str]) -> dict[str, int]:
         table.close()
 
 
-def test_a_query_with_state_and_outputs_on_s3_restarts_at_another_parallelism(spark, tmp_path, s3_location):
+class CommandLines:
+    """Every process's command line seen while running (polled: short-lived children count)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+                with contextlib.suppress(OSError):
+                    self.seen[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> CommandLines:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_a_query_with_state_and_outputs_on_s3_restarts_at_another_parallelism(spark, tmp_path, s3_location, caplog,
+                                                                              capfd):
     first, second = key_batches(2, 60, 23), key_batches(2, 60, 31, offset=120)
     keys = sorted(counts(first + second))
     seen: list[tuple] = []
@@ -59,9 +93,12 @@ def test_a_query_with_state_and_outputs_on_s3_restarts_at_another_parallelism(sp
         seen.extend((batch_id, r["key"], r["count"]) for r in df.collect())
 
     loc = s3_location(2)
-    runner = run_to_end(spark, write_batches(tmp_path / "in1", first), CountProcessor(), "key string, count long",
-                        location=loc, checkpoint=str(tmp_path / "cp1"), output_table="out.counts",
-                        foreach_batch=collect)
+    caplog.set_level(logging.DEBUG)
+    with CommandLines() as commands:
+        runner = run_to_end(spark, write_batches(tmp_path / "in1", first), CountProcessor(),
+                            "key string, count long", location=loc, checkpoint=str(tmp_path / "cp1"),
+                            output_table="out.counts", foreach_batch=collect,
+                            compaction=CompactionPolicy(min_segments=2))
     assert _state(loc, keys) == counts(first)
     table = loc.ref.open()
     assert table.location.startswith(f"s3://{BUCKET}/")
@@ -84,6 +121,16 @@ def test_a_query_with_state_and_outputs_on_s3_restarts_at_another_parallelism(sp
     run_to_end(spark, str(tmp_path / "in1"), CountProcessor(), "key string, count long",
                location=loc3, checkpoint=str(tmp_path / "cp1"), output_table="out.counts")
     assert _state(loc3, keys) == counts(first + second)
+    assert runner.compactor is not None and runner.compactor.pid is not None, "the compactor never started"
+    assert runner.compactor.pid in commands.seen
+
+    # The secret reached no process's command line, log record, output, repr or summary.
+    assert len(commands.seen) > 3
+    assert [c for c in commands.seen.values() if SECRET in c] == []
+    assert SECRET not in caplog.text
+    out, err = capfd.readouterr()
+    assert SECRET not in out and SECRET not in err
+    assert SECRET not in repr(loc) and SECRET not in repr(runner.table.checkpoint_view())
 
     # Everything is on S3: the output table's rows, read with plain pyiceberg.
     catalog = TableRef("counts", catalog_name="remote", catalog_properties=loc.catalog_properties).catalog()
@@ -94,5 +141,10 @@ def test_a_query_with_state_and_outputs_on_s3_restarts_at_another_parallelism(sp
         finals = rows.group_by("key").aggregate([("count", "max")])
         assert dict(zip(finals["key"].to_pylist(), finals["count_max"].to_pylist(), strict=True)) == \
             counts(first + second)
+        state = catalog.load_table("state.counts")
+        for table in (out, state):
+            for snapshot in table.snapshots():
+                assert SECRET not in repr(snapshot.summary)
+            assert SECRET not in repr(table.properties)
     finally:
         catalog.close()
