@@ -112,8 +112,9 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def start(log_dir: Path) -> PgServer:
-    """Start a fresh cluster (module docstring) and return it once it accepts connections.
+def start(log_dir: Path, *, publish: bool = True) -> PgServer:
+    """Start a fresh cluster (module docstring) and return it once it accepts connections;
+    with ``publish``, its URI goes to ``URI_ENV`` (until ``stop``).
 
     Raises:
         ServerUnavailable: no binaries or no user to run them as (``unavailable_reason``).
@@ -130,7 +131,8 @@ def start(log_dir: Path) -> PgServer:
     except BaseException:
         shutil.rmtree(base, ignore_errors=True)
         raise
-    os.environ[URI_ENV] = server.uri
+    if publish:
+        os.environ[URI_ENV] = server.uri
     return server
 
 
