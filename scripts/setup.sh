@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything the project needs on a fresh machine (Python 3.11+, package registries):
-# Java for Spark if missing, a virtual environment in .venv, the project with its test extras.
+# Java for Spark and PostgreSQL for the catalog tests if missing, a virtual environment in .venv, the project with its test extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v java >/dev/null 2>&1; then
@@ -9,6 +9,18 @@ if ! command -v java >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -q
   $SUDO apt-get install -y -q openjdk-17-jre-headless
+fi
+# PostgreSQL's server programs for the tests' shared-catalog server (tests/pg_server.py starts its
+# own cluster in a temporary directory). Debian's package would also create and start a system
+# cluster "main" on port 5432: createcluster.d tells its install to create none (so none runs).
+if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  echo "PostgreSQL server not found: installing Debian's postgresql (no cluster of its own)"
+  export DEBIAN_FRONTEND=noninteractive
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO mkdir -p /etc/postgresql-common/createcluster.d
+  echo "create_main_cluster = off" | $SUDO tee /etc/postgresql-common/createcluster.d/icestate-no-main.conf >/dev/null
+  $SUDO apt-get update -q
+  $SUDO apt-get install -y -q postgresql
 fi
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 from statestore.directory_table import CHECKPOINT_DIR, HEAD, DirectoryStateTable
 from statestore.layout import StateLayout
 from statestore.table import StateTable
-from tests import s3_server
+from tests import pg_server, s3_server
 from tests.contract.helpers import LAYOUT
 
 DEFAULT_RETAIN_CHECKPOINTS = 10
@@ -156,7 +156,28 @@ class IcebergSqliteBackend(Backend):
         return table.iceberg_table.refresh().metadata_location
 
 
-class IcebergS3Backend(IcebergSqliteBackend):
+class IcebergCatalogBackend(IcebergSqliteBackend):
+    """``IcebergStateTable`` on a pyiceberg catalog named by properties, as any deployment
+    names one (``TableRef(catalog_name=..., catalog_properties=...)``)."""
+
+    catalog_name = "contract"
+
+    @abc.abstractmethod
+    def properties(self) -> dict[str, str]:
+        """The catalog's properties (``load_catalog``) for the tables at ``self.location``."""
+
+    def ref(self):
+        from catalog import TableRef
+
+        return TableRef(self.TABLE_NAME, catalog_name=self.catalog_name, catalog_properties=self.properties())
+
+    def _open(self, layout: StateLayout, *, checkpoint_id: int | None, retain_checkpoints: int,
+              key_groups_per_partition: int | None) -> StateTable:
+        return self.ref().open(layout, checkpoint_id=checkpoint_id, retain_checkpoints=retain_checkpoints,
+                               partition_width=key_groups_per_partition)
+
+
+class IcebergS3Backend(IcebergCatalogBackend):
     """``IcebergStateTable`` whose files live on S3 (moto's server, ``tests.s3_server``), with
     a SQLite catalog named by properties as any pyiceberg catalog is (``TableRef``). The
     server's endpoint comes from ``s3_server.ENDPOINT_ENV``, so a child process finds it."""
@@ -180,18 +201,33 @@ class IcebergS3Backend(IcebergSqliteBackend):
             **s3_server.properties(self._endpoint),
         }
 
-    def _open(self, layout: StateLayout, *, checkpoint_id: int | None, retain_checkpoints: int,
-              key_groups_per_partition: int | None) -> StateTable:
-        from catalog import TableRef
-
-        ref = TableRef(self.TABLE_NAME, catalog_name="contract", catalog_properties=self.properties())
-        return ref.open(layout, checkpoint_id=checkpoint_id, retain_checkpoints=retain_checkpoints,
-                        partition_width=key_groups_per_partition)
-
     def root(self, table: StateTable) -> str:
         return table.location.removeprefix("s3://")
 
 
-BACKENDS: dict[str, type[Backend]] = {b.id: b for b in (DirectoryBackend, IcebergSqliteBackend, IcebergS3Backend)}
+class IcebergPostgresBackend(IcebergCatalogBackend):
+    """``IcebergStateTable`` on pyiceberg's SQL catalog in a real PostgreSQL server
+    (``tests.pg_server``), as a team shares one catalog; files in a local warehouse. The
+    server's URI (with its password) comes from ``pg_server.URI_ENV``, so a child process finds
+    it and no command line shows it. Tests share the server's one database, never a table:
+    each location is a catalog name of its own (the SQL catalog's rows are keyed by it)."""
+
+    id = "iceberg-postgres"
+
+    def __init__(self, location: str):
+        super().__init__(location)
+        self._uri = os.environ[pg_server.URI_ENV]
+        self.catalog_name = "contract_" + hashlib.sha256(location.encode()).hexdigest()[:16]
+
+    def properties(self) -> dict[str, str]:
+        os.makedirs(self.location, exist_ok=True)
+        # The catalog's tables exist already (the session fixture made them): none is created
+        # here, so processes that open their first table at once never race to create them.
+        return {"type": "sql", "uri": self._uri, "init_catalog_tables": "false",
+                "warehouse": f"file://{self.location}"}
+
+
+BACKENDS: dict[str, type[Backend]] = {
+    b.id: b for b in (DirectoryBackend, IcebergSqliteBackend, IcebergS3Backend, IcebergPostgresBackend)}
 # Backends that need a server, and the fixture that starts it.
-SERVERS: dict[str, str] = {IcebergS3Backend.id: "s3_endpoint"}
+SERVERS: dict[str, str] = {IcebergS3Backend.id: "s3_endpoint", IcebergPostgresBackend.id: "pg_uri"}

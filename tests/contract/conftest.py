@@ -4,7 +4,9 @@ As Flink's ``StateBackendTestBase`` and pyiceberg's catalog suite do, every test
 package takes the ``backend`` fixture, parametrized over ``backends.BACKENDS``
 (``directory``: ``DirectoryStateTable``; ``iceberg-sqlite``: ``IcebergStateTable`` on an
 embedded SQLite catalog; ``iceberg-s3``: ``IcebergStateTable`` with its files on S3, moto's
-server on loopback, and a SQLite catalog named by properties through ``TableRef``), and
+server on loopback, and a SQLite catalog named by properties through ``TableRef``;
+``iceberg-postgres``: ``IcebergStateTable`` on pyiceberg's SQL catalog in a real PostgreSQL
+server on loopback, as a team shares one catalog, with its files in a local warehouse), and
 checks only what ``statestore.table.StateTable`` promises:
 
 * segment paths are fresh, named by ``statestore.paths`` and under the table's root;
@@ -30,8 +32,9 @@ directory's HEAD and checkpoint files) is tested beside it, in ``tests/catalog``
 Adding a backend (an object store, another catalog): subclass ``backends.Backend`` with
 ``_open`` (open the table at ``self.location``), ``root``, ``name_in_errors`` and
 ``commit_record``, and add it to ``BACKENDS``: every test here then runs on it, with the
-class's ``id`` as the parameter id. A backend that needs a server (moto for S3) starts it in
-a session fixture that ``backend`` requests for that parameter only.
+class's ``id`` as the parameter id. A backend that needs a server (moto for S3, PostgreSQL)
+starts it in a session fixture (``s3_endpoint`` here, ``pg_uri`` in ``tests/conftest.py``) that
+``backend`` requests for that parameter only (``backends.SERVERS``).
 """
 
 from __future__ import annotations
