@@ -206,8 +206,14 @@ class StateStore:
         self.reader.flushed(checkpoint_id)
         if entries is None:
             return []
-        return write_segments(self._table, entries, checkpoint_id, self.task_index,
-                              self.config.row_group_rows_min, self.config.row_group_rows_max)
+        try:
+            return write_segments(self._table, entries, checkpoint_id, self.task_index,
+                                  self.config.row_group_rows_min, self.config.row_group_rows_max)
+        except BaseException:
+            # The storage failed (an object store out of reach): nothing was committed, the
+            # memtable keeps every entry, and the next flush writes them again.
+            self.checkpoint_aborted(checkpoint_id)
+            raise
 
     def checkpoint_complete(self, checkpoint_id: int) -> None:
         """The checkpoint that ``flush(checkpoint_id)`` wrote is committed: drop the flushed

@@ -148,3 +148,48 @@ def test_a_query_with_state_and_outputs_on_s3_restarts_at_another_parallelism(sp
             assert SECRET not in repr(table.properties)
     finally:
         catalog.close()
+
+
+def test_the_object_store_going_away_mid_batch_fails_the_batch_and_the_restart_loses_nothing(spark, tmp_path,
+                                                                                             bucket):
+    """The S3 server goes away after batch 1's outputs are committed, before its state is (our
+    proxy in front of moto stops): the batch fails and the query stops with the error; the
+    previous checkpoint is intact; once the server is back, the restarted query replays batch
+    1 (its outputs are not added twice) and goes on, nothing lost."""
+    from tests.net_proxy import NetProxy
+
+    batches = key_batches(3, 50, 19)
+    prefix = hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12]
+    keys = sorted(counts(batches))
+    with NetProxy(bucket) as proxy:
+        props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "init_catalog_tables": "true",
+                 "warehouse": f"s3://{BUCKET}/{prefix}", **s3_server.properties(proxy.endpoint),
+                 "s3.connect-timeout": "1", "s3.request-timeout": "2"}
+        loc = StateLocation(table="counts", catalog_name="outage", catalog_properties=props, parallelism=2,
+                            max_parallelism=16)
+
+        def outage_at_batch_1(df, batch_id):
+            if batch_id == 1:
+                proxy.stop()
+
+        input_dir = write_batches(tmp_path / "in", batches)
+        with pytest.raises(Exception):  # noqa: B017 - Spark wraps the storage error in its own
+            run_to_end(spark, input_dir, CountProcessor(), "key string, count long", location=loc,
+                       checkpoint=str(tmp_path / "cp"), output_table="out.counts", foreach_batch=outage_at_batch_1)
+        proxy.resume()
+        with loc.ref.open() as table:
+            assert (table.current_checkpoint().checkpoint_id, table.current_checkpoint().batch_id) == (1, 0)
+        assert _state(loc, keys) == counts(batches[:1])
+
+        run_to_end(spark, input_dir, CountProcessor(), "key string, count long", location=loc,
+                   checkpoint=str(tmp_path / "cp"), output_table="out.counts")
+        assert _state(loc, keys) == counts(batches)
+        catalog = loc.ref.catalog()
+        try:
+            out = catalog.load_table("out.counts").scan().to_arrow()
+        finally:
+            catalog.close()
+        expected = sum(len(set(b["key"].to_pylist())) for b in batches)
+        assert out.num_rows == expected  # batch 1's outputs once
+        finals = out.group_by("key").aggregate([("count", "max")])
+        assert dict(zip(finals["key"].to_pylist(), finals["count_max"].to_pylist(), strict=True)) == counts(batches)
