@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import typer
 from rich.table import Table
 
@@ -171,11 +172,11 @@ _PATTERNS = [
 
 def pattern(method: str, target: str, headers: Mapping[str, str], table_prefix: str) -> str:
     """``method target`` with the table's location shortened to ``<table>`` and file names
-    generalized; ``[range]`` marks a ranged GET."""
+    generalized; ``(ranged)`` marks a ranged GET."""
     text = target.replace(table_prefix, "<table>")
     for regex, repl in _PATTERNS:
         text = regex.sub(repl, text)
-    return f"{method} {text}" + (" [range]" if "range" in headers else "")
+    return f"{method} {text}" + (" (ranged)" if "range" in headers else "")
 
 
 def patterns(traffic: Traffic, table_prefix: str) -> list[list]:
@@ -231,6 +232,23 @@ def bench_commit(storage: Storage, variant: Variant, delta: int, repeat: int) ->
         "flush_patterns": patterns(flush_t[-1], table_prefix) if flush_t else [],
         "commit_patterns": patterns(commit_t[-1], table_prefix) if commit_t else [],
     }
+
+
+def bench_round_trip(storage: Storage, samples: int = 20) -> float:
+    """Median time of one HEAD of a small object through the proxy, in seconds: what one
+    request costs at the current latency (moto's own time included)."""
+    props = s3_server.properties(storage.proxy.endpoint)
+    fs = pafs.S3FileSystem(access_key=props["s3.access-key-id"], secret_key=props["s3.secret-access-key"],
+                           region=props["s3.region"], endpoint_override=storage.proxy.endpoint, scheme="http")
+    path = f"{BUCKET}/round-trip-probe"
+    with fs.open_output_stream(path) as out:
+        out.write(b"probe")
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        fs.get_file_info(path)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def build_state(storage: Storage, variant: Variant, keys: int, checkpoints: int, tasks: int) -> None:
@@ -414,6 +432,7 @@ def run(root: Path, chosen: list[Variant], *, keys: int, checkpoints: int, tasks
             storage.use(variant)
             if variant.prepare is not None:
                 variant.prepare(functools.partial(store_config, variant), storage.ref(variant, STATE_TABLE))
+            round_trip = bench_round_trip(storage) if variant.remote else None
             with console.status(f"{variant.name}: checkpoints"):
                 commit = bench_commit(storage, variant, delta, repeat)
             with console.status(f"{variant.name}: cold open to first lookup"):
@@ -421,7 +440,7 @@ def run(root: Path, chosen: list[Variant], *, keys: int, checkpoints: int, tasks
             with console.status(f"{variant.name}: lookup throughput"):
                 throughput = bench_throughput(storage, variant, keys, tasks, batch, batches, cache_fraction)
             out[variant.name] = {"remote": variant.remote, "latency_ms": variant.latency_ms,
-                                 "store_options": dict(variant.store_options),
+                                 "store_options": dict(variant.store_options), "head_round_trip_s": round_trip,
                                  "commit": commit, "cold": cold, "throughput": throughput}
             console.log(f"{variant.name}: checkpoint {commit['checkpoint_s_median'] * 1e3:.0f} ms, "
                         f"cold open to first lookup {cold['open_to_first_lookup_s_median'] * 1e3:.0f} ms")
@@ -501,6 +520,7 @@ def _get(d: Mapping, path: tuple[str, ...]) -> Any:
 
 
 def _fmt_requests(counts: Mapping[str, float]) -> str:
+    counts = {m: n for m, n in counts.items() if n}
     if not counts:
         return "0"
     total = sum(counts.values())
@@ -515,6 +535,8 @@ def _report(results: dict) -> None:
     t.add_column("measure")
     for name in vs:
         t.add_column(name, justify="right")
+    t.add_row("one HEAD round trip (moto + proxy), ms",
+              *["-" if v["head_round_trip_s"] is None else f"{v['head_round_trip_s'] * 1e3:.1f}" for v in vs.values()])
     for label, path, scale in MEASURES:
         t.add_row(label, *[f"{_get(v, path) * scale:,.0f}" for v in vs.values()])
     console.print(t)
@@ -563,6 +585,7 @@ def _plot(results: dict, path: Path) -> None:
                 ax.plot(x, [_get(v, key) * scale for v in remote], "o-", color=color, label=f"S3: {label}")
             if local is not None:
                 ax.axhline(_get(local, key) * scale, color=color, ls="--", lw=1, label=f"local: {label}")
+        ax.set_xticks(x)
         ax.set_xlabel("proxy latency per S3 request (ms)")
         ax.set_ylabel(unit)
         ax.set_title(title)
