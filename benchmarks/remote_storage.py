@@ -14,7 +14,7 @@ proxy at 0, 10 and 20 ms per request, a SQLite catalog on local disk whose wareh
    restore: metadata only), a fresh ``StateStore`` and a batched get of ``lookup`` of the
    task's keys, median of ``repeat``;
 3. *Warm lookup + update throughput* of that task (every key group cached): ``batches``
-   batched gets and updates of ``batch`` keys, keys/s;
+   batched gets and updates of ``batch`` keys, keys/s of the median batch;
 4. *Lookup throughput with a view cache smaller than the state* (``cache_fraction`` of the
    task's resolved views): each batch reads ``batch`` keys of a random ``cache_fraction`` of
    the task's key groups (a batch pins its key groups in the cache, so a batch over all of
@@ -348,15 +348,19 @@ def bench_throughput(storage: Storage, variant: Variant, keys: int, tasks: int, 
     state.get_batch(user_keys(mine))  # every key group of the task in the cache
     views_bytes = store.stats()["cache_size_bytes"]
     rec: list[Traffic] = []
-    t0 = time.perf_counter()
+    batch_s = []
     with storage.counting(rec):
         for _ in range(batches):
             request = user_keys(rng.choice(mine, size=batch, replace=False))
+            t0 = time.perf_counter()
             values = state.get_batch(request)
             state.update_batch(request, pc.add(values, 1))
-    elapsed = time.perf_counter() - t0
-    out["warm"] = {"keys_per_s": batches * batch / elapsed, "elapsed_s": elapsed, "requests": by_method(rec[0]),
-                   "views_bytes": views_bytes}
+            batch_s.append(time.perf_counter() - t0)
+    # The median batch: the machine is shared, and a batch that waited for the CPU says nothing
+    # about storage (these batches make no request at all).
+    out["warm"] = {"keys_per_s": batch / statistics.median(batch_s),
+                   "keys_per_s_overall": batches * batch / sum(batch_s), "batch_s_all": batch_s,
+                   "requests": by_method(rec[0]), "views_bytes": views_bytes}
     store.close()
     table.close()
 
@@ -380,14 +384,18 @@ def bench_throughput(storage: Storage, variant: Variant, keys: int, tasks: int, 
     requests = [small_batch() for _ in range(batches)]
     before = store.stats()
     rec = []
-    t0 = time.perf_counter()
+    batch_s = []
     with storage.counting(rec):
         for request in requests:
+            t0 = time.perf_counter()
             state.get_batch(request)
-    elapsed = time.perf_counter() - t0
+            batch_s.append(time.perf_counter() - t0)
+    elapsed = sum(batch_s)
     stats = store.stats()
     looked_up = sum(r.num_rows for r in requests)
+    # Overall, not the median batch: the misses are the measure, and they vary by batch.
     out["small_cache"] = {"keys_per_s": looked_up / elapsed, "elapsed_s": elapsed, "keys": looked_up,
+                          "batch_s_all": batch_s,
                           "cache_size_bytes_max": cache, "cache_fraction": cache_fraction,
                           "key_groups_per_batch": per_batch, "task_key_groups": len(groups),
                           "requests": by_method(rec[0]), "requests_per_batch": rec[0].count / batches,
@@ -500,7 +508,7 @@ MEASURES = [
     ("cold open to first lookup, ms", ("cold", "open_to_first_lookup_s_median"), 1e3),
     ("  open (restore), ms", ("cold", "open_s_median"), 1e3),
     ("  first batched lookup, ms", ("cold", "first_lookup_s_median"), 1e3),
-    ("warm lookup + update, keys/s", ("throughput", "warm", "keys_per_s"), 1),
+    ("warm lookup + update, keys/s (median batch)", ("throughput", "warm", "keys_per_s"), 1),
     ("small-cache lookup, keys/s", ("throughput", "small_cache", "keys_per_s"), 1),
 ]
 REQUESTS = [
