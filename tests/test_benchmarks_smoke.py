@@ -1,6 +1,7 @@
 """Smoke test of the benchmarks, so that a change that breaks one fails CI rather than the next
-benchmark run: every module of ``benchmarks`` imports, and ``bench_store`` runs end to end
-through its command line at tiny sizes (no Spark), writing its JSON and plot to a temporary
+benchmark run: every module of ``benchmarks`` imports, and ``bench_store`` and
+``remote_storage`` (moto's S3 server and our proxy, started by the run) run end to end through
+their command lines at tiny sizes (no Spark), writing their JSON and plots to a temporary
 folder, never over the recorded results.
 """
 
@@ -47,3 +48,28 @@ def test_bench_store_runs_end_to_end(tmp_path, monkeypatch):
     assert results["checkpoint_restore"]["big"]["delta_keys"] == 100
     assert len(results["commit_growth"]["commit_s_all"]) == 16
     assert (tmp_path / "bench_store.png").stat().st_size > 0
+
+
+def test_remote_storage_runs_end_to_end(tmp_path, monkeypatch):
+    """The remote-storage benchmark at its ``--quick`` sizes: moto's server and the proxy start
+    and stop inside the run, every variant is measured and the proxy's counts are recorded."""
+    pytest.importorskip("matplotlib")
+    from benchmarks import remote_storage
+    from tests import s3_server
+
+    if not s3_server.available():
+        pytest.skip("moto_server not installed (test extras)")
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    app = typer.Typer()
+    app.command()(remote_storage.main)
+    result = CliRunner().invoke(app, ["--quick"])
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "remote_storage_quick.json").read_text())
+    variants = results["variants"]
+    assert list(variants) == ["local", "s3 0 ms", "s3 5 ms"]
+    assert variants["local"]["commit"]["flush_requests"] == {}
+    s3 = variants["s3 5 ms"]
+    assert s3["commit"]["flush_requests"] and s3["cold"]["first_lookup_requests"]
+    assert s3["throughput"]["warm"]["requests"] == {}  # warm caches: no round trip
+    assert s3["cold"]["first_lookup_patterns"]
+    assert (tmp_path / "remote_storage_quick.png").stat().st_size > 0
