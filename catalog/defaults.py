@@ -13,6 +13,8 @@ import os
 
 from pyiceberg.catalog.sql import SqlCatalog
 
+from catalog.fileio import use_state_file_io
+
 # Catalog configuration keys (pyiceberg's names).
 CATALOG_URI = "uri"
 CATALOG_WAREHOUSE = "warehouse"
@@ -44,11 +46,11 @@ def default_catalog(warehouse: str) -> SqlCatalog:
     """
     root = os.path.abspath(check_warehouse(warehouse))
     os.makedirs(root, exist_ok=True)
-    return SqlCatalog(
+    return use_state_file_io(SqlCatalog(
         DEFAULT_CATALOG_NAME,
         **{
             CATALOG_URI: f"sqlite:///{os.path.join(root, DEFAULT_CATALOG_FILE)}",
             CATALOG_WAREHOUSE: f"file://{root}",
             CATALOG_INIT_TABLES: "true",
         },
-    )
+    ))

@@ -479,7 +479,10 @@ class IcebergStateTable:
 
     def _make_data_dir(self) -> None:
         # Tasks write segments with plain filesystem calls; a local filesystem does not
-        # create parent directories on write (object stores have none to create).
+        # create parent directories on write. Object stores have none to create: on S3 each
+        # level would cost a HEAD and a PUT of an empty marker, at every open.
+        if not isinstance(self.filesystem, pafs.LocalFileSystem):
+            return
         data_dir = f"{self._table.location().rstrip('/')}/{DATA_DIR}"
         if self._segment_subdir:
             data_dir = f"{data_dir}/{self._segment_subdir}"

@@ -128,8 +128,10 @@ class TableRef:
             return default_catalog(self.warehouse)
         from pyiceberg.catalog import load_catalog
 
+        from catalog.fileio import use_state_file_io
+
         try:
-            return load_catalog(self.catalog_name, **self.catalog_properties)
+            return use_state_file_io(load_catalog(self.catalog_name, **self.catalog_properties))
         except Exception as e:  # pyiceberg raises many types for bad or unreachable catalogs
             # Not chained: pyiceberg's own message may quote the properties, secrets included.
             raise CatalogUnavailableError(
