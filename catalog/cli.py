@@ -6,29 +6,73 @@ so its commands sit at the top level (``icestate sql ...``); it is not a program
 own. The docstrings of the commands and the ``help`` of the options are the users' help
 text: they speak of tables and checkpoints, never of modules. Every command opens its
 table through ``_open_table``, the one place that knows how a table is found.
+
+Where a table is (``_table_ref``): ``--warehouse DIR`` alone is the embedded SQLite catalog
+in a local directory (the default, ``./warehouse``); ``--catalog NAME`` and/or repeatable
+``--property KEY=VALUE`` name any pyiceberg catalog, resolved as pyiceberg does (the
+properties, then the catalog's entry in ``.pyiceberg.yaml``, then ``PYICEBERG_CATALOG__<NAME>__*``
+environment variables; without ``--catalog``, pyiceberg's default catalog name), and
+``--warehouse`` then is that catalog's ``warehouse`` property, a URI or a local directory.
+
+Secrets: a catalog property whose name says secret (``table_ref.is_secret``) given with
+``--property`` draws a warning (command lines are visible to other users and kept in shell
+history; the configuration file or the environment is the place for them). No output or error
+of a command shows a property value of such a name: every failure is reported as one line
+with the secrets of the command line and of the pyiceberg configuration scrubbed
+(``_reporting_errors``), never as a traceback.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from functools import partial
-from typing import TYPE_CHECKING, Annotated
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 if TYPE_CHECKING:
     from catalog.iceberg_table import IcebergStateTable
+    from catalog.table_ref import TableRef
 
 tables = typer.Typer()
 console = Console()
-# The program lists these commands under one heading, apart from the main job.
-_command = partial(tables.command, rich_help_panel="State tables")
+err_console = Console(stderr=True, highlight=False)
+DEFAULT_WAREHOUSE = "./warehouse"
+# pyiceberg's catalog property naming where new tables' files go.
+WAREHOUSE_PROPERTY = "warehouse"
+
+
+def _command(**options: Any) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register a state-table command: listed under one heading, apart from the main job, and
+    reporting its failures as one scrubbed line (``_reporting_errors``)."""
+    def register(fn: Callable[..., None]) -> Callable[..., None]:
+        return tables.command(rich_help_panel="State tables", **options)(_reporting_errors(fn))
+    return register
+
 
 # Options every command shares, declared once so their help reads the same everywhere.
 Warehouse = Annotated[str, typer.Option(
     help="Warehouse directory: holds the embedded SQLite Iceberg catalog and every table's files.")]
+TableWarehouse = Annotated[str | None, typer.Option(
+    "--warehouse", show_default=False,
+    help="Where the tables are. Alone: a local directory holding the embedded SQLite Iceberg catalog and "
+         "the tables' files (default ./warehouse). With --catalog or --property: the catalog's warehouse, "
+         "a local directory or a URI such as s3://bucket/path.")]
+CatalogName = Annotated[str | None, typer.Option(
+    "--catalog", show_default=False,
+    help="Name of the pyiceberg catalog holding the table, configured in .pyiceberg.yaml "
+         "(PYICEBERG_HOME, home or working directory) or PYICEBERG_CATALOG__<NAME>__<PROPERTY> environment "
+         "variables: the place for credentials.")]
+CatalogProperties = Annotated[list[str] | None, typer.Option(
+    "--property", metavar="KEY=VALUE", show_default=False,
+    help="A catalog property, repeatable, over the configuration of --catalog (without it: pyiceberg's "
+         "default catalog), e.g. uri=sqlite:////data/catalog.db, s3.endpoint=http://host:9000, "
+         "s3.region=eu-west-1. Keep secrets out of command lines (visible to other users, kept in shell history).")]
 TableName = Annotated[str, typer.Option(
     "--table", help="State table: one per stateful operator (the main job writes demo_user_activity "
     "and demo_page_views).")]
@@ -38,17 +82,159 @@ Checkpoint = Annotated[int | None, typer.Option(help="Checkpoint id (see `icesta
                                                 "Default: the newest.")]
 
 
-def _open_table(warehouse: str, namespace: str, table: str, branch: str = "main", **at) -> IcebergStateTable:
+def _open_table(warehouse: str | None, catalog: str | None, properties: list[str] | None, namespace: str,
+                table: str, branch: str = "main", **at) -> IcebergStateTable:
     """Open an existing state table for a command (``TableRef.open``); ``at`` picks the point in
     time (``checkpoint_id``, ``savepoint``). The one opener of this module."""
+    from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
+
+    from catalog.defaults import DEFAULT_CATALOG_NAME
+
+    ref = _table_ref(warehouse, catalog, properties, namespace, table, branch)
+    try:
+        return ref.open(**at)
+    except ValueError as e:
+        if ref.catalog_name is None or not isinstance(e.__cause__, NoSuchTableError | NoSuchNamespaceError):
+            raise
+        # The usual slip with a catalog named by properties: a SQL catalog files its tables under its name.
+        raise ValueError(
+            f"{e}. A SQL catalog keeps its tables under the catalog's name: --catalog must be the name their "
+            f"writer used (this was {ref.catalog_name!r}; the embedded catalog of a warehouse directory is named "
+            f"{DEFAULT_CATALOG_NAME!r})") from None
+
+
+def _table_ref(warehouse: str | None, catalog: str | None, properties: list[str] | None, namespace: str,
+               table: str, branch: str) -> TableRef:
+    """The table the options name (module docstring).
+
+    Raises:
+        typer.BadParameter: the options contradict each other or lack what the table needs.
+        CatalogUnavailableError: no catalog of that name is configured, or pyiceberg cannot load it.
+    """
     from catalog.table_ref import TableRef
 
-    return TableRef(table, namespace=namespace, warehouse=warehouse, branch=branch).open(**at)
+    props = _parse_properties(properties or [], catalog)
+    if catalog is None and not props:
+        directory = DEFAULT_WAREHOUSE if warehouse is None else warehouse
+        if "://" in directory:
+            raise typer.BadParameter(
+                f"{directory} is a URI, and without --catalog or --property the tables' catalog is the embedded "
+                "SQLite one, whose file must be on local disk. Name the catalog that records the tables: --catalog "
+                "NAME (configured in .pyiceberg.yaml or PYICEBERG_CATALOG__<NAME>__* environment variables), or "
+                "give its properties, e.g. --property uri=sqlite:////local/path/catalog.db plus the storage's "
+                "(s3.endpoint=..., s3.region=...; credentials from the configuration or the environment).",
+                param_hint="'--warehouse'")
+        return TableRef(table, namespace=namespace, warehouse=directory, branch=branch)
+    if warehouse is not None:
+        if WAREHOUSE_PROPERTY in props:
+            raise typer.BadParameter("give the warehouse once: --warehouse or --property warehouse=..., not both",
+                                     param_hint="'--warehouse'")
+        props[WAREHOUSE_PROPERTY] = warehouse if "://" in warehouse else f"file://{os.path.abspath(warehouse)}"
+    config = _pyiceberg_config()
+    name = catalog if catalog is not None else config.get_default_catalog_name()
+    if set(props) <= {WAREHOUSE_PROPERTY} and config.get_catalog_config(name) is None:
+        from statestore.errors import CatalogUnavailableError
+
+        known = config.get_known_catalogs()
+        raise CatalogUnavailableError(
+            f"no pyiceberg catalog named {name!r} is configured (configured: {known or 'none'}): define it in "
+            f".pyiceberg.yaml (in $PYICEBERG_HOME, your home or the working directory) or with "
+            f"PYICEBERG_CATALOG__{_env_name(name)}__<PROPERTY> environment variables, or give its properties with "
+            f"--property KEY=VALUE (e.g. --property uri=sqlite:////local/path/catalog.db)")
+    return TableRef(table, namespace=namespace, catalog_name=name, catalog_properties=props, branch=branch)
+
+
+def _parse_properties(items: list[str], catalog: str | None) -> dict[str, str]:
+    """``--property KEY=VALUE`` options as a dict; warns of secrets on the command line. Errors
+    name the property by its key only: a value is never echoed."""
+    from catalog.table_ref import is_secret
+
+    props: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise typer.BadParameter("expected KEY=VALUE (e.g. s3.region=eu-west-1); one was given without a "
+                                     "'=' or with an empty key", param_hint="'--property'")
+        if key in props:
+            raise typer.BadParameter(f"property {key!r} is given twice", param_hint="'--property'")
+        props[key] = value
+        if is_secret(key):
+            name = _env_name(catalog) if catalog else "<NAME>"
+            err_console.print(
+                f"warning: --property {key} puts a secret on the command line, where other users of this machine "
+                f"can see it and your shell keeps it; put it in .pyiceberg.yaml or in the environment "
+                f"(PYICEBERG_CATALOG__{name}__{_env_name(key)})", markup=False)
+    return props
+
+
+def _env_name(name: str) -> str:
+    """How pyiceberg's environment variables spell a catalog or property name (``s3.secret-access-key``
+    -> ``S3__SECRET_ACCESS_KEY``)."""
+    return name.replace(".", "__").replace("-", "_").upper()
+
+
+def _pyiceberg_config() -> Any:
+    """pyiceberg's configuration (``.pyiceberg.yaml`` and ``PYICEBERG_*`` environment) as it
+    reads it now, for what a command says about catalogs; ``load_catalog`` resolves the same."""
+    from pyiceberg.utils.config import Config
+
+    return Config()
+
+
+def _reporting_errors(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` reporting any failure as one line on standard error and exit status 1, with the
+    secrets of its ``--property`` options and of its catalog's configuration scrubbed: no
+    traceback, whose messages could quote a property. Usage errors stay Typer's (status 2)."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except (typer.TyperException, typer.Exit, typer.Abort):
+            raise
+        except Exception as e:
+            import duckdb
+
+            from statestore.errors import StateStoreError
+
+            # Messages of these say what failed (DuckDB's start with the kind of error); others need their type.
+            known = isinstance(e, StateStoreError | ValueError | OSError | duckdb.Error) and str(e)
+            message = str(e) if known else f"{type(e).__name__}: {e}"
+            err_console.print(f"error: {_scrubbed(message, kwargs.get('catalog'), kwargs.get('properties'))}",
+                              markup=False)
+            raise typer.Exit(1) from None
+    return run
+
+
+def _scrubbed(text: str, catalog: str | None, properties: list[str] | None) -> str:
+    """``text`` without the value of any secret-named property of the command line or of the
+    catalog's pyiceberg configuration (``table_ref.scrub``)."""
+    from catalog.table_ref import scrub
+
+    given = dict(item.partition("=")[::2] for item in properties or [])
+    configured: dict[str, Any] = {}
+    try:
+        config = _pyiceberg_config()
+        configured = dict(config.get_catalog_config(catalog or config.get_default_catalog_name()) or {})
+    except Exception:  # a broken configuration file: the command line's secrets are still scrubbed
+        pass
+    return scrub(text, {**_flat(configured), **given})
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """A nested configuration as ``{"a.b": value}``."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = str(value)
+    return flat
 
 
 @_command()
-def checkpoints(table: TableName, warehouse: Warehouse = "./warehouse", namespace: Namespace = "state",
-                branch: Branch = "main") -> None:
+def checkpoints(table: TableName, warehouse: TableWarehouse = None, catalog: CatalogName = None,
+                properties: CatalogProperties = None, namespace: Namespace = "state", branch: Branch = "main") -> None:
     """List the retained checkpoints of a state table, oldest first.
 
     Each checkpoint is an Iceberg snapshot; the list shows its stream batch, the number of
@@ -56,13 +242,14 @@ def checkpoints(table: TableName, warehouse: Warehouse = "./warehouse", namespac
 
     Example: icestate checkpoints --table demo_user_activity
     """
-    t = _open_table(warehouse, namespace, table, branch=branch)
+    with _open_table(warehouse, catalog, properties, namespace, table, branch=branch) as t:
+        listed = t.list_checkpoints()
     out = Table(title=f"{namespace}.{table} ({branch})")
     for col in ("checkpoint", "batch", "parallelism", "max parallelism", "snapshot", "properties"):
         out.add_column(col)
-    for c in t.list_checkpoints():
+    for c in listed:
         out.add_row(str(c.checkpoint_id), str(c.batch_id), str(c.parallelism), str(c.max_parallelism),
-                    str(c.snapshot_id), json.dumps(c.properties))
+                    str(c.snapshot_id), Text(json.dumps(c.properties)))
     console.print(out)
 
 
@@ -72,7 +259,9 @@ def sql(
         help="SQL (DuckDB) over the views state_<variable> (the live state of each state variable, one row "
              "per key) and entries (the raw stored entries).")],
     table: TableName,
-    warehouse: Warehouse = "./warehouse",
+    warehouse: TableWarehouse = None,
+    catalog: CatalogName = None,
+    properties: CatalogProperties = None,
     namespace: Namespace = "state",
     checkpoint: Checkpoint = None,
     branch: Branch = "main",
@@ -88,13 +277,18 @@ def sql(
     """
     from catalog.sql import connect
 
-    t = _open_table(warehouse, namespace, table, checkpoint_id=checkpoint, branch=branch, savepoint=savepoint)
-    result = connect(t).sql(query)
+    with _open_table(warehouse, catalog, properties, namespace, table, checkpoint_id=checkpoint, branch=branch,
+                     savepoint=savepoint) as t:
+        result = connect(t).sql(query)
+        if result is None:  # a statement without rows
+            return
+        columns, rows = result.columns, result.fetchall()
     out = Table()
-    for col in result.columns:
-        out.add_column(col)
-    for row in result.fetchall():
-        out.add_row(*[str(v) for v in row])
+    for col in columns:
+        out.add_column(Text(col))
+    for row in rows:
+        # Values are the users' data, printed as they are (no console markup).
+        out.add_row(*[Text(str(v)) for v in row])
     console.print(out)
 
 
@@ -102,7 +296,9 @@ def sql(
 def savepoint(
     name: Annotated[str, typer.Argument(help="Name of the new savepoint, e.g. before-upgrade.")],
     table: TableName,
-    warehouse: Warehouse = "./warehouse",
+    warehouse: TableWarehouse = None,
+    catalog: CatalogName = None,
+    properties: CatalogProperties = None,
     namespace: Namespace = "state",
     checkpoint: Checkpoint = None,
     branch: Branch = "main",
@@ -114,7 +310,7 @@ def savepoint(
 
     Example: icestate savepoint before-upgrade --table demo_user_activity
     """
-    with _open_table(warehouse, namespace, table, branch=branch) as t:
+    with _open_table(warehouse, catalog, properties, namespace, table, branch=branch) as t:
         info = t.savepoint(name, checkpoint)
     console.print(f"savepoint [bold]{name}[/bold] = checkpoint {info.checkpoint_id} (snapshot {info.snapshot_id})")
 
@@ -123,7 +319,9 @@ def savepoint(
 def fork(
     name: Annotated[str, typer.Argument(help="Name of the fork, e.g. v2.")],
     table: TableName,
-    warehouse: Warehouse = "./warehouse",
+    warehouse: TableWarehouse = None,
+    catalog: CatalogName = None,
+    properties: CatalogProperties = None,
     namespace: Namespace = "state",
     checkpoint: Annotated[int | None, typer.Option(
         help="Checkpoint id of main to fork at. Default: the newest.")] = None,
@@ -136,19 +334,20 @@ def fork(
 
     Example: icestate fork v2 --table demo_user_activity --savepoint before-upgrade
     """
-    with _open_table(warehouse, namespace, table) as t:
+    with _open_table(warehouse, catalog, properties, namespace, table) as t:
         info = t.fork(name, checkpoint, savepoint=savepoint)
     console.print(f"fork [bold]{name}[/bold] at checkpoint {info.checkpoint_id}: run a query with "
                   f"StateLocation(..., branch={name!r})")
 
 
 @_command()
-def refs(table: TableName, warehouse: Warehouse = "./warehouse", namespace: Namespace = "state") -> None:
+def refs(table: TableName, warehouse: TableWarehouse = None, catalog: CatalogName = None,
+         properties: CatalogProperties = None, namespace: Namespace = "state") -> None:
     """List the savepoints and forks of a state table, with the checkpoint each one is at.
 
     Example: icestate refs --table demo_user_activity
     """
-    with _open_table(warehouse, namespace, table) as t:
+    with _open_table(warehouse, catalog, properties, namespace, table) as t:
         out = Table(title=f"{namespace}.{table}: savepoints and forks")
         for col in ("kind", "name", "checkpoint", "batch", "snapshot"):
             out.add_column(col)
@@ -163,7 +362,9 @@ def refs(table: TableName, warehouse: Warehouse = "./warehouse", namespace: Name
 @_command()
 def compact(
     table: TableName,
-    warehouse: Warehouse = "./warehouse",
+    warehouse: TableWarehouse = None,
+    catalog: CatalogName = None,
+    properties: CatalogProperties = None,
     namespace: Namespace = "state",
     branch: Branch = "main",
     min_segments: Annotated[int | None, typer.Option(
@@ -197,7 +398,7 @@ def compact(
         kgs = None if key_groups is None else KeyGroupRange.of(*map(int, key_groups.split("-", 1)))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
-    with _open_table(warehouse, namespace, table, branch=branch) as t:
+    with _open_table(warehouse, catalog, properties, namespace, table, branch=branch) as t:
         while True:
             result = run(t, policy=policy, key_groups=kgs)
             figures = None if result is None else {**result.summary(), "attempts": result.attempts,

@@ -59,6 +59,8 @@ class Place:
     kind: str
     directory: str
     endpoint: str | None = None
+    # A SQL catalog records its name with each table: whoever reads them names it the same.
+    catalog_name: str = "tests"
     opened: list[IcebergStateTable] = field(default_factory=list)
 
     @property
@@ -75,7 +77,7 @@ class Place:
     def ref(self, table: str = "op", **kwargs) -> TableRef:
         if self.kind == "local":
             return TableRef(table, warehouse=self.directory, **kwargs)
-        return TableRef(table, catalog_name="tests", catalog_properties=self.catalog_properties(), **kwargs)
+        return TableRef(table, catalog_name=self.catalog_name, catalog_properties=self.catalog_properties(), **kwargs)
 
     def open(self, layout: StateLayout = LAYOUT, table_name: str = "op", **kwargs) -> IcebergStateTable:
         """Open (creating) a state table here; closed at the end of the test."""
@@ -84,12 +86,14 @@ class Place:
         return table
 
     def cli_args(self) -> list[str]:
-        """Command-line options naming this place, every catalog property given with --property."""
+        """Command-line options naming this place, every catalog property given with --property
+        (for commands run in process only: a child's command line must never hold a secret)."""
         if self.kind == "local":
             return ["--warehouse", self.directory]
         props = self.catalog_properties()
         warehouse = props.pop("warehouse")
-        return ["--warehouse", warehouse, *(a for k, v in props.items() for a in ("--property", f"{k}={v}"))]
+        return ["--catalog", self.catalog_name, "--warehouse", warehouse,
+                *(a for k, v in props.items() for a in ("--property", f"{k}={v}"))]
 
 
 @pytest.fixture(params=PLACES)

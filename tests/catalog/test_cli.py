@@ -1,47 +1,228 @@
-"""The state-table commands of ``icestate`` (``catalog.cli.tables``), invoked on their own.
-The program that mounts them is tested in tests/spark_integration/test_cli.py."""
+"""The state-table commands of ``icestate`` (``catalog.cli.tables``), invoked on their own,
+on a local warehouse and on S3 (moto's server on loopback). The program that mounts them is
+tested in tests/spark_integration/test_cli.py.
+
+The commands are invoked in process (``CliRunner``), except where the catalog comes from
+pyiceberg's configuration (``.pyiceberg.yaml``, ``PYICEBERG_*`` environment), which pyiceberg
+reads once when a process imports it: those run the program as a child process, in a
+temporary home and working directory, as a user would. No secret is ever put on the command
+line of a child process: they travel in the configuration file or the environment.
+"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 from typer.testing import CliRunner
 
 from catalog.cli import tables as app
 from tests.catalog.catalog_helpers import commit_next
+from tests.catalog.conftest import Place
+
+ROOT = Path(__file__).resolve().parents[2]
+# A secret no output may show, whatever the command does.
+PLANTED = "planted-SECRET-4f9c2e71d0"
 
 
-def test_checkpoints_and_sql_commands(open_table, warehouse):
-    table = open_table()
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+def run_program(args: list[str], home: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``icestate ARGS`` in a child process whose home and working directory are ``home``,
+    with pyiceberg configured only by ``home`` and ``env``."""
+    clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("PYICEBERG_")}
+    full = {**clean, "HOME": str(home), "PYTHONPATH": str(ROOT), "COLUMNS": "200", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "spark_integration.cli", *args], capture_output=True, text=True,
+                          env=full, cwd=home, timeout=120)
+
+
+def two_checkpoints(place: Place) -> None:
+    table = place.open()
     commit_next(table, [[1], [9]], properties={"note": "hi"})
     commit_next(table, [[1]])
     table.close()
-    runner = CliRunner()
-    listed = runner.invoke(app, ["checkpoints", "--warehouse", warehouse, "--table", "op"])
+
+
+def test_checkpoints_and_sql_commands(place):
+    two_checkpoints(place)
+    where = place.cli_args()
+    listed = invoke("checkpoints", *where, "--table", "op")
     assert listed.exit_code == 0, listed.output
     assert "note" in listed.output and "20" in listed.output  # properties and batch id of checkpoint 2
-    query = runner.invoke(app, ["sql", "--warehouse", warehouse, "--table", "op", "--checkpoint", "1",
-                                'SELECT count(*) AS n FROM state_count'])
+    query = invoke("sql", *where, "--table", "op", "--checkpoint", "1", "SELECT count(*) AS n FROM state_count")
     assert query.exit_code == 0, query.output
     assert "2" in query.output
+    raw = invoke("sql", *where, "--table", "op", "SELECT key_group, v_count FROM entries ORDER BY v_count")
+    assert raw.exit_code == 0, raw.output
+    assert [line.split()[1:4:2] for line in raw.output.splitlines() if "1001" in line or "2001" in line] == [
+        ["1", "1001"], ["1", "2001"]]
 
 
-def test_savepoint_fork_and_refs_commands(open_table, warehouse):
-    table = open_table()
-    commit_next(table, [[1], [9]])
-    commit_next(table, [[1]])
-    table.close()
-    runner = CliRunner()
-    base = ["--warehouse", warehouse, "--table", "op"]
-    saved = runner.invoke(app, ["savepoint", "keep", *base, "--checkpoint", "1"])
+def test_savepoint_fork_and_refs_commands(place):
+    two_checkpoints(place)
+    base = [*place.cli_args(), "--table", "op"]
+    saved = invoke("savepoint", "keep", *base, "--checkpoint", "1")
     assert saved.exit_code == 0, saved.output
-    forked = runner.invoke(app, ["fork", "v2", *base, "--savepoint", "keep"])
+    forked = invoke("fork", "v2", *base, "--savepoint", "keep")
     assert forked.exit_code == 0, forked.output
     assert "branch='v2'" in forked.output
-    listed = runner.invoke(app, ["refs", *base])
+    listed = invoke("refs", *base)
     assert listed.exit_code == 0, listed.output
     assert "keep" in listed.output and "v2" in listed.output
-    on_fork = runner.invoke(app, ["checkpoints", *base, "--branch", "v2"])
+    on_fork = invoke("checkpoints", *base, "--branch", "v2")
     assert on_fork.exit_code == 0 and "(v2)" in on_fork.output, on_fork.output
-    query = runner.invoke(app, ["sql", *base, "--savepoint", "keep", "SELECT count(*) AS n FROM state_count"])
+    query = invoke("sql", *base, "--savepoint", "keep", "SELECT count(*) AS n FROM state_count")
     assert query.exit_code == 0 and "2" in query.output, query.output
-    bad = runner.invoke(app, ["savepoint", "keep", *base])
-    assert bad.exit_code != 0 and "already has a savepoint" in str(bad.exception)
+    bad = invoke("savepoint", "keep", *base)
+    # One line naming what is wrong, no traceback.
+    assert bad.exit_code == 1 and "already has a savepoint" in bad.output and "Traceback" not in bad.output
+
+
+def test_compact_command(place):
+    two_checkpoints(place)
+    compacted = invoke("compact", *place.cli_args(), "--table", "op", "--json")
+    assert compacted.exit_code == 0, compacted.output
+    assert '"files_out": 1' in compacted.output
+    query = invoke("sql", *place.cli_args(), "--table", "op", "SELECT count(*) AS n FROM state_count")
+    assert query.exit_code == 0 and "│ 2 " in query.output, query.output
+
+
+# --- naming a catalog -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def s3_place(tmp_path, catalog_s3) -> Place:
+    made = Place("s3", str(tmp_path / "s3"), catalog_s3)
+    yield made
+    for t in made.opened:
+        t.close()
+
+
+def yaml_of(catalogs: dict[str, dict[str, str]]) -> str:
+    lines = ["catalog:"]
+    for name, props in catalogs.items():
+        lines.append(f"  {name}:")
+        lines += [f"    {k}: {v}" for k, v in props.items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_s3_warehouse_named_by_a_catalog_in_pyiceberg_yaml(s3_place, tmp_path):
+    two_checkpoints(s3_place)
+    home = tmp_path / "home"
+    home.mkdir()
+    props = {**s3_place.catalog_properties(), "s3.secret-access-key": PLANTED}
+    (home / ".pyiceberg.yaml").write_text(yaml_of({s3_place.catalog_name: props}))
+    listed = run_program(["checkpoints", "--catalog", s3_place.catalog_name, "--table", "op"], home)
+    assert listed.returncode == 0, listed.stderr
+    assert "note" in listed.stdout and "state.op (main)" in listed.stdout
+    query = run_program(["sql", "--catalog", s3_place.catalog_name, "--table", "op",
+                         "SELECT count(*) AS n FROM state_count"], home)
+    assert query.returncode == 0, query.stderr
+    assert "│ 2 " in query.stdout
+    for out in (listed, query):
+        assert PLANTED not in out.stdout + out.stderr
+        assert "warning" not in out.stderr  # nothing secret on the command line
+
+
+def test_s3_warehouse_named_by_a_catalog_in_the_environment(s3_place, tmp_path):
+    two_checkpoints(s3_place)
+    home = tmp_path / "home"
+    home.mkdir()
+    name = s3_place.catalog_name.upper()
+    env = {f"PYICEBERG_CATALOG__{name}__{k.replace('.', '__').replace('-', '_').upper()}": v
+           for k, v in s3_place.catalog_properties().items()}
+    # The warehouse URI on the command line, the rest (credentials) in the environment.
+    warehouse = env.pop(f"PYICEBERG_CATALOG__{name}__WAREHOUSE")
+    refs = run_program(["refs", "--catalog", s3_place.catalog_name, "--warehouse", warehouse, "--table", "op"],
+                       home, env)
+    assert refs.returncode == 0, refs.stderr
+    query = run_program(["sql", "--catalog", s3_place.catalog_name, "--table", "op", "--checkpoint", "1",
+                         "SELECT v_count FROM state_count ORDER BY 1"], home, env)
+    assert query.returncode == 0, query.stderr
+    assert "1001" in query.stdout and "1009" in query.stdout
+
+
+def test_a_uri_warehouse_needs_a_catalog(tmp_path):
+    out = invoke("checkpoints", "--warehouse", "s3://bucket/state", "--table", "op")
+    assert out.exit_code == 2
+    assert "--catalog" in out.output and "--property" in out.output and "local disk" in out.output
+
+
+def test_an_unconfigured_catalog_says_where_to_configure_it(tmp_path):
+    out = run_program(["checkpoints", "--catalog", "nowhere", "--table", "op"], tmp_path)
+    assert out.returncode == 1
+    assert "no pyiceberg catalog named 'nowhere' is configured" in out.stderr
+    assert "PYICEBERG_CATALOG__NOWHERE__" in out.stderr and ".pyiceberg.yaml" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_the_warehouse_is_given_once(s3_place):
+    out = invoke("refs", *s3_place.cli_args(), "--property", "warehouse=s3://other/place", "--table", "op")
+    assert out.exit_code == 2 and "give the warehouse once" in out.output
+
+
+@pytest.mark.parametrize("item", ["s3.secret-access-key", f"={PLANTED}", PLANTED])
+def test_a_malformed_property_is_refused_without_echoing_it(item):
+    out = invoke("refs", "--catalog", "c", "--property", item, "--table", "op")
+    assert out.exit_code == 2 and "KEY=VALUE" in out.output
+    assert item not in out.output
+
+
+def test_a_property_given_twice_is_refused():
+    out = invoke("refs", "--catalog", "c", "--property", "s3.region=a", "--property", "s3.region=b", "--table", "op")
+    assert out.exit_code == 2 and "'s3.region' is given twice" in out.output
+
+
+# --- secrets ----------------------------------------------------------------------------------
+
+
+def test_a_secret_given_on_the_command_line_is_never_shown(s3_place):
+    two_checkpoints(s3_place)
+    where = [*s3_place.cli_args(), "--property", f"token={PLANTED}"]
+    runs = {
+        "checkpoints": invoke("checkpoints", *where, "--table", "op"),
+        "sql": invoke("sql", *where, "--table", "op", "SELECT * FROM entries"),
+        "refs": invoke("refs", *where, "--table", "op"),
+        "no such table": invoke("refs", *where, "--table", "missing"),
+        "no such checkpoint": invoke("sql", *where, "--table", "op", "--checkpoint", "9", "SELECT 1"),
+        "bad sql": invoke("sql", *where, "--table", "op", f"SELECT '{PLANTED}' FROM nothing"),
+        "catalog type": invoke("refs", "--catalog", "x", "--property", "type=bogus", "--property",
+                               f"s3.secret-access-key={PLANTED}", "--table", "op"),
+        "catalog uri": invoke("refs", "--catalog", "pg", "--property", f"uri=postgresql://u:{PLANTED}@127.0.0.1:1/db",
+                              "--table", "op"),
+    }
+    for what, out in runs.items():
+        assert PLANTED not in out.output, f"{what}:\n{out.output}"
+        assert out.exit_code == (0 if what in {"checkpoints", "sql", "refs"} else 1), f"{what}:\n{out.output}"
+    # The warning names the property and where secrets belong, never its value.
+    assert "--property token puts a secret on the command line" in runs["refs"].output
+    assert f"PYICEBERG_CATALOG__{s3_place.catalog_name.upper()}__TOKEN" in runs["refs"].output
+    assert "there is no state table state.missing" in runs["no such table"].output
+    assert "checkpoint 9 is not retained" in runs["no such checkpoint"].output
+
+
+def test_a_secret_of_the_configuration_is_never_shown(s3_place, tmp_path):
+    """Failures with the catalog's secrets in .pyiceberg.yaml: a missing table, an object
+    store that cannot be reached, a catalog pyiceberg cannot load."""
+    two_checkpoints(s3_place)
+    home = tmp_path / "home"
+    home.mkdir()
+    name = s3_place.catalog_name
+    good = {**s3_place.catalog_properties(), "s3.secret-access-key": PLANTED}
+    unloadable = {"type": "sql", "uri": f"postgresql://u:{PLANTED}@127.0.0.1:9/db", "token": PLANTED}
+    (home / ".pyiceberg.yaml").write_text(yaml_of({name: good, "unloadable": unloadable}))
+    # The environment overrides the file: the same catalog, its storage on a port nobody serves.
+    unreachable = {f"PYICEBERG_CATALOG__{name.upper()}__S3__ENDPOINT": "http://127.0.0.1:9"}
+    outs = {"no such table": run_program(["refs", "--catalog", name, "--table", "missing"], home),
+            "unreachable": run_program(["sql", "--catalog", name, "--table", "op", "SELECT 1"], home, unreachable),
+            "unloadable": run_program(["checkpoints", "--catalog", "unloadable", "--table", "op"], home)}
+    for what, out in outs.items():
+        assert out.returncode == 1, f"{what}: {out.stderr}"
+        assert PLANTED not in out.stdout + out.stderr, f"{what}: {out.stderr}"
+        assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr, f"{what}: {out.stderr}"
+    assert "127.0.0.1:9" in outs["unreachable"].stderr, outs["unreachable"].stderr
