@@ -31,6 +31,7 @@ import logging
 import time
 import uuid
 from collections.abc import Container, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,7 @@ logger = logging.getLogger(__name__)
 
 COMMIT_ATTEMPTS_MAX = 4
 COMMIT_RETRY_WAIT_MS = 50
+FOOTER_READS_MAX = 16  # segment footers read at once while a commit validates its segments
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,14 @@ class CheckpointCommitter:
                 f"within one partition of [0, {n - 1}]: write one segment per partition_of(key group)"
             )
 
+    def data_files(self, segments: Sequence[SegmentFile], checkpoint_id: int) -> list[DataFile]:
+        """``data_file`` of every segment, in order; their footers are read in parallel (on an
+        object store each is a round trip or two, the commit's longest wait)."""
+        if len(segments) <= 1:
+            return [self.data_file(s, checkpoint_id) for s in segments]
+        with ThreadPoolExecutor(min(FOOTER_READS_MAX, len(segments)), thread_name_prefix="icestate-footers") as pool:
+            return list(pool.map(lambda s: self.data_file(s, checkpoint_id), segments))
+
     def data_file(self, segment: SegmentFile, checkpoint_id: int) -> DataFile:
         """The Iceberg DataFile of a segment, from its Parquet footer (no data page is read).
 
@@ -148,10 +158,11 @@ class CheckpointCommitter:
         """
         uri = self._locations.to_uri(segment.path)
         what = f"segment {segment.path} of checkpoint {checkpoint_id} in state table {self._name}"
-        if self._locations.filesystem.get_file_info(self._locations.to_path(uri)).type != pafs.FileType.File:
-            raise CorruptSegmentError(f"{what} does not exist: the task that wrote it failed; rerun the checkpoint")
         try:
             data_file = parquet_file_to_data_file(self._table.io, self._table.metadata, uri)
+        except FileNotFoundError as e:
+            raise CorruptSegmentError(f"{what} does not exist: the task that wrote it failed; rerun the "
+                                      "checkpoint") from e
         except (OSError, ValueError, KeyError, pa.ArrowException) as e:
             raise CorruptSegmentError(
                 f"{what} is unreadable or not of the table's schema ({e}): write it with file_schema() "

@@ -409,7 +409,7 @@ class IcebergStateTable:
         self._check_open()
         properties = properties or {}
         self._committer.check_args(checkpoint_id, segments, parallelism, batch_id, properties, self._index)
-        data_files = [self._committer.data_file(s, checkpoint_id) for s in segments]
+        data_files = self._committer.data_files(segments, checkpoint_id)
         summary = self._committer.summary(checkpoint_id, parallelism, batch_id, properties, operator_state)
         committed = self._committer.commit(checkpoint_id, data_files, summary, opened=self._snapshot,
                                            expected_head=self._expected_head)
