@@ -207,7 +207,8 @@ class StateStore:
         if entries is None:
             return []
         return write_segments(self._table, entries, checkpoint_id, self.task_index,
-                              self.config.row_group_rows_min, self.config.row_group_rows_max)
+                              self.config.row_group_rows_min, self.config.row_group_rows_max,
+                              file_cache=self.reader.file_cache, counters=self.reader.file_cache_counters)
 
     def checkpoint_complete(self, checkpoint_id: int) -> None:
         """The checkpoint that ``flush(checkpoint_id)`` wrote is committed: drop the flushed
@@ -258,6 +259,8 @@ class StateStore:
         return info
 
     def close(self) -> None:
+        """Forget the store's state. The process's file cache stays for the other stores of
+        the process (a Spark worker holds several) and is removed at exit."""
         self._reset()
         self._closed = True
 
