@@ -116,7 +116,7 @@ def fetch(fs: pafs.FileSystem, path: str, size: int | None) -> pa.Buffer:
     """
     with fs.open_input_file(path) as f:
         actual = f.size()
-        if size is not None and size >= 0 and actual != size:
+        if size and actual != size:  # None or 0: not recorded
             raise OSError(f"{path} is {actual} bytes, the checkpoint recorded {size}: the file changed or is damaged")
         data = f.read_buffer(actual)
     if data.size != actual:
@@ -137,6 +137,7 @@ class FileCache:
         self.reserved_free_bytes = reserved_free_bytes
         self.counters = FileCacheCounters()
         self._lock = threading.Lock()
+        self._counters_lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # remote path -> entry, LRU first
         self._inflight: dict[str, threading.Event] = {}
         self._size_bytes = 0
@@ -260,10 +261,11 @@ class FileCache:
     # ------------------------------------------------------------------ internals
 
     def _count(self, counters: FileCacheCounters | None, **deltas: int) -> None:
-        for c in (self.counters, counters):
-            if c is not None:
-                for name, delta in deltas.items():
-                    setattr(c, name, getattr(c, name) + delta)
+        with self._counters_lock:  # prefetch threads count too
+            for c in (self.counters, counters):
+                if c is not None:
+                    for name, delta in deltas.items():
+                        setattr(c, name, getattr(c, name) + delta)
 
     def _use(self, path: str, counters: FileCacheCounters | None) -> pa.NativeFile | None:
         """The cached copy of ``path``, checked; None (and the entry dropped) when it is not trustworthy."""
