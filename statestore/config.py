@@ -6,6 +6,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+# auto: cache when the table's filesystem is not local; on: always; off: never
+FILE_CACHE_MODES = ("auto", "on", "off")
+
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
@@ -23,6 +26,17 @@ class StoreConfig:
         ``row_group_rows_max``; aligned row groups let a read of one key group skip the rest.
     footer_cache_entries_max: Parquet footers kept in memory (segments are immutable).
     clock_ms: processing-time clock for TTL, in epoch milliseconds.
+    file_cache_mode: the local cache of whole segment files (``file_cache.FileCache``):
+        ``auto`` (default) caches when the table's filesystem is not local (S3 and other object
+        stores; a cached copy of a local file would only copy it), ``on`` always (tests),
+        ``off`` never.
+    file_cache_dir: where the cache keeps its files (each process in its own subdirectory);
+        None: ``$ICESTATE_FILE_CACHE_DIR``, else ``<temp dir>/icestate-file-cache``. One
+        cache per process and directory, shared by every store of the process.
+    file_cache_bytes_max: bound of the cached files of one process; whole files are evicted,
+        least recently used first.
+    file_cache_reserved_free_bytes: the cache never fills its disk beyond leaving this much
+        free (it evicts, or serves a file without caching it).
     """
 
     cache_size_bytes_max: int = 512 * 1024 * 1024
@@ -30,11 +44,24 @@ class StoreConfig:
     row_group_rows_max: int = 128 * 1024
     footer_cache_entries_max: int = 4096
     clock_ms: Callable[[], int] = field(default=wall_clock_ms)
+    file_cache_mode: str = "auto"
+    file_cache_dir: str | None = None
+    file_cache_bytes_max: int = 1024 * 1024 * 1024
+    file_cache_reserved_free_bytes: int = 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        for name in ("cache_size_bytes_max", "row_group_rows_min", "row_group_rows_max", "footer_cache_entries_max"):
+        for name in ("cache_size_bytes_max", "row_group_rows_min", "row_group_rows_max", "footer_cache_entries_max",
+                     "file_cache_bytes_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"StoreConfig.{name} must be a positive int, got {value!r}")
+        reserved = self.file_cache_reserved_free_bytes
+        if not isinstance(reserved, int) or reserved < 0:
+            raise ValueError(f"StoreConfig.file_cache_reserved_free_bytes must be a non-negative int, got {reserved!r}")
+        if self.file_cache_mode not in FILE_CACHE_MODES:
+            raise ValueError(
+                f"StoreConfig.file_cache_mode must be one of {FILE_CACHE_MODES}, got {self.file_cache_mode!r}")
+        if self.file_cache_dir is not None and (not isinstance(self.file_cache_dir, str) or not self.file_cache_dir):
+            raise ValueError(f"StoreConfig.file_cache_dir must be a non-empty str or None, got {self.file_cache_dir!r}")
         if self.row_group_rows_min > self.row_group_rows_max:
             raise ValueError("StoreConfig.row_group_rows_min must not exceed row_group_rows_max")

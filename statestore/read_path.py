@@ -14,7 +14,8 @@ Reads go memtable then segments. The reader owns:
   ``resolve.py``; a cached view is then kept up to date with the memtable parts it has
   not applied (``applied``) and the committed parts moved to it (``pending``);
 * the point indexes: a dict over a cached view for the per-key reads (``_view_index``);
-* the segment reader (Parquet footer cache, read counters).
+* the segment reader (Parquet footer cache, read counters), reading through the process's
+  file cache of whole segments (``file_cache``) when the store's config asks for one.
 
 It reads the store's memtable and table but never changes them. What it must learn of the
 lifecycle comes through a small interface, called by the store: ``memtable_changed`` (a
@@ -43,6 +44,7 @@ from statestore.cache import CachedKeyGroup, KeyGroupCache
 from statestore.config import StoreConfig
 from statestore.descriptors import StateDescriptor
 from statestore.entries import read_entries, variable_entry_schema
+from statestore.file_cache import FileCache, FileCacheCounters, file_cache_for
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import EXPIRE_AT_MS, KEY_GROUP, STATE
 from statestore.memtable import KG, Memtable
@@ -95,7 +97,8 @@ class StateReader:
         self._memtable = memtable
         self._seal = seal
         self._cache = KeyGroupCache(config.cache_size_bytes_max)
-        self._segments = SegmentReader(table.filesystem, config.footer_cache_entries_max)
+        self._segments = SegmentReader(table.filesystem, config.footer_cache_entries_max,
+                                       file_cache_for(config, table.filesystem))
         self._entry_schema = self.layout.entry_schema
         self._entry_schemas = self._polars_entry_schemas()
         self._indexable = all(
@@ -157,7 +160,22 @@ class StateReader:
             "cache_evictions": self._cache.evictions,
             "segment_bytes_read": self._segments.bytes_read,
             "segment_files_opened": self._segments.files_opened,
+            # This store's share of the process's file cache (zeros without one): a fetch is
+            # a miss; ``refetched`` counts cached copies found lost or damaged.
+            **self._segments.file_cache_counters.as_dict("file_cache_"),
+            # The process's cache as a whole (shared by the stores of the process).
+            "file_cache_size_bytes": 0 if self.file_cache is None else self.file_cache.size_bytes,
         }
+
+    @property
+    def file_cache(self) -> FileCache | None:
+        """The process's file cache this reader reads through (None: not caching)."""
+        return self._segments.file_cache
+
+    @property
+    def file_cache_counters(self) -> FileCacheCounters:
+        """This reader's share of the file cache's counters (writers of the store add theirs)."""
+        return self._segments.file_cache_counters
 
     # ---------------------------------------------------------------- batched reads
 

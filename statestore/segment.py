@@ -5,8 +5,16 @@ A segment holds the entries of one task, one checkpoint and one partition, sorte
 boundaries (once they reach ``row_group_rows_min`` rows), so a reader that wants a few key
 groups reads only their row groups: the footer's key_group min/max say which.
 
-Readers cache footers (segments are immutable) and turn any missing, truncated or
-unreadable file into ``CorruptSegmentError`` naming the file and the way out.
+A segment is written once, whole: its Parquet bytes go to a buffer in memory, then to the
+table's filesystem in one write (its size is the buffer's: no request to ask for it), and into
+the local file cache (``file_cache.FileCache``) when there is one, so the writer's own
+later reads need no fetch.
+
+Readers cache footers (segments are immutable) and open each segment once per read: from the
+file cache when there is one (one whole-file fetch per file, missing files fetched in
+parallel), else from the table's filesystem. They turn any missing, truncated or unreadable
+file into ``CorruptSegmentError`` naming the file and the way out; a cached copy that cannot
+be read is dropped and fetched again first.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import pyarrow.parquet as pq
 from statestore import faults
 from statestore.errors import CorruptSegmentError
 from statestore.faults import crash_point
+from statestore.file_cache import FileCache, FileCacheCounters
 from statestore.layout import CHECKPOINT_ID, KEY_GROUP, SEQ, STATE
 from statestore.table import SegmentFile, StateTable
 
@@ -50,10 +59,12 @@ def _row_group_bounds(key_groups: np.ndarray, rows_min: int, rows_max: int) -> l
 
 def write_segments(
     table: StateTable, entries: pa.Table, checkpoint_id: int, task_index: int,
-    rows_min: int, rows_max: int,
+    rows_min: int, rows_max: int, *, file_cache: FileCache | None = None,
+    counters: FileCacheCounters | None = None,
 ) -> list[SegmentFile]:
     """Write ``entries`` (entry schema, any order) as this task's segments of ``checkpoint_id``,
-    one file per partition. Returns the files, not yet committed."""
+    one file per partition, each also put into ``file_cache`` (``counters``: the writer's
+    share of its counters). Returns the files, not yet committed."""
     if entries.num_rows == 0:
         return []
     file_schema = table.file_schema()
@@ -67,7 +78,8 @@ def write_segments(
     for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(kgs)], strict=True):
         part = entries.slice(lo, hi - lo)
         path = table.new_segment_path(checkpoint_id, task_index, int(partitions[lo]))
-        files.append(_write_one(table.filesystem, path, part, kgs[lo:hi], checkpoint_id, rows_min, rows_max))
+        files.append(_write_one(table.filesystem, path, part, kgs[lo:hi], checkpoint_id, rows_min, rows_max,
+                                file_cache, counters))
         crash_point(faults.SEGMENT_WRITTEN)
     return files
 
@@ -85,89 +97,176 @@ def write_segment_file(table: StateTable, entries: pa.Table, path: str, rows_min
     return _write_one(table.filesystem, path, entries, kgs, newest, rows_min, rows_max)
 
 
+def _has_directories(fs: pafs.FileSystem) -> bool:
+    """Whether a file's parent directory must exist before it is written: a local filesystem
+    does not create parents on write; S3 and GCS have no directories (pyarrow's create_dir
+    there costs a HEAD and a PUT of a marker object per level, on every segment written)."""
+    while isinstance(fs, pafs.SubTreeFileSystem):
+        fs = fs.base_fs
+    return fs.type_name not in ("s3", "gcs")
+
+
 def _write_one(fs: pafs.FileSystem, path: str, part: pa.Table, kgs: np.ndarray, checkpoint_id: int,
-               rows_min: int, rows_max: int) -> SegmentFile:
-    parent = path.rsplit("/", 1)[0]
-    fs.create_dir(parent, recursive=True)
-    with fs.open_output_stream(path) as out, pq.ParquetWriter(
-        out, part.schema, compression=PARQUET_COMPRESSION, write_statistics=True,
+               rows_min: int, rows_max: int, file_cache: FileCache | None = None,
+               counters: FileCacheCounters | None = None) -> SegmentFile:
+    sink = pa.BufferOutputStream()
+    with pq.ParquetWriter(
+        sink, part.schema, compression=PARQUET_COMPRESSION, write_statistics=True,
         store_schema=False, write_page_checksum=True,
     ) as writer:
         for offset, length in _row_group_bounds(kgs, rows_min, rows_max):
             writer.write_table(part.slice(offset, length), row_group_size=length)
-    size = fs.get_file_info(path).size
+    data = sink.getvalue()
+    if _has_directories(fs):
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(path) as out:
+        out.write(data)
+    if file_cache is not None:
+        file_cache.put(path, data, counters)
     return SegmentFile(
         path=path, checkpoint_id=checkpoint_id, key_group_min=int(kgs[0]), key_group_max=int(kgs[-1]),
-        record_count=part.num_rows, size_bytes=int(size),
+        record_count=part.num_rows, size_bytes=data.size,
     )
+
+
+class _ReadFailed(Exception):
+    """A segment could not be read (the cause chained); ``cached``: from a cached copy."""
+
+    def __init__(self, cached: bool):
+        super().__init__()
+        self.cached = cached
 
 
 class SegmentReader:
     """Reads the entries of given key groups from segments, pruning by row-group statistics.
 
-    Thread safe for concurrent reads only if the footer cache is not shared across
-    threads; one reader per task thread.
+    With a ``file_cache``, segments are read from their local copies (fetched whole on a miss,
+    the missing files of one ``read`` in parallel); without, from ``fs``, one open per segment
+    and read. Counters: ``files_opened`` (segment opens, local or remote), ``bytes_read``
+    (compressed bytes of the column chunks read) and ``file_cache_counters`` (this reader's
+    share of the file cache's).
+
+    Thread safety: one reader per task thread (the footer cache is not locked); the file
+    cache may be shared.
     """
 
-    def __init__(self, fs: pafs.FileSystem, footer_cache_entries_max: int = 4096):
+    def __init__(self, fs: pafs.FileSystem, footer_cache_entries_max: int = 4096,
+                 file_cache: FileCache | None = None):
         self._fs = fs
         self._footers: OrderedDict[str, _Footer] = OrderedDict()
         self._footers_max = footer_cache_entries_max
+        self.file_cache = file_cache
+        self.file_cache_counters = FileCacheCounters()
         self.bytes_read = 0
         self.files_opened = 0
+        # Bytes of files fetched by this read's prefetch that the cache had no room for.
+        self._staged: dict[str, pa.Buffer] = {}
 
     def read(self, segments: Sequence[SegmentFile], key_groups: np.ndarray, columns: Sequence[str]) -> list[pa.Table]:
         """Entries of the (sorted, unique) ``key_groups`` from each segment; ``columns`` that a
         segment lacks (state variables added after it was written) come back as nulls."""
-        tables = []
+        chosen = []
         for seg in segments:
             lo = np.searchsorted(key_groups, seg.key_group_min, side="left")
             hi = np.searchsorted(key_groups, seg.key_group_max, side="right")
             if lo < hi:
-                t = self._read_one(seg, key_groups[lo:hi], columns)
+                chosen.append((seg, key_groups[lo:hi]))
+        if self.file_cache is not None:
+            needed = [(seg.path, seg.size_bytes) for seg, wanted in chosen
+                      if seg.path not in self._footers or self._row_groups(self._footers[seg.path], wanted)]
+            if len(needed) > 1:
+                self._staged = self.file_cache.prefetch(self._fs, needed, self.file_cache_counters)
+        tables = []
+        try:
+            for seg, wanted in chosen:
+                t = self._read_one(seg, wanted, columns)
                 if t is not None and t.num_rows:
                     tables.append(t)
+        finally:
+            self._staged = {}
         return tables
 
     def _read_one(self, seg: SegmentFile, wanted: np.ndarray, columns: Sequence[str]) -> pa.Table | None:
-        try:
-            md, names, rg_min, rg_max = self._footer(seg)
-            first = np.searchsorted(wanted, rg_min, side="left")
-            last = np.searchsorted(wanted, rg_max, side="right")
-            groups = np.flatnonzero(last > first).tolist()
-            if not groups:
-                return None
-            present = [c for c in columns if c in names]
-            with self._fs.open_input_file(seg.path) as f:
-                self.files_opened += 1
-                t = pq.ParquetFile(f, metadata=md, page_checksum_verification=True).read_row_groups(
-                    groups, columns=present)
-            wanted_cols = set(present)
-            for g in groups:  # the compressed bytes of the column chunks actually read
-                rg = md.row_group(g)
-                self.bytes_read += sum(rg.column(i).total_compressed_size for i in range(rg.num_columns)
-                                       if rg.column(i).path_in_schema.split(".", 1)[0] in wanted_cols)
-        except (OSError, pa.ArrowException) as e:
-            self._footers.pop(seg.path, None)
-            raise CorruptSegmentError(
-                f"segment {seg.path} of checkpoint {seg.checkpoint_id} cannot be read ({type(e).__name__}: {e}); "
-                "the state it holds is unavailable: restore the file from a backup, or restore an older "
-                "checkpoint that does not reference it"
-            ) from e
+        retry = self.file_cache is not None
+        while True:
+            try:
+                t = self._read_groups(seg, wanted, columns)
+                break
+            except _ReadFailed as failed:
+                self._footers.pop(seg.path, None)
+                if self.file_cache is not None:  # never keep bytes that did not read
+                    self.file_cache.invalidate(seg.path, self.file_cache_counters, corrupt=failed.cached)
+                if retry and failed.cached:  # a damaged cached copy: fetch the file once more
+                    retry = False
+                    continue
+                e = failed.__cause__
+                raise CorruptSegmentError(
+                    f"segment {seg.path} of checkpoint {seg.checkpoint_id} cannot be read ({type(e).__name__}: {e}); "
+                    "the state it holds is unavailable: restore the file from a backup, or restore an older "
+                    "checkpoint that does not reference it"
+                ) from e
+        if t is None:
+            return None
         t = t.filter(pc.is_in(t.column(KEY_GROUP), value_set=pa.array(wanted, pa.int32())))
         for c in columns:
-            if c not in present:
+            if c not in t.column_names:
                 t = t.append_column(c, pa.nulls(t.num_rows))
         return t.select(list(columns))
 
-    def _footer(self, seg: SegmentFile) -> _Footer:
-        hit = self._footers.get(seg.path)
-        if hit is not None:
+    def _read_groups(self, seg: SegmentFile, wanted: np.ndarray, columns: Sequence[str]) -> pa.Table | None:
+        """The row groups of ``seg`` that hold ``wanted`` key groups (None: none does); opens
+        the file at most once. Raises ``_ReadFailed`` when the file cannot be read."""
+        footer = self._footers.get(seg.path)
+        if footer is not None:
             self._footers.move_to_end(seg.path)
-            return hit
-        with self._fs.open_input_file(seg.path) as f:
-            self.files_opened += 1
-            md = pq.ParquetFile(f).metadata
+            if not self._row_groups(footer, wanted):
+                return None
+        f, cached = self._open(seg)
+        try:
+            if footer is None:
+                footer = self._read_footer(seg, f)
+            groups = self._row_groups(footer, wanted)
+            if not groups:
+                return None
+            md, names = footer[0], footer[1]
+            present = [c for c in columns if c in names]
+            t = pq.ParquetFile(f, metadata=md, page_checksum_verification=True).read_row_groups(
+                groups, columns=present)
+        except (OSError, pa.ArrowException) as e:
+            raise _ReadFailed(cached) from e
+        finally:
+            f.close()
+        wanted_cols = set(present)
+        for g in groups:  # the compressed bytes of the column chunks actually read
+            rg = md.row_group(g)
+            self.bytes_read += sum(rg.column(i).total_compressed_size for i in range(rg.num_columns)
+                                   if rg.column(i).path_in_schema.split(".", 1)[0] in wanted_cols)
+        return t
+
+    def _open(self, seg: SegmentFile) -> tuple[pa.NativeFile, bool]:
+        """The bytes of ``seg``, random access, and whether they came from a cached copy."""
+        try:
+            staged = self._staged.pop(seg.path, None)
+            if staged is not None:
+                f, cached = pa.BufferReader(staged), False
+            elif self.file_cache is not None:
+                f, cached = self.file_cache.open(self._fs, seg.path, seg.size_bytes, self.file_cache_counters)
+            else:
+                f, cached = self._fs.open_input_file(seg.path), False
+        except (OSError, pa.ArrowException) as e:
+            raise _ReadFailed(False) from e
+        self.files_opened += 1
+        return f, cached
+
+    @staticmethod
+    def _row_groups(footer: _Footer, wanted: np.ndarray) -> list[int]:
+        _, _, rg_min, rg_max = footer
+        first = np.searchsorted(wanted, rg_min, side="left")
+        last = np.searchsorted(wanted, rg_max, side="right")
+        return np.flatnonzero(last > first).tolist()
+
+    def _read_footer(self, seg: SegmentFile, f: pa.NativeFile) -> _Footer:
+        md = pq.ParquetFile(f).metadata
         names = frozenset(md.schema.to_arrow_schema().names)
         idx = next(i for i in range(md.num_columns) if md.schema.column(i).path == KEY_GROUP)
         rg_min = np.empty(md.num_row_groups, dtype=np.int64)

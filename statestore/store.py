@@ -208,7 +208,8 @@ class StateStore:
             return []
         try:
             return write_segments(self._table, entries, checkpoint_id, self.task_index,
-                                  self.config.row_group_rows_min, self.config.row_group_rows_max)
+                                  self.config.row_group_rows_min, self.config.row_group_rows_max,
+                                  file_cache=self.reader.file_cache, counters=self.reader.file_cache_counters)
         except BaseException:
             # The storage failed (an object store out of reach): nothing was committed, the
             # memtable keeps every entry, and the next flush writes them again.
@@ -264,6 +265,8 @@ class StateStore:
         return info
 
     def close(self) -> None:
+        """Forget the store's state. The process's file cache stays for the other stores of
+        the process (a Spark worker holds several) and is removed at exit."""
         self._reset()
         self._closed = True
 

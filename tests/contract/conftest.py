@@ -39,13 +39,32 @@ starts it in a session fixture (``s3_endpoint`` here, ``pg_uri`` in ``tests/conf
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from statestore import file_cache
 from tests import s3_server
 from tests.contract.backends import BACKENDS, SERVERS, Backend
+
+
+@pytest.fixture(scope="session", autouse=True)
+def file_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The file cache (on by default for the S3 backend) keeps its files under the session's
+    temporary directory, and this process's caches are closed at the end."""
+    directory = str(tmp_path_factory.mktemp("file-cache"))
+    saved = os.environ.get(file_cache.ENV_DIR)
+    os.environ[file_cache.ENV_DIR] = directory
+    try:
+        yield directory
+    finally:
+        file_cache.close_process_file_caches()
+        if saved is None:
+            os.environ.pop(file_cache.ENV_DIR, None)
+        else:
+            os.environ[file_cache.ENV_DIR] = saved
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ from statestore import paths
 from statestore.descriptors import ListStateDescriptor, ValueStateDescriptor
 from statestore.errors import CheckpointNotFoundError, CorruptSegmentError, StateClosedError, StateTableMismatchError
 from statestore.faults import CHECKPOINT_CRASH_POINTS, CRASH_ENV, CRASH_EXIT_CODE
+from statestore.file_cache import close_process_file_caches
 from statestore.layout import StateLayout
 from statestore.store import StateStore
 from tests.contract import crash_child
@@ -76,6 +77,9 @@ def test_damaged_committed_segment_is_named_and_older_checkpoints_survive(backen
     checkpoints = table.list_checkpoints()
     backend.damage(table, newest, damage)
 
+    # A reader in another process: this process's file cache (on for object stores) holds the
+    # writer's intact copies, which it rightly serves (segments are immutable).
+    close_process_file_caches()
     fresh = StateStore(backend.open())
     with pytest.raises(CorruptSegmentError, match=re.escape(newest)):
         fresh.get_state("count").get_batch(pa.table({"k": pa.array([1], pa.int64())}))

@@ -8,6 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from statestore.config import StoreConfig
+from statestore.file_cache import close_process_file_caches
 from statestore.keygroups import assign_key_groups, task_for_key_group
 from statestore.store import StateStore
 from tests.contract.helpers import ALL_KEY_GROUPS, MAX_PARALLELISM, keys, read, write
@@ -80,3 +82,40 @@ def test_rescale_reads_what_other_tasks_wrote(backend, parallelism):
         got = store.get_state("count").get_batch(pa.table({"k": pa.array(mine, pa.int64())})).to_pylist()
         assert got == [k * 7 for k in mine], t
         store.close()
+
+
+def test_the_file_cache_changes_no_result_and_a_warm_process_fetches_nothing(backend, tmp_path):
+    """The file cache forced on (it is on by default for object stores only): a store reads
+    what a store without it reads; the writer reads its own segments back without a fetch; a
+    new process's first store fetches each segment once and its second store none."""
+    table = backend.open(key_groups_per_partition=4)
+    cached = StoreConfig(file_cache_mode="on", file_cache_dir=str(tmp_path / "file-cache"))
+    writer = StateStore(table, config=cached)
+    expected: dict[int, int] = {}
+    for cp in range(3):
+        changes = {k: k * 10 + cp for k in range(cp * 20, cp * 20 + 40)}
+        write(writer, changes)
+        writer.checkpoint()
+        expected.update(changes)
+    probe = list(range(100))
+    segments = table.segments(ALL_KEY_GROUPS)
+    writer.reader.reset()  # read the segments again, from the copies the flushes cached
+    assert read(writer, ks=probe) == expected
+    stats = writer.stats()
+    assert stats["file_cache_misses"] == 0 and stats["file_cache_hits"] == len(segments)
+    assert stats["file_cache_bytes_written"] == sum(s.size_bytes for s in segments)
+
+    default = StateStore(backend.open())  # auto: a cache for the object store only
+    assert (default.reader.file_cache is not None) == (backend.id == "iceberg-s3")
+    plain = StateStore(backend.open(), config=StoreConfig(file_cache_mode="off"))
+    assert read(plain, ks=probe) == expected and plain.stats()["file_cache_hits"] == 0
+    close_process_file_caches()  # a new process
+    cold = StateStore(backend.open(), config=cached)
+    assert read(cold, ks=probe) == expected
+    stats = cold.stats()
+    assert (stats["file_cache_misses"], stats["file_cache_bytes_fetched"]) == (
+        len(segments), sum(s.size_bytes for s in segments))
+    warm = StateStore(backend.open(), config=cached)
+    assert read(warm, ks=probe) == expected
+    assert (warm.stats()["file_cache_misses"], warm.stats()["file_cache_bytes_fetched"]) == (0, 0)
+    close_process_file_caches()
