@@ -164,6 +164,10 @@ class CheckpointCommitter:
             raise CorruptSegmentError(f"{what} does not exist: the task that wrote it failed; rerun the "
                                       "checkpoint") from e
         except (OSError, ValueError, KeyError, pa.ArrowException) as e:
+            if isinstance(e, OSError):
+                # The file, or the storage? A storage out of reach fails this look too, and its
+                # error is the checkpoint's (the segment may be fine): raised as it is.
+                self._locations.filesystem.get_file_info(self._locations.to_path(uri))
             raise CorruptSegmentError(
                 f"{what} is unreadable or not of the table's schema ({e}): write it with file_schema() "
                 "and rerun the checkpoint"
