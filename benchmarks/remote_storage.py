@@ -73,6 +73,7 @@ from benchmarks.harness import (
 )
 from catalog import TableRef
 from statestore import StateStore, StoreConfig, assign_key_groups
+from statestore.file_cache import close_process_file_caches
 from tests import s3_server
 from tests.net_proxy import NetProxy, Traffic
 
@@ -301,6 +302,7 @@ def bench_cold(storage: Storage, variant: Variant, keys: int, tasks: int, lookup
         request = user_keys(ids)
         open_rec: list[Traffic] = []
         lookup_rec: list[Traffic] = []
+        close_process_file_caches()  # a task on a new host: nothing of the table on local disk
         t0 = time.perf_counter()
         with storage.counting(open_rec):
             table = ref.open(count_layout())
