@@ -56,6 +56,9 @@ PART = "__icestate_part"
 R_TASK = "__icestate_r_task"
 R_KIND = "__icestate_r_kind"
 R_PAYLOAD = "__icestate_r_payload"
+# The store's file cache counters a task reports (``statestore.file_cache``).
+FILE_CACHE_STATS = ("file_cache_hits", "file_cache_misses", "file_cache_bytes_fetched", "file_cache_bytes_written",
+                    "file_cache_evictions", "file_cache_refetched")
 RESULT_ARROW = pa.schema([(R_TASK, pa.int32()), (R_KIND, pa.string()), (R_PAYLOAD, pa.string())])
 
 
@@ -294,6 +297,7 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
         "max_event_ms": max_event_ms, "pid": os.getpid(),
         "bytes_read": after["segment_bytes_read"] - before["segment_bytes_read"],
         "files_opened": after["segment_files_opened"] - before["segment_files_opened"],
+        **{name: after[name] - before[name] for name in FILE_CACHE_STATS},
         "segments": len(segments), "segment_bytes": sum(s.size_bytes for s in segments),
         "timers": ts.timers.count() if ts.timers is not None else 0,
         "elapsed_ms": _ms(started), "open_ms": _ms(started, opened), "process_ms": _ms(opened, processed),

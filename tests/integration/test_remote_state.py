@@ -104,6 +104,9 @@ def test_a_query_with_state_and_outputs_on_s3_restarts_at_another_parallelism(sp
     assert table.location.startswith(f"s3://{BUCKET}/")
     table.close()
     assert [r.batch_id for r in runner.reports if not r.skipped] == [0, 1]
+    # Batch 1 read what batch 0 wrote through the executors' file caches (filled on write).
+    tasks = [t for r in runner.reports for t in r.tasks.values()]
+    assert sum(t["file_cache_hits"] + t["file_cache_misses"] for t in tasks) > 0
     # The callback read the output files from S3 through the output table's properties: each
     # batch's updated keys with their new counts.
     running: dict[str, int] = {}
