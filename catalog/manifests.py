@@ -6,12 +6,14 @@ then reads only the few manifests it has not seen before. Entries keep only what
 state table needs: the file, whether it is live in the manifest, the snapshot that added
 it, and its key-group bounds (decoded from the column statistics).
 
-Not thread safe (the state table that owns it is not either).
+Not thread safe (the state table that owns it is not either); it reads manifests in threads of
+its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pyiceberg.conversions import from_bytes
@@ -19,6 +21,8 @@ from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile, ManifestEntryStatus, ManifestFile
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.types import IntegerType
+
+MANIFEST_READS_MAX = 16  # manifests read at once when a snapshot is opened
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,16 +72,27 @@ class ManifestCache:
         """Every entry of a manifest, deletions included."""
         path = manifest.manifest_path
         if path not in self._entries:
-            self._entries[path] = tuple(
-                file_entry(e.data_file, self._key_group_field_id,
-                           live=e.status != ManifestEntryStatus.DELETED, snapshot_id=e.snapshot_id)
-                for e in manifest.fetch_manifest_entry(self._io, discard_deleted=False)
-            )
+            self._entries[path] = self._read(manifest)
         return self._entries[path]
 
+    def _read(self, manifest: ManifestFile) -> tuple[FileEntry, ...]:
+        return tuple(
+            file_entry(e.data_file, self._key_group_field_id,
+                       live=e.status != ManifestEntryStatus.DELETED, snapshot_id=e.snapshot_id)
+            for e in manifest.fetch_manifest_entry(self._io, discard_deleted=False)
+        )
+
     def live_files(self, snapshot: Snapshot) -> dict[str, FileEntry]:
-        """The files a snapshot holds, by URI."""
-        return {e.path: e for m in self.manifests(snapshot) for e in self.entries(m) if e.live}
+        """The files a snapshot holds, by URI. Manifests not read before are read in parallel
+        (on an object store each is a round trip or two; a restore reads a handful)."""
+        manifests = self.manifests(snapshot)
+        missing = [m for m in manifests if m.manifest_path not in self._entries]
+        if len(missing) > 1:
+            workers = min(MANIFEST_READS_MAX, len(missing))
+            with ThreadPoolExecutor(workers, thread_name_prefix="icestate-manifests") as pool:
+                for manifest, entries in zip(missing, pool.map(self._read, missing), strict=True):
+                    self._entries[manifest.manifest_path] = entries
+        return {e.path: e for m in manifests for e in self.entries(m) if e.live}
 
     def manifest_paths(self, snapshots: Iterable[Snapshot]) -> set[str]:
         return {m.manifest_path for s in snapshots for m in self.manifests(s)}
