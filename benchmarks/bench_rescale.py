@@ -32,11 +32,11 @@ from rich.table import Table
 from benchmarks.harness import (
     COUNT,
     MAX_PARALLELISM,
+    build_count_state,
     console,
     count_layout,
     machine_info,
     owners,
-    progress,
     user_keys,
     write_results,
 )
@@ -49,22 +49,7 @@ BUILD_PARALLELISM = 4
 def build_state(warehouse: str, name: str, n_keys: int, checkpoints: int = 4) -> None:
     """``n_keys`` keys written by 4 tasks in ``checkpoints`` checkpoints."""
     table = IcebergStateTable.open(count_layout(), warehouse=warehouse, table_name=name)
-    stores = [StateStore(table, task_index=t, parallelism=BUILD_PARALLELISM) for t in range(BUILD_PARALLELISM)]
-    chunk = -(-n_keys // checkpoints)
-    for lo in progress(range(0, n_keys, chunk), f"building {n_keys:,}-key state"):
-        ids = np.arange(lo, min(lo + chunk, n_keys))
-        owner = owners(user_keys(ids), BUILD_PARALLELISM)
-        cp = table.next_checkpoint_id()
-        segments = []
-        for t, store in enumerate(stores):
-            mine = ids[owner == t]
-            store.get_state(COUNT).update_batch(user_keys(mine), pa.array(mine, pa.int64()))
-            segments += store.flush(cp)
-        table.commit_checkpoint(cp, segments, parallelism=BUILD_PARALLELISM)
-        for store in stores:
-            store.checkpoint_complete(cp)
-    for store in stores:
-        store.close()
+    build_count_state(table, n_keys, checkpoints, BUILD_PARALLELISM, f"building {n_keys:,}-key state")
     table.close()
 
 

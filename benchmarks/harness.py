@@ -123,3 +123,27 @@ def owners(keys: pa.Table, parallelism: int) -> np.ndarray:
     """Index of the task that owns each row of the key table ``keys`` at ``parallelism``."""
     key_groups = assign_key_groups(keys, MAX_PARALLELISM).astype(np.int64)
     return task_for_key_group(MAX_PARALLELISM, parallelism, key_groups)
+
+
+def build_count_state(table: Any, keys: int, checkpoints: int, tasks: int, description: str) -> None:
+    """``keys`` running counts (key i holds i) written into ``table`` by ``tasks`` task stores over
+    ``checkpoints`` checkpoints, each committing every task's segments as one snapshot. The
+    stores are closed; the table stays open."""
+    from statestore import StateStore
+
+    stores = [StateStore(table, task_index=t, parallelism=tasks) for t in range(tasks)]
+    chunk = -(-keys // checkpoints)
+    for lo in progress(range(0, keys, chunk), description):
+        ids = np.arange(lo, min(lo + chunk, keys))
+        owner = owners(user_keys(ids), tasks)
+        checkpoint_id = table.next_checkpoint_id()
+        segments = []
+        for t, store in enumerate(stores):
+            mine = ids[owner == t]
+            store.get_state(COUNT).update_batch(user_keys(mine), pa.array(mine, pa.int64()))
+            segments += store.flush(checkpoint_id)
+        table.commit_checkpoint(checkpoint_id, segments, parallelism=tasks)
+        for store in stores:
+            store.checkpoint_complete(checkpoint_id)
+    for store in stores:
+        store.close()

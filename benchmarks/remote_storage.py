@@ -60,11 +60,11 @@ from benchmarks.harness import (
     COUNT,
     MAX_PARALLELISM,
     REPO,
+    build_count_state,
     console,
     count_layout,
     machine_info,
     owners,
-    progress,
     pyplot,
     results_path,
     save_figure,
@@ -257,23 +257,7 @@ def build_state(storage: Storage, variant: Variant, keys: int, checkpoints: int,
     """The measured state: ``keys`` keys written by ``tasks`` task stores over ``checkpoints``
     checkpoints (each checkpoint commits every task's segments as one snapshot)."""
     table = storage.ref(variant, STATE_TABLE).open(count_layout())
-    stores = [StateStore(table, task_index=i, parallelism=tasks) for i in range(tasks)]
-    all_ids = np.arange(keys)
-    owner = owners(user_keys(all_ids), tasks)
-    chunk = -(-keys // checkpoints)
-    for lo in progress(range(0, keys, chunk), f"{variant.name}: building a {keys:,}-key state"):
-        ids = all_ids[lo:lo + chunk]
-        checkpoint_id = table.next_checkpoint_id()
-        segments = []
-        for i, store in enumerate(stores):
-            mine = ids[owner[lo:lo + chunk] == i]
-            store.get_state(COUNT).update_batch(user_keys(mine), pa.array(mine, pa.int64()))
-            segments += store.flush(checkpoint_id)
-        table.commit_checkpoint(checkpoint_id, segments, parallelism=tasks)
-        for store in stores:
-            store.checkpoint_complete(checkpoint_id)
-    for store in stores:
-        store.close()
+    build_count_state(table, keys, checkpoints, tasks, f"{variant.name}: building a {keys:,}-key state")
     table.close()
 
 

@@ -37,7 +37,7 @@ from statestore.errors import CheckpointNotFoundError, StateClosedError, TaskCom
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import StateLayout
 from statestore.operator_state import OperatorStateFile
-from statestore.paths import compaction_file_name, operator_file_name, segment_file_name
+from statestore.paths import operator_file_name, segment_file_name
 from statestore.table import CheckpointInfo, SegmentFile
 
 # FileIO property names a task may need (pyiceberg.io's families), and nothing else.
@@ -146,10 +146,6 @@ class TaskStateTable:
             raise ValueError(f"key group {key_group} is outside [0, {self._view.max_parallelism - 1}]")
         return key_group // self._view.partition_width
 
-    def partition_key_groups(self, partition: int) -> KeyGroupRange:
-        lo = partition * self._view.partition_width
-        return KeyGroupRange.of(lo, min(self._view.max_parallelism - 1, lo + self._view.partition_width - 1))
-
     def partition_count(self) -> int:
         return -(-self._view.max_parallelism // self._view.partition_width)
 
@@ -158,9 +154,6 @@ class TaskStateTable:
             raise ValueError(f"partition {partition} is outside [0, {self.partition_count() - 1}] of state table "
                              f"{self._view.identifier}")
         return self._path(self._view.data_dir, segment_file_name(checkpoint_id, task_index, partition))
-
-    def new_compaction_path(self, base_checkpoint_id: int, partition: int) -> str:
-        return self._path(self._view.data_dir, compaction_file_name(base_checkpoint_id, partition))
 
     def new_operator_state_path(self, checkpoint_id: int, task_index: int) -> str:
         return self._path(self._view.operator_dir, operator_file_name(checkpoint_id, task_index))

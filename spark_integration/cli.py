@@ -27,7 +27,9 @@ Then look at the state it wrote (one table per stateful operator):
     icestate checkpoints --table demo_user_activity
     icestate sql --table demo_user_activity "SELECT user, v_events.n FROM state_events LIMIT 5"
 
-Every command takes --warehouse (default ./warehouse); `icestate COMMAND --help` tells more.
+Every command takes --warehouse (default ./warehouse); the table commands also take --catalog NAME
+and --property KEY=VALUE for any Iceberg catalog and a remote warehouse (secrets: .pyiceberg.yaml
+or the environment). `icestate COMMAND --help` tells more.
 """
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=HELP)
