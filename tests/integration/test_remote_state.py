@@ -104,9 +104,6 @@ def test_a_query_with_state_and_outputs_on_s3_restarts_at_another_parallelism(sp
     assert table.location.startswith(f"s3://{BUCKET}/")
     table.close()
     assert [r.batch_id for r in runner.reports if not r.skipped] == [0, 1]
-    # Batch 1 read what batch 0 wrote through the executors' file caches (filled on write).
-    tasks = [t for r in runner.reports for t in r.tasks.values()]
-    assert sum(t["file_cache_hits"] + t["file_cache_misses"] for t in tasks) > 0
     # The callback read the output files from S3 through the output table's properties: each
     # batch's updated keys with their new counts.
     running: dict[str, int] = {}
@@ -121,9 +118,15 @@ def test_a_query_with_state_and_outputs_on_s3_restarts_at_another_parallelism(sp
     for i, t in enumerate(second, start=len(first)):
         pq.write_table(t, tmp_path / "in1" / f"part-{i:04d}.parquet")
     loc3 = s3_location(3)
-    run_to_end(spark, str(tmp_path / "in1"), CountProcessor(), "key string, count long",
-               location=loc3, checkpoint=str(tmp_path / "cp1"), output_table="out.counts")
+    restarted = run_to_end(spark, str(tmp_path / "in1"), CountProcessor(), "key string, count long",
+                           location=loc3, checkpoint=str(tmp_path / "cp1"), output_table="out.counts")
     assert _state(loc3, keys) == counts(first + second)
+    # The new tasks loaded their key groups through the executors' file caches: hits where a
+    # worker wrote the segment itself (filled on write), fetches from S3 otherwise.
+    tasks = [t for r in restarted.reports for t in r.tasks.values()]
+    assert sum(t["file_cache_hits"] + t["file_cache_misses"] for t in tasks) > 0
+    fetched = sum(t["file_cache_bytes_fetched"] for t in tasks)
+    assert (fetched > 0) == (sum(t["file_cache_misses"] for t in tasks) > 0)
     assert runner.compactor is not None and runner.compactor.pid is not None, "the compactor never started"
     assert runner.compactor.pid in commands.seen
 
