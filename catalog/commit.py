@@ -25,6 +25,7 @@ of other branches may commit concurrently: their commits surface as races, retri
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
@@ -158,8 +159,20 @@ class CheckpointCommitter:
         """
         uri = self._locations.to_uri(segment.path)
         what = f"segment {segment.path} of checkpoint {checkpoint_id} in state table {self._name}"
+        io = self._table.io
+        if segment.footer is not None:
+            # The writer's footer: one HEAD says the file is there, whole, instead of reading
+            # its footer back (three round trips on an object store).
+            info = self._locations.filesystem.get_file_info(segment.path)
+            if info.type != pafs.FileType.File:
+                raise CorruptSegmentError(f"{what} does not exist: the task that wrote it failed; rerun the "
+                                          "checkpoint")
+            if info.size != segment.size_bytes:
+                raise CorruptSegmentError(f"{what} holds {info.size} bytes, its writer wrote {segment.size_bytes}: "
+                                          "it was damaged or replaced; rerun the checkpoint")
+            io = _FooterIO(segment.footer, segment.size_bytes)
         try:
-            data_file = parquet_file_to_data_file(self._table.io, self._table.metadata, uri)
+            data_file = parquet_file_to_data_file(io, self._table.metadata, uri)
         except FileNotFoundError as e:
             raise CorruptSegmentError(f"{what} does not exist: the task that wrote it failed; rerun the "
                                       "checkpoint") from e
@@ -401,3 +414,26 @@ class _CrashBeforeSwitch:
     def commit_table(self, *args: Any, **kwargs: Any) -> Any:
         crash_point(COMMIT_METADATA_WRITTEN)
         return self._catalog.commit_table(*args, **kwargs)
+
+
+class _FooterInput:
+    """A segment as pyiceberg's ``parquet_file_to_data_file`` reads it: its footer, its size."""
+
+    def __init__(self, footer: bytes, size: int):
+        self._footer, self._size = footer, size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def open(self, seekable: bool = True) -> pa.BufferReader:
+        return pa.BufferReader(self._footer)
+
+
+class _FooterIO:
+    """The FileIO of one segment whose footer its writer reported (``SegmentFile.footer``)."""
+
+    def __init__(self, footer: str, size: int):
+        self._input = _FooterInput(base64.b64decode(footer), size)
+
+    def new_input(self, location: str) -> _FooterInput:
+        return self._input

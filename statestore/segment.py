@@ -19,6 +19,7 @@ be read is dropped and fetched again first.
 
 from __future__ import annotations
 
+import base64
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -125,8 +126,15 @@ def _write_one(fs: pafs.FileSystem, path: str, part: pa.Table, kgs: np.ndarray, 
         file_cache.put(path, data, counters)
     return SegmentFile(
         path=path, checkpoint_id=checkpoint_id, key_group_min=int(kgs[0]), key_group_max=int(kgs[-1]),
-        record_count=part.num_rows, size_bytes=data.size,
+        record_count=part.num_rows, size_bytes=data.size, footer=_footer_of(data),
     )
+
+
+def _footer_of(data: pa.Buffer) -> str:
+    """A Parquet file's footer as ``SegmentFile.footer``: readable alone by ``pq.read_metadata``."""
+    tail = memoryview(data)
+    length = int.from_bytes(tail[-8:-4], "little")
+    return base64.b64encode(b"PAR1" + bytes(tail[-(8 + length):])).decode("ascii")
 
 
 class _ReadFailed(Exception):

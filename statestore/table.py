@@ -25,7 +25,12 @@ from statestore.layout import StateLayout
 
 @dataclass(frozen=True)
 class SegmentFile:
-    """One immutable Parquet segment: entries of key groups [key_group_min, key_group_max]."""
+    """One immutable Parquet segment: entries of key groups [key_group_min, key_group_max].
+
+    ``footer``: the file's Parquet footer (base64 of ``PAR1`` + footer + length + ``PAR1``) as its
+    writer had it in memory, so a commit builds the segment's Iceberg entry without reading the
+    file back (on an object store, three round trips); None for segments listed from metadata.
+    """
 
     path: str
     checkpoint_id: int
@@ -33,6 +38,7 @@ class SegmentFile:
     key_group_max: int
     record_count: int
     size_bytes: int
+    footer: str | None = field(default=None, repr=False, compare=False)
 
     def key_groups(self) -> KeyGroupRange:
         return KeyGroupRange.of(self.key_group_min, self.key_group_max)

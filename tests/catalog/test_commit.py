@@ -4,6 +4,7 @@ shape, visibility, pruning, monotonic ids, missing or damaged segments) is in te
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pyarrow as pa
@@ -11,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from pyiceberg.io.pyarrow import parquet_file_to_data_file
 
-from statestore import stored_keys
+from statestore import StateStore, stored_keys
 from statestore.errors import CommitConflictError, CorruptSegmentError
 from statestore.keygroups import KeyGroupRange
 from statestore.table import SegmentFile
@@ -132,3 +133,27 @@ def test_commit_follows_a_non_checkpoint_append_of_another_writer(open_table):
     assert ice.current_snapshot().parent_snapshot_id == other.current_snapshot().snapshot_id
     assert extra.path in {s.path for s in table.segments(ALL)}
     assert [c.checkpoint_id for c in table.list_checkpoints()] == [1, cp]
+
+
+def test_a_segment_reported_with_its_footer_commits_the_entry_read_from_the_file(open_table):
+    """Segments carry the footer their writer had in memory: the commit builds the same Iceberg
+    entry as from the file itself, with one existence-and-size check instead of reading it back."""
+    table = open_table()
+    store = StateStore(table, task_index=0, parallelism=1)
+    store.get_state("count").update_batch(pa.table({"user": [f"u{i}" for i in range(300)]}),
+                                          pa.array(range(300), pa.int64()))
+    cp = table.next_checkpoint_id()
+    (segment,) = store.flush(cp)
+    assert segment.footer is not None
+    with pytest.raises(CorruptSegmentError, match="its writer wrote"):
+        table.commit_checkpoint(cp, [dataclasses.replace(segment, size_bytes=segment.size_bytes + 1)],
+                                parallelism=1)
+    table.commit_checkpoint(cp, [segment], parallelism=1)
+    store.checkpoint_complete(cp)
+    uri = table.to_uri(segment.path)
+    (committed,) = [e.data_file for e in table.snapshot.manifests(table.iceberg_table.io)[0]
+                    .fetch_manifest_entry(table.iceberg_table.io)]
+    from_file = parquet_file_to_data_file(table.iceberg_table.io, table.iceberg_table.metadata, uri)
+    for name in ("record_count", "file_size_in_bytes", "lower_bounds", "upper_bounds", "null_value_counts",
+                 "value_counts", "column_sizes", "split_offsets"):
+        assert getattr(committed, name) == getattr(from_file, name), name
