@@ -63,6 +63,7 @@ from benchmarks.harness import console, write_results
 from benchmarks.streaming.data import make_restart_data, make_stream_data
 from benchmarks.streaming.ours import ours_unavailable_reason
 from benchmarks.streaming.registry import IMPLS
+from benchmarks.streaming.remote import RemoteState
 from benchmarks.streaming.report import finish
 from benchmarks.streaming.restart import derive_restart, ours_restart_and_rescale, spark_restart_and_rescale
 from benchmarks.streaming.runner import Runner
@@ -91,6 +92,7 @@ def main(
     workdir: Path | None = typer.Option(None, help="work directory (default: a fresh temporary one)"),
     keep: bool = typer.Option(False, help="keep the work directory (input, checkpoints, logs)"),
     report_from: Path | None = typer.Option(None, help="print the tables and redraw the plot of a results JSON"),
+    s3_latency_ms: float = typer.Option(20, help="latency per request of the S3 proxy (the -s3 implementations)"),
     worker: Path | None = typer.Option(None, hidden=True, help="internal: run one job file"),
 ) -> None:
     if worker is not None:
@@ -112,6 +114,7 @@ def main(
         raise typer.BadParameter(f"unknown implementations {sorted(unknown)}; known: {list(IMPLS)}")
     root = Path(tempfile.mkdtemp(prefix="bench_spark_")) if workdir is None else workdir
     root.mkdir(parents=True, exist_ok=True)
+    remote = RemoteState.start(root, s3_latency_ms) if any(IMPLS[n].remote for n in impls) else None
     ours_reason = ours_unavailable_reason()
     if ours_reason:
         console.log(f"ours: not available ({ours_reason}); the Spark peers run alone")
@@ -143,7 +146,11 @@ def main(
                                                                    ours_reason)}
         results["finished"] = datetime.now(UTC).isoformat()
         results["total_s"] = time.perf_counter() - t_start
+        if remote is not None:
+            results["remote"] = {"latency_ms": s3_latency_ms, "requests": remote.proxy.snapshot().by_method}
     finally:
+        if remote is not None:
+            remote.close()
         if not keep and workdir is None:
             shutil.rmtree(root, ignore_errors=True)
     derive_restart(results)

@@ -36,6 +36,7 @@ class Impl:
     provider: str | None  # state store provider class; None leaves Spark's default
     ours: bool = False
     per_key_jvm_calls: bool = False  # one JVM round trip per key: run on the small data set only
+    remote: bool = False  # state on S3 (moto behind our latency proxy, started by the bench process)
 
 
 def start_update_query(out: Any, ctx: RunContext) -> Any:

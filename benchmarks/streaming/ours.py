@@ -4,18 +4,31 @@ processor of the ``spark-tws-rows`` peer run unchanged, and the vectorized ``Run
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from benchmarks.streaming.impl import OUTPUT_SCHEMA, Impl, RunContext
 from benchmarks.streaming.processors import CountProcessor
 
+# The catalog properties of the remote variants (``-s3``): the bench process starts moto's S3
+# server behind our latency proxy and publishes where it is here, for the job processes.
+S3_CATALOG_ENV = "ICESTATE_BENCH_S3_CATALOG"
 
-def _start_ours(source: Any, ctx: RunContext, processor: Any) -> Any:
-    """Ours, against the contract of ``spark_integration.start_stateful_query``."""
+
+def _start_ours(source: Any, ctx: RunContext, processor: Any, remote: bool = False) -> Any:
+    """Ours, against the contract of ``spark_integration.start_stateful_query``; with ``remote``
+    the state lives on S3 (the SQLite catalog stays in the run's warehouse directory)."""
     import spark_integration
 
-    location = spark_integration.StateLocation(warehouse=ctx.warehouse, table=ctx.table, max_parallelism=128,
-                                               parallelism=ctx.parallelism)
+    where: dict[str, Any] = {"warehouse": ctx.warehouse}
+    if remote:
+        props = json.loads(os.environ[S3_CATALOG_ENV])
+        os.makedirs(ctx.warehouse, exist_ok=True)
+        where = {"catalog_name": "bench_s3", "catalog_properties": {
+            **props, "uri": f"sqlite:///{ctx.warehouse}/catalog.db", "warehouse": f"{props['warehouse']}/{ctx.table}"}}
+    location = spark_integration.StateLocation(table=ctx.table, max_parallelism=128, parallelism=ctx.parallelism,
+                                               **where)
     return spark_integration.start_stateful_query(
         source, keys=["key"], processor=processor, output_schema=OUTPUT_SCHEMA, location=location,
         checkpoint_location=ctx.checkpoint, trigger={"availableNow": True}, foreach_batch=ctx.sink)
@@ -31,9 +44,23 @@ def _ours_vectorized(source: Any, ctx: RunContext) -> Any:
     return _start_ours(source, ctx, spark_integration.RunningAggregate("count"))
 
 
+def _ours_compat_s3(source: Any, ctx: RunContext) -> Any:
+    return _start_ours(source, ctx, CountProcessor(), remote=True)
+
+
+def _ours_vectorized_s3(source: Any, ctx: RunContext) -> Any:
+    import spark_integration
+
+    return _start_ours(source, ctx, spark_integration.RunningAggregate("count"), remote=True)
+
+
 OURS = (
     Impl("ours-compat", "ours, Spark-compatible processor API", _ours_compat, None, ours=True),
     Impl("ours-vectorized", "ours, vectorized RunningAggregate", _ours_vectorized, None, ours=True),
+    Impl("ours-compat-s3", "ours, Spark-compatible API, state on S3 (proxy latency)", _ours_compat_s3, None,
+         ours=True, remote=True),
+    Impl("ours-vectorized-s3", "ours, vectorized, state on S3 (proxy latency)", _ours_vectorized_s3, None,
+         ours=True, remote=True),
 )
 
 

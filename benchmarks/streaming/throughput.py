@@ -81,6 +81,12 @@ def derive(rows: list[dict]) -> None:
         r["cpu_s"] = r["machine"].get("own_cores", 0) * r["wall_s"]
         r["events_per_cpu_s"] = r["events"] / r["cpu_s"] if r["cpu_s"] else None
     for r in ok.values():
+        # A remote variant (state on S3 behind the latency proxy) against the same on local disk.
+        local = ok.get((r["impl"].removesuffix("-s3"), r["dataset"])) if r["impl"].endswith("-s3") else None
+        if local:
+            r["vs_local"] = {"overall": r["events_per_s"] / local["events_per_s"],
+                             "steady": ratio(r["steady_events_per_s"], local["steady_events_per_s"])}
+    for r in ok.values():
         r["ratios"] = {}
         for peer in SPARK_PEERS:
             p = ok.get((peer, r["dataset"]))
