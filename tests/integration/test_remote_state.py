@@ -127,10 +127,12 @@ def test_a_query_with_state_and_outputs_on_s3_restarts_at_another_parallelism(sp
     assert sum(t["file_cache_hits"] + t["file_cache_misses"] for t in tasks) > 0
     fetched = sum(t["file_cache_bytes_fetched"] for t in tasks)
     assert (fetched > 0) == (sum(t["file_cache_misses"] for t in tasks) > 0)
-    assert runner.compactor is not None and runner.compactor.pid is not None, "the compactor never started"
-    # The compactor may live shorter than a poll: its command line as it was started.
-    compactor_args = " ".join(map(str, runner.compactor._process.args))
-    assert "catalog.compactor" in compactor_args and SECRET not in compactor_args
+    # When the compactor ran (whether a unit needed it depends on the batches' timing; its
+    # command line is tested in tests/catalog/test_compactor.py): its command line as started,
+    # since it may live shorter than one poll of /proc.
+    if runner.compactor is not None and runner.compactor.pid is not None:
+        compactor_args = " ".join(map(str, runner.compactor._process.args))
+        assert "catalog.compactor" in compactor_args and SECRET not in compactor_args
 
     # The secret reached no process's command line, log record, output, repr or summary.
     assert len(commands.seen) > 3
