@@ -83,6 +83,7 @@ from statestore.paths import (
     DATA_DIR,
     OPERATOR_DIR,
     compaction_file_name,
+    needs_parent_directories,
     operator_file_name,
     parse_compaction_name,
     parse_segment_name,
@@ -117,7 +118,7 @@ class IcebergStateTable:
         self._expected_head: int | None = None  # the branch's head when last seen
         self._index: dict[str, SegmentFile] = {}
         self._ordered: list[SegmentFile] = []
-        self._view: tuple[tuple, CheckpointView] | None = None  # checkpoint_view's, by snapshot
+        self._view: tuple[int | None, CheckpointView] | None = None  # checkpoint_view's, by snapshot id
         self._closed = False
 
     @classmethod
@@ -304,7 +305,7 @@ class IcebergStateTable:
         """The opened checkpoint as a task needs it (``catalog.task_view``): what the driver
         ships so that tasks never open the catalog. Built from the in-memory index: no I/O."""
         self._check_open()
-        key = (None if self._snapshot is None else self._snapshot.snapshot_id, len(self._ordered))
+        key = None if self._snapshot is None else self._snapshot.snapshot_id
         if self._view is None or self._view[0] != key:
             data_dir = f"{self._table.location().rstrip('/')}/{DATA_DIR}"
             if self._segment_subdir:
@@ -481,7 +482,7 @@ class IcebergStateTable:
         # Tasks write segments with plain filesystem calls; a local filesystem does not
         # create parent directories on write. Object stores have none to create: on S3 each
         # level would cost a HEAD and a PUT of an empty marker, at every open.
-        if not isinstance(self.filesystem, pafs.LocalFileSystem):
+        if not needs_parent_directories(self.filesystem):
             return
         data_dir = f"{self._table.location().rstrip('/')}/{DATA_DIR}"
         if self._segment_subdir:

@@ -38,6 +38,7 @@ from catalog.iceberg_table import IcebergStateTable
 from catalog.naming import Locations
 from statestore.entries import read_entries, variable_entry_schema
 from statestore.errors import CheckpointNotFoundError
+from statestore.paths import is_local_filesystem
 from statestore.resolve import entry_columns, resolve
 from statestore.segment import SegmentReader
 from statestore.table import SegmentFile
@@ -122,7 +123,7 @@ def _create_entries_view(con: duckdb.DuckDBPyConnection, iceberg: Table, files: 
         con.register(name, schema_to_pyarrow(iceberg.schema(), include_field_ids=False).empty_table())
         return
     paths = [locations.to_path(f.file_path) for f in files]
-    if isinstance(locations.filesystem, pafs.LocalFileSystem):
+    if is_local_filesystem(locations.filesystem):
         source = f"read_parquet({_sql_list(paths)}, union_by_name = true)"
         con.execute(f"CREATE OR REPLACE VIEW {_ident(name)} AS SELECT * FROM {source}")
     else:

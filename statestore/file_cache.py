@@ -56,6 +56,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import xxhash
 
+from statestore.paths import is_local_filesystem
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX: stale directories are found by pid only
@@ -274,29 +276,36 @@ class FileCache:
             if entry is None:
                 return None
             self._entries.move_to_end(path)
-            local = os.path.join(self.path, entry.name)
             try:
-                st = os.stat(local)
-                if st.st_size == entry.size and entry.verified and entry.stat == (st.st_mtime_ns, st.st_ino):
-                    f = pa.OSFile(local)  # under the lock: no eviction can unlink it before it opens
-                    self._count(counters, hits=1)
-                    return f
-                data = None
-                if st.st_size == entry.size:
-                    with open(local, "rb") as fh:
-                        st = os.fstat(fh.fileno())
-                        data = fh.read()
-                if data is not None and len(data) == entry.size and digest(data) == entry.digest:
-                    entry.verified, entry.stat = True, (st.st_mtime_ns, st.st_ino)
-                    self._count(counters, hits=1)
-                    return pa.BufferReader(pa.py_buffer(data))
-            except OSError:
-                pass  # lost: fetch again
+                served = self._checked(entry)
+            except OSError:  # the copy was deleted or cannot be read
+                served = None
+            if served is not None:
+                self._count(counters, hits=1)
+                return served
             del self._entries[path]
             self._drop_file(entry)
         log.warning("file cache: the cached copy of %s was lost or damaged; fetching it again", path)
         self._count(counters, refetched=1)
         return None
+
+    def _checked(self, entry: _Entry) -> pa.NativeFile | None:
+        """The cached copy of ``entry`` when its size (and, unless verified since its last change,
+        its digest) is what was recorded; None when damaged. Lock held: no eviction can unlink
+        the file before it opens. Raises OSError when the copy is gone."""
+        local = os.path.join(self.path, entry.name)
+        st = os.stat(local)
+        if st.st_size != entry.size:
+            return None
+        if entry.verified and entry.stat == (st.st_mtime_ns, st.st_ino):
+            return pa.OSFile(local)
+        with open(local, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            data = fh.read()
+        if len(data) != entry.size or digest(data) != entry.digest:
+            return None
+        entry.verified, entry.stat = True, (st.st_mtime_ns, st.st_ino)
+        return pa.BufferReader(pa.py_buffer(data))
 
     def _fetch_and_insert(self, fs: pafs.FileSystem, path: str, size: int | None,
                           counters: FileCacheCounters | None) -> pa.Buffer:
@@ -479,12 +488,6 @@ def _forget_after_fork() -> None:
 atexit.register(close_process_file_caches)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-def is_local_filesystem(fs: pafs.FileSystem) -> bool:
-    while isinstance(fs, pafs.SubTreeFileSystem):
-        fs = fs.base_fs
-    return isinstance(fs, pafs.LocalFileSystem)
 
 
 def file_cache_for(config: StoreConfig, fs: pafs.FileSystem) -> FileCache | None:

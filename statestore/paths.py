@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 import uuid
 
+import pyarrow.fs as pafs
+
 DATA_DIR = "data"
 BRANCHES_DIR = "branches"  # under DATA_DIR: the segments of each fork (catalog.iceberg_table)
 OPERATOR_DIR = "operator"  # under DATA_DIR (or a fork's directory): operator state files
@@ -71,3 +73,21 @@ def parse_compaction_name(path: str) -> tuple[int, int] | None:
     """(base checkpoint id, partition) of a compaction output path, or None for other files."""
     m = _COMPACTION.match(path.rsplit("/", 1)[-1])
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _base(fs: pafs.FileSystem) -> pafs.FileSystem:
+    while isinstance(fs, pafs.SubTreeFileSystem):
+        fs = fs.base_fs
+    return fs
+
+
+def is_local_filesystem(fs: pafs.FileSystem) -> bool:
+    """Whether ``fs`` is this host's disk (directly or under a ``SubTreeFileSystem``)."""
+    return isinstance(_base(fs), pafs.LocalFileSystem)
+
+
+def needs_parent_directories(fs: pafs.FileSystem) -> bool:
+    """Whether a file's parent directory must exist before it is written: a local filesystem does
+    not create parents on write; S3 and GCS have no directories (pyarrow's ``create_dir`` there
+    costs a HEAD and a PUT of an empty marker object per path level)."""
+    return _base(fs).type_name not in ("s3", "gcs")

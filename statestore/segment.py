@@ -34,6 +34,7 @@ from statestore.errors import CorruptSegmentError
 from statestore.faults import crash_point
 from statestore.file_cache import FileCache, FileCacheCounters
 from statestore.layout import CHECKPOINT_ID, KEY_GROUP, SEQ, STATE
+from statestore.paths import needs_parent_directories
 from statestore.table import SegmentFile, StateTable
 
 PARQUET_COMPRESSION = "zstd"
@@ -98,15 +99,6 @@ def write_segment_file(table: StateTable, entries: pa.Table, path: str, rows_min
     return _write_one(table.filesystem, path, entries, kgs, newest, rows_min, rows_max)
 
 
-def _has_directories(fs: pafs.FileSystem) -> bool:
-    """Whether a file's parent directory must exist before it is written: a local filesystem
-    does not create parents on write; S3 and GCS have no directories (pyarrow's create_dir
-    there costs a HEAD and a PUT of a marker object per level, on every segment written)."""
-    while isinstance(fs, pafs.SubTreeFileSystem):
-        fs = fs.base_fs
-    return fs.type_name not in ("s3", "gcs")
-
-
 def _write_one(fs: pafs.FileSystem, path: str, part: pa.Table, kgs: np.ndarray, checkpoint_id: int,
                rows_min: int, rows_max: int, file_cache: FileCache | None = None,
                counters: FileCacheCounters | None = None) -> SegmentFile:
@@ -118,7 +110,7 @@ def _write_one(fs: pafs.FileSystem, path: str, part: pa.Table, kgs: np.ndarray, 
         for offset, length in _row_group_bounds(kgs, rows_min, rows_max):
             writer.write_table(part.slice(offset, length), row_group_size=length)
     data = sink.getvalue()
-    if _has_directories(fs):
+    if needs_parent_directories(fs):
         fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
     with fs.open_output_stream(path) as out:
         out.write(data)

@@ -94,31 +94,27 @@ def test_server_gone_while_the_segments_upload(ref, proxy):
     _check_everything_committed(ref, store)
 
 
-def test_server_gone_between_the_uploads_and_the_commit(ref, proxy):
+# The server away (stopped), or answering every write with an error (more 503s than the SDK's
+# retries), between the segment uploads and the commit.
+FAULTS = {
+    "server-gone": (lambda proxy: proxy.stop(), lambda proxy: proxy.resume()),
+    "writes-answered-503": (lambda proxy: proxy.fail_next(50, status=503, method="PUT"),
+                            lambda proxy: proxy.fail_next(0)),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_commit_meeting_an_outage_fails_and_the_next_commits_everything(ref, proxy, fault):
+    begin, end = FAULTS[fault]
     store = _after_first(ref)
     table = store.table
     cp = table.next_checkpoint_id()
     segments = store.flush(cp)
-    proxy.stop()
+    begin(proxy)
     with pytest.raises(OSError):
         table.commit_checkpoint(cp, segments, parallelism=1, batch_id=1)
     store.checkpoint_aborted(cp)
-    proxy.resume()
-    _check_previous_checkpoint_intact(ref)
-    table.restore()
-    _check_everything_committed(ref, store)
-
-
-def test_commit_requests_answered_with_errors(ref, proxy):
-    store = _after_first(ref)
-    table = store.table
-    cp = table.next_checkpoint_id()
-    segments = store.flush(cp)
-    proxy.fail_next(50, status=503, method="PUT")  # more than the SDK's retries: every write fails
-    with pytest.raises(OSError):
-        table.commit_checkpoint(cp, segments, parallelism=1, batch_id=1)
-    store.checkpoint_aborted(cp)
-    proxy.fail_next(0)
+    end(proxy)
     _check_previous_checkpoint_intact(ref)
     table.restore()
     _check_everything_committed(ref, store)

@@ -153,7 +153,7 @@ def damage_file(local: str, how: str) -> None:
         Path(local).write_bytes(data[: len(data) // 2])
         return
     with open(local, "r+b") as f:  # in place: same inode
-        f.write(bytes(b ^ 0xFF for b in data[:64]))
+        f.write(bytes((b + 1) % 256 for b in data[:64]))  # never restores the bytes (twice: +2)
     later = 0 if how == "scribble" else 1_000_000_000
     os.utime(local, ns=(st_.st_atime_ns, st_.st_mtime_ns + later))
 
