@@ -330,9 +330,8 @@ def run_processor(processor: StatefulProcessor, store: StateStore, timers: Timer
     out: list[tuple] = []
     try:
         names = store.key_names
-        touched = sorted(set(key_groups))
-        if touched and store.layout.descriptors:
-            store.views(store.layout.descriptors[0].name, touched)  # one batched load of every touched key group
+        if rows.num_rows and store.layout.descriptors:
+            store.prefetch(rows.select(names))  # one batched read of every key's state
         if initial is not None and initial.num_rows:
             _feed_initial(processor, store, initial, timer_values)
         columns = rows.column_names
@@ -361,7 +360,12 @@ def run_processor(processor: StatefulProcessor, store: StateStore, timers: Timer
             # As Spark: timers expired when the batch started, in time order; each is deleted
             # after its handler ran (a handler sees it in listTimers, and re-registering the
             # same time does not make it fire again).
-            for ts, key in timers.expired(fire_upto_ms):
+            expired = timers.expired(fire_upto_ms)
+            if expired and store.layout.descriptors:
+                schema = store.layout.key_schema
+                store.prefetch(pa.table([pa.array([key[i] for _, key in expired], f.type)
+                                         for i, f in enumerate(schema)], schema=schema))
+            for ts, key in expired:
                 store.set_current_key(key)
                 if ts not in timers.list():
                     continue  # deleted by an earlier handler of this batch

@@ -3,7 +3,9 @@
 For each cached key group it holds, per state variable, the *view* (``resolve.py``): the
 newest live entry per key over every segment of that key group and the memtable entries
 applied so far (``applied``: how many memtable parts of that variable and key group are in
-the view; ``pending``: committed entries not yet applied). The cache is bounded by
+the view; ``pending``: committed entries not yet applied). A *partial* group (``covered``
+set) holds the views of the covered keys only, filled key by key as requests read them; a
+*whole* group (``covered`` None) holds every key's. The cache is bounded by
 ``size_bytes_max`` and evicts whole key groups, least recently used first, never those a
 running request pinned. Not thread safe.
 """
@@ -31,12 +33,32 @@ class CachedKeyGroup:
     # Per-key point lookups of value-like state: {name: (the view indexed, {key: (value, expire)})},
     # built on first use and rebuilt when the view object changes.
     indexes: dict[str, tuple[pl.DataFrame, dict]] = field(default_factory=dict)
+    # A partial group: the keys (key columns, unique) whose views are complete; None: every key's.
+    covered: pl.DataFrame | None = None
+    # How many reads filled a partial group (its next miss may load it whole).
+    partial_reads: int = 0
     size_bytes: int = 0
+    _covered_set: set | None = field(default=None, repr=False)
+
+    def cover(self, keys: pl.DataFrame) -> None:
+        """Add ``keys`` (not yet covered) to a partial group's covered keys."""
+        self.covered = keys if self.covered is None or self.covered.height == 0 else pl.concat(
+            [self.covered, keys], how="vertical")
+        self._covered_set = None
+
+    def covers(self, key: tuple) -> bool:
+        """Whether the views hold ``key``'s state complete (always, for a whole group)."""
+        if self.covered is None:
+            return True
+        if self._covered_set is None:
+            self._covered_set = set(zip(*[c.to_list() for c in self.covered.get_columns()], strict=True))
+        return key in self._covered_set
 
     def measure(self) -> int:
         self.size_bytes = sum(int(v.estimated_size()) for v in self.views.values()) + sum(
             int(p.estimated_size()) for parts in self.pending.values() for p in parts) + sum(
-            len(ix) * INDEX_ENTRY_BYTES for _, ix in self.indexes.values())
+            len(ix) * INDEX_ENTRY_BYTES for _, ix in self.indexes.values()) + (
+            0 if self.covered is None else int(self.covered.estimated_size()))
         return self.size_bytes
 
 

@@ -37,6 +37,15 @@ class StoreConfig:
         least recently used first.
     file_cache_reserved_free_bytes: the cache never fills its disk beyond leaving this much
         free (it evicts, or serves a file without caching it).
+    view_partial_reads_max: a key group's views fill key by key: a batched read of a few of
+        its keys reads only those keys' entries, from the row groups whose statistics can hold
+        them. After about this many such reads (each key group's own number, spread over
+        1..2x this, so that a uniformly read state does not load every key group in one
+        batch), the key group is loaded whole. 0: always whole.
+    view_partial_rows_min: a key group with fewer entries than this is always loaded whole
+        (reading a few of its keys would save little).
+    view_partial_share_max: a read asking for more than this share of a key group's entries
+        (counting the keys it already holds) loads it whole.
     """
 
     cache_size_bytes_max: int = 512 * 1024 * 1024
@@ -48,6 +57,9 @@ class StoreConfig:
     file_cache_dir: str | None = None
     file_cache_bytes_max: int = 1024 * 1024 * 1024
     file_cache_reserved_free_bytes: int = 1024 * 1024 * 1024
+    view_partial_reads_max: int = 4
+    view_partial_rows_min: int = 4096
+    view_partial_share_max: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("cache_size_bytes_max", "row_group_rows_min", "row_group_rows_max", "footer_cache_entries_max",
@@ -58,6 +70,15 @@ class StoreConfig:
         reserved = self.file_cache_reserved_free_bytes
         if not isinstance(reserved, int) or reserved < 0:
             raise ValueError(f"StoreConfig.file_cache_reserved_free_bytes must be a non-negative int, got {reserved!r}")
+        if not isinstance(self.view_partial_reads_max, int) or self.view_partial_reads_max < 0:
+            raise ValueError(
+                f"StoreConfig.view_partial_reads_max must be a non-negative int, got {self.view_partial_reads_max!r}")
+        if not isinstance(self.view_partial_rows_min, int) or self.view_partial_rows_min < 0:
+            raise ValueError(
+                f"StoreConfig.view_partial_rows_min must be a non-negative int, got {self.view_partial_rows_min!r}")
+        share = self.view_partial_share_max
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not share > 0:
+            raise ValueError(f"StoreConfig.view_partial_share_max must be a positive number, got {share!r}")
         if self.file_cache_mode not in FILE_CACHE_MODES:
             raise ValueError(
                 f"StoreConfig.file_cache_mode must be one of {FILE_CACHE_MODES}, got {self.file_cache_mode!r}")

@@ -43,7 +43,8 @@ def variable_entry_schema(layout: StateLayout, desc: StateDescriptor) -> pa.Sche
 
 
 def read_entries(reader: SegmentReader, segments: Sequence[SegmentFile], key_groups: np.ndarray,
-                 schema: pa.Schema, *, state: str | None = None) -> pl.DataFrame:
+                 schema: pa.Schema, *, state: str | None = None, keys: pl.DataFrame | None = None,
+                 ) -> pl.DataFrame:
     """The entries of the sorted, unique ``key_groups`` in ``segments``, with their ``ord``.
 
     Args:
@@ -54,6 +55,9 @@ def read_entries(reader: SegmentReader, segments: Sequence[SegmentFile], key_gro
             subset of it holding at least the system and key columns
             (``variable_entry_schema`` for one variable's).
         state: only the entries of this state variable; every variable's when None.
+        keys: only the entries of these keys: a frame of the key group (``key_group``, Int32)
+            and the key columns, one row per key. The reader then reads only the row groups
+            whose statistics can hold one of them.
 
     Returns:
         A frame of ``schema``'s columns and types plus ``ord``, empty when there are no
@@ -61,8 +65,22 @@ def read_entries(reader: SegmentReader, segments: Sequence[SegmentFile], key_gro
     """
     # Nullable as read: a cast does not check what the writer already guaranteed.
     target = pa.schema([f.with_nullable(True) for f in schema])
-    tables = [t.cast(target) for t in reader.read(segments, key_groups, schema.names)]
+    request = None if keys is None else _key_request(keys, schema.names[1])
+    tables = [t.cast(target) for t in reader.read(segments, key_groups, schema.names, request)]
     table = pa.concat_tables(tables) if tables else target.empty_table()
     if state is not None:
         table = table.filter(pc.equal(table.column(STATE), state))
-    return pl.from_arrow(table).with_columns(make_ord(pl.col(CHECKPOINT_ID), pl.col(SEQ)))
+    entries = pl.from_arrow(table)
+    if keys is not None:
+        entries = entries.join(keys, on=keys.columns, how="semi")
+    return entries.with_columns(make_ord(pl.col(CHECKPOINT_ID), pl.col(SEQ)))
+
+
+def _key_request(keys: pl.DataFrame, first_key: str) -> dict[int, list]:
+    """{key group: sorted values of the first key column} of ``keys`` (``SegmentReader.read``)."""
+    firsts = keys.select(KEY_GROUP, first_key).unique().sort(KEY_GROUP, first_key)
+    kgs = firsts.get_column(KEY_GROUP).to_numpy()
+    values = firsts.get_column(first_key).to_list()
+    cuts = np.flatnonzero(np.diff(kgs)) + 1
+    return {int(kgs[lo]): values[lo:hi]
+            for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(kgs)], strict=True)} if len(kgs) else {}

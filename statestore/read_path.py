@@ -8,11 +8,16 @@ checkpoints, restore) and owns one reader.
 
 Reads go memtable then segments. The reader owns:
 
-* the cache of resolved key-group views (``cache.KeyGroupCache``): a missing key group is
-  loaded whole, for every variable and every missing key group of a request at once, with
-  one pruned read of each covering segment (``entries.read_entries``) resolved by
-  ``resolve.py``; a cached view is then kept up to date with the memtable parts it has
-  not applied (``applied``) and the committed parts moved to it (``pending``);
+* the cache of resolved key-group views (``cache.KeyGroupCache``). A batched read of keys
+  (``lookup``, ``keyed_view``, ``prefetch``) fills the views of just those keys: one read
+  of each covering segment, pruned to the row groups whose statistics can hold them, the
+  entries of those keys resolved by ``resolve.py`` (a *partial* key group). A read that
+  asks for every key (``views``, ``live_view``), a per-key read of a key a partial group
+  lacks, a read asking for much of a key group, or a key group read partially often enough
+  (``StoreConfig.view_partial_*``) loads the key group whole, for every variable
+  and every such key group of a request at once. A cached view is then kept up to date with
+  the memtable parts it has not applied (``applied``) and the committed parts moved to it
+  (``pending``), of its covered keys only when partial;
 * the point indexes: a dict over a cached view for the per-key reads (``_view_index``);
 * the segment reader (Parquet footer cache, read counters), reading through the process's
   file cache of whole segments (``file_cache``) when the store's config asks for one.
@@ -23,9 +28,10 @@ write or a seal), ``flushed`` / ``aborted`` / ``committed`` (a flush and how it 
 ``reset`` (a restore, a close, a restart of the memtable's ord sequence).
 
 Invariants (design invariant 7): a cached view holds every entry of its key group and
-variable exactly once: the segments of the opened checkpoint, minus those of a flush not
-settled yet (the memtable still holds their entries), plus the first ``applied`` memtable
-parts; ``pending`` parts are committed entries it has yet to apply. A point index in
+variable (of its covered keys, when partial) exactly once: the segments of the opened
+checkpoint, minus those of a flush not settled yet (the memtable still holds their entries),
+plus the first ``applied`` memtable parts; ``pending`` parts are committed entries it has yet
+to apply. A partial view never serves a key it does not cover. A point index in
 ``_point_index`` is current: every event that can change a view forgets them all.
 
 Thread safety: used by the store's task thread only, like the store.
@@ -105,6 +111,9 @@ class StateReader:
             pa.types.is_string(f.type) or pa.types.is_binary(f.type) or pa.types.is_integer(f.type)
             or pa.types.is_boolean(f.type) or pa.types.is_date32(f.type) for f in self.layout.key_schema)
         self._point_index: dict[tuple[str, str, int], dict] = {}  # see _view_index
+        # Partial views need keys that compare in Python as polars returns them (point reads).
+        self._partial_reads_max = config.view_partial_reads_max if self._indexable else 0
+        self.partial_reads = 0
         # Checkpoints flushed but not settled: their entries are still in the memtable.
         self._unsettled: set[int] = set()
 
@@ -157,6 +166,7 @@ class StateReader:
             "cache_key_groups": len(self._cache),
             "cache_size_bytes": self._cache.size_bytes,
             "cache_misses": self._cache.misses,
+            "cache_partial_reads": self.partial_reads,
             "cache_evictions": self._cache.evictions,
             "segment_bytes_read": self._segments.bytes_read,
             "segment_files_opened": self._segments.files_opened,
@@ -180,16 +190,36 @@ class StateReader:
     # ---------------------------------------------------------------- batched reads
 
     def views(self, name: str, key_groups: Iterable[int], seal: bool = True) -> list[pl.DataFrame]:
-        """Views of ``name`` for the given key groups (loading what is missing), up to date with
-        the memtable; with ``seal`` also with the handles' per-key writes (the per-key API reads
-        without sealing and applies its own overlay on top)."""
+        """Whole views of ``name`` for the given key groups (loading what is missing), up to date
+        with the memtable; with ``seal`` also with the handles' per-key writes (the per-key API
+        reads without sealing and applies its own overlay on top)."""
         if seal:
             self._seal()
         kgs = sorted({int(k) for k in key_groups})
-        missing = [kg for kg in kgs if kg not in self._cache]
+        missing = [kg for kg in kgs if not self._is_whole(kg)]
         if missing:
             self._cache.misses += len(missing)
             self._load(missing)
+        return self._current(name, kgs)
+
+    def keyed_views(self, name: str, keys: pa.Table, key_groups: np.ndarray) -> list[pl.DataFrame]:
+        """Views of ``name`` of the key groups of ``keys`` (``key_groups``: each key's), holding
+        at least those keys' state: partial views are filled with the keys they lack, not
+        loaded whole. Up to date with the memtable and the handles' per-key writes."""
+        self._seal()
+        kgs = np.unique(key_groups).tolist()
+        self._cover(keys, key_groups, kgs)
+        return self._current(name, kgs)
+
+    def prefetch(self, keys: pa.Table, key_groups: np.ndarray) -> None:
+        """Make the views of every variable hold ``keys``' state (``key_groups``: each key's),
+        in one batched read: what a per-key loop over those keys will read."""
+        kgs = np.unique(key_groups).tolist()
+        if kgs:
+            self._cover(keys, key_groups, kgs)
+            self._trim(pinned=kgs)
+
+    def _current(self, name: str, kgs: list[int]) -> list[pl.DataFrame]:
         stale = [kg for kg in kgs if self._is_stale(kg, name)]
         if stale:
             self._refresh(stale, name)
@@ -197,9 +227,11 @@ class StateReader:
         self._trim(pinned=kgs)
         return out
 
-    def live_view(self, name: str, key_groups: Iterable[int]) -> pl.DataFrame:
-        """The view rows of ``name`` in ``key_groups`` that are live now, as one frame."""
-        views = self.views(name, key_groups)
+    def live_view(self, name: str, key_groups: Iterable[int], keys: pa.Table | None = None,
+                  keys_key_groups: np.ndarray | None = None) -> pl.DataFrame:
+        """The view rows of ``name`` in ``key_groups`` that are live now, as one frame: of every
+        key, or (``keys`` given, with each key's group in ``keys_key_groups``) of at least those."""
+        views = self.views(name, key_groups) if keys is None else self.keyed_views(name, keys, keys_key_groups)
         view = pl.concat(views, how="vertical", rechunk=False) if views else None
         if view is None or view.height == 0:
             return self._empty_view(self.layout.descriptor(name))
@@ -225,7 +257,7 @@ class StateReader:
 
         ``on_extra`` adds join columns (a map's user keys), aligned with ``keys``.
         """
-        view = self.live_view(name, np.unique(key_groups).tolist())
+        view = self.live_view(name, (), keys, key_groups)
         left = pl.from_arrow(keys)
         on = list(self.key_names)
         if on_extra is not None:
@@ -243,14 +275,20 @@ class StateReader:
         if not self._indexable:
             rows = self._key_filter(name, key, key_group, columns)
             return rows[0] if rows else None
-        return self._view_index(name, key_group, "", columns, _index_one).get(key)
+        hit = self._view_index(name, key_group, "", columns, _index_one).get(key)
+        if hit is None and self._uncovered(key, key_group):
+            return self._view_index(name, key_group, "", columns, _index_one).get(key)
+        return hit
 
     def key_rows(self, name: str, key: tuple, key_group: int, columns: Sequence[str]) -> list[tuple]:
         """``columns`` of every view row of ``key`` in state ``name`` (TTL not applied), without
         sealing the handles' overlays: the per-key read of list and map state."""
         if not self._indexable:
             return self._key_filter(name, key, key_group, columns)
-        return self._view_index(name, key_group, "rows", columns, _index_rows).get(key, [])
+        rows = self._view_index(name, key_group, "rows", columns, _index_rows).get(key)
+        if rows is None and self._uncovered(key, key_group):
+            rows = self._view_index(name, key_group, "rows", columns, _index_rows).get(key)
+        return [] if rows is None else rows
 
     def key_map(self, name: str, key: tuple, key_group: int, hash_key: Callable[[Any], Any]) -> dict:
         """The stored map of ``key`` in map state ``name``: {hash_key(user key): (user key,
@@ -260,8 +298,24 @@ class StateReader:
         columns = (desc.user_key_column, desc.value_column, EXPIRE_AT_MS)
         if not self._indexable:
             return {hash_key(r[0]): r for r in self._key_filter(name, key, key_group, columns)}
-        return self._view_index(name, key_group, "map", columns,
-                                lambda keys, rows: _index_map(keys, rows, hash_key)).get(key, _NO_ENTRIES)
+
+        def build(keys: Iterable, rows: Iterable) -> dict:
+            return _index_map(keys, rows, hash_key)
+        found = self._view_index(name, key_group, "map", columns, build).get(key)
+        if found is None and self._uncovered(key, key_group):
+            found = self._view_index(name, key_group, "map", columns, build).get(key)
+        return _NO_ENTRIES if found is None else found
+
+    def _uncovered(self, key: tuple, key_group: int) -> bool:
+        """Whether ``key`` missed only because its key group's views are partial and lack it;
+        if so, the key group is loaded whole (a per-key loop over keys not prefetched)."""
+        group = self._cache.peek(key_group)
+        if group is None or group.covers(key):
+            return False
+        self._cache.misses += 1
+        self._load([key_group])
+        self._point_index.clear()
+        return True
 
     def _view_index(self, name: str, key_group: int, kind: str, columns: Sequence[str],
                     build: Callable[[Iterable, Iterable], dict]) -> dict:
@@ -296,10 +350,14 @@ class StateReader:
         return list(zip(*[rows.get_column(c).to_list() for c in columns], strict=True))
 
     def _current_view(self, name: str, key_group: int) -> pl.DataFrame:
+        """The current view of ``name`` in ``key_group``, partial if cached partial (loaded
+        whole if not cached)."""
         group = self._cache.get(key_group)
-        if (group is None or name not in group.views or group.pending.get(name)
-                or len(self._memtable.parts(name, key_group)) > group.applied.get(name, 0)):
+        if group is None:
             return self.views(name, [key_group], seal=False)[0]
+        if (name not in group.views or group.pending.get(name)
+                or len(self._memtable.parts(name, key_group)) > group.applied.get(name, 0)):
+            return self._current(name, [key_group])[0]
         return group.views[name]  # cached and current: skip the general path
 
     # ---------------------------------------------------------------- loading and refreshing
@@ -326,6 +384,92 @@ class StateReader:
         if self._cache.evictions != evictions:
             self._point_index.clear()  # an evicted group's index must not outlive it
 
+    def _is_whole(self, kg: int) -> bool:
+        group = self._cache.peek(kg)
+        return group is not None and group.covered is None
+
+    def _cover(self, keys: pa.Table, key_groups: np.ndarray, kgs: list[int]) -> None:
+        """Make the views of ``kgs`` hold the state of ``keys`` (``key_groups``: each key's):
+        key groups not cached or partial get the keys they lack by a filtered read, or are
+        loaded whole (see ``StoreConfig.view_partial_reads_max``)."""
+        todo = [kg for kg in kgs if not self._is_whole(kg)]
+        if not todo:
+            return
+        if not self._partial_reads_max:
+            self._cache.misses += len(todo)
+            self._load(todo)
+            return
+        wanted = pl.from_arrow(keys).select(self.key_names).with_columns(
+            pl.Series(KG, np.asarray(key_groups), dtype=pl.Int32))
+        wanted = wanted.filter(pl.col(KG).is_in(todo)).unique()
+        covered = [g.covered.with_columns(pl.lit(kg, pl.Int32).alias(KG))
+                   for kg in todo if (g := self._cache.peek(kg)) is not None and g.covered.height]
+        if covered:  # only the keys the partial groups lack
+            wanted = wanted.join(pl.concat(covered, how="vertical"), on=[*self.key_names, KG], how="anti")
+        asked = dict(wanted.group_by(KG).len().iter_rows())
+        todo = [kg for kg in todo if kg in asked]
+        if not todo:
+            return
+        estimate = self._estimated_rows(todo)
+        whole, partial = [], []
+        for kg in todo:
+            group = self._cache.peek(kg)
+            covered_rows = 0 if group is None else group.covered.height
+            reads = 0 if group is None else group.partial_reads
+            rows = estimate[kg]
+            if (rows < self._config.view_partial_rows_min or reads >= self._partial_reads_limit(kg)
+                    or covered_rows + asked[kg] > self._config.view_partial_share_max * rows):
+                whole.append(kg)
+            else:
+                partial.append(kg)
+        if whole:
+            self._cache.misses += len(whole)
+            self._load(whole)
+        if partial:
+            self._fill(partial, wanted.filter(pl.col(KG).is_in(partial)))
+
+    def _partial_reads_limit(self, kg: int) -> int:
+        """Partial reads of ``kg`` before it is loaded whole: 1..2x ``view_partial_reads_max``,
+        spread over the key groups so that their whole loads fall into different batches."""
+        return 1 + (kg * 7919) % (2 * self._partial_reads_max)
+
+    def _estimated_rows(self, kgs: list[int]) -> dict[int, float]:
+        """Entries of each key group in the opened checkpoint's segments (a segment's records
+        spread evenly over its key groups)."""
+        lo, hi = kgs[0], kgs[-1]
+        rows = np.zeros(hi - lo + 1)
+        for seg in self._table.segments(KeyGroupRange.of(lo, hi)):
+            a, b = max(seg.key_group_min, lo), min(seg.key_group_max, hi)
+            rows[a - lo:b - lo + 1] += seg.record_count / (seg.key_group_max - seg.key_group_min + 1)
+        return {kg: float(rows[kg - lo]) for kg in kgs}
+
+    def _fill(self, kgs: list[int], new: pl.DataFrame) -> None:
+        """Read the entries of the ``new`` keys (key columns and ``KG``; keys of ``kgs`` that
+        their partial or absent groups lack) and add their views to those groups."""
+        for desc in self.layout.descriptors:  # pending and unapplied parts are the covered keys'
+            stale = [kg for kg in kgs if kg in self._cache and self._is_stale(kg, desc.name)]
+            if stale:
+                self._refresh(stale, desc.name)
+        self.partial_reads += 1
+        kgs = sorted(new.get_column(KG).unique().to_list())
+        entries = self._read(kgs, self._entry_schema, keys=new.rename({KG: KEY_GROUP}))
+        now = self._now_ms()
+        views = {desc.name: self._resolve_loaded(desc, entries, kgs, now, keys=new) for desc in self.layout.descriptors}
+        keys_of = new.partition_by(KG, as_dict=True, include_key=False)
+        for kg in kgs:
+            group = self._cache.peek(kg)
+            if group is None:
+                group = CachedKeyGroup(covered=keys_of[(kg,)].clear())
+            for desc in self.layout.descriptors:
+                view, old = views[desc.name][kg], group.views.get(desc.name)
+                group.views[desc.name] = view if old is None or old.height == 0 else pl.concat(
+                    [old, view], how="vertical")
+                group.applied[desc.name] = len(self._memtable.parts(desc.name, kg))
+            group.cover(keys_of[(kg,)])
+            group.partial_reads += 1
+            self._cache.put(kg, group)
+        self._point_index.clear()
+
     def _is_stale(self, kg: int, name: str) -> bool:
         group = self._cache.peek(kg)
         return len(self._memtable.parts(name, kg)) > group.applied.get(name, 0) or bool(group.pending.get(name))
@@ -339,7 +483,10 @@ class StateReader:
         for kg in kgs:
             group = self._cache.get(kg)
             parts = self._memtable.parts(name, kg)
-            new += group.pending.pop(name, []) + parts[group.applied.get(name, 0):]
+            fresh = group.pending.pop(name, []) + parts[group.applied.get(name, 0):]
+            if group.covered is not None:  # a partial view takes only its covered keys' entries
+                fresh = [p.join(group.covered, on=list(self.key_names), how="semi") for p in fresh]
+            new += fresh
             group.applied[name] = len(parts)
             views.append(group.views[name])
         heights = [v.height for v in views]
@@ -355,7 +502,9 @@ class StateReader:
             self._cache.resized(kg)
 
     def _load(self, kgs: Sequence[int]) -> None:
-        """Read the segments of ``kgs`` and resolve every variable's view of each."""
+        """Read the segments of ``kgs`` and resolve every variable's view of each (replacing
+        partial groups: the point indexes over them are forgotten)."""
+        self._point_index.clear()
         entries = self._read(kgs, self._entry_schema)
         groups = {kg: CachedKeyGroup() for kg in kgs}
         now = self._now_ms()
@@ -366,23 +515,28 @@ class StateReader:
         for kg, group in groups.items():
             self._cache.put(kg, group)
 
-    def _read(self, kgs: Sequence[int], schema: pa.Schema, state: str | None = None) -> pl.DataFrame:
-        """``read_entries`` of the sorted key groups ``kgs`` from the opened checkpoint's
-        segments, but those of unsettled flushes (see ``flushed``)."""
+    def _read(self, kgs: Sequence[int], schema: pa.Schema, state: str | None = None,
+              keys: pl.DataFrame | None = None) -> pl.DataFrame:
+        """``read_entries`` of the sorted key groups ``kgs`` (of only ``keys``, when given) from
+        the opened checkpoint's segments, but those of unsettled flushes (see ``flushed``)."""
         wanted = np.asarray(kgs, dtype=np.int64)
         segments = self._table.segments(KeyGroupRange.of(int(wanted[0]), int(wanted[-1])))
         segments = [s for s in segments if s.checkpoint_id not in self._unsettled]
-        return read_entries(self._segments, segments, wanted, schema, state=state)
+        return read_entries(self._segments, segments, wanted, schema, state=state, keys=keys)
 
     def _resolve_loaded(self, desc: StateDescriptor, entries: pl.DataFrame, kgs: Sequence[int],
-                        now: int) -> dict[int, pl.DataFrame]:
-        """The views of ``desc`` in ``kgs`` over segment ``entries`` and the memtable's parts."""
+                        now: int, keys: pl.DataFrame | None = None) -> dict[int, pl.DataFrame]:
+        """The views of ``desc`` in ``kgs`` over segment ``entries`` and the memtable's parts
+        (of only ``keys``, key columns and ``KG``, when given: ``entries`` hold only theirs)."""
         schema = self._entry_schemas[desc.name]
         cols = entry_columns(desc, self.key_names)
         seg = entries.filter(pl.col(STATE) == desc.name)
         frames = [seg.select([pl.col(KEY_GROUP).cast(pl.Int32).alias(KG), *cols])]
         for kg in kgs:
-            frames += [p.select([KG, *cols]) for p in self._memtable.parts(desc.name, kg)]
+            parts = [p.select([KG, *cols]) for p in self._memtable.parts(desc.name, kg)]
+            if keys is not None:
+                parts = [p.join(keys, on=[KG, *self.key_names], how="semi") for p in parts]
+            frames += parts
         keyed_schema = pl.Schema({KG: pl.Int32, **schema})
         frames = [f.cast(keyed_schema) for f in frames if f.height]
         empty = self._empty_view(desc)

@@ -20,8 +20,10 @@ be read is dropped and fetched again first.
 from __future__ import annotations
 
 import base64
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -38,8 +40,26 @@ from statestore.paths import needs_parent_directories
 from statestore.table import SegmentFile, StateTable
 
 PARQUET_COMPRESSION = "zstd"
-# metadata, top-level column names, key_group min and max per row group
-_Footer = tuple[pq.FileMetaData, frozenset, np.ndarray, np.ndarray]
+# Key types whose Parquet statistics compare with the Python values of a request exactly
+# (str, bytes, int): a row group of one key group is pruned by its first key column's min/max.
+_PRUNABLE_KEY = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary,
+                 pa.types.is_integer)
+
+
+# Per key group, the sorted values of the first key column a read wants (``SegmentReader.read``).
+KeyRequest = Mapping[int, Sequence[Any]]
+
+
+class _Footer(NamedTuple):
+    """A segment's footer as the reader uses it: per row group the key-group bounds and, for
+    row groups of a single key group, the first key column's bounds (None: unknown)."""
+
+    metadata: pq.FileMetaData
+    names: frozenset
+    kg_min: np.ndarray
+    kg_max: np.ndarray
+    key_name: str | None  # the first key column, when its statistics prune
+    key_bounds: list[tuple[Any, Any] | None]
 
 
 def _row_group_bounds(key_groups: np.ndarray, rows_min: int, rows_max: int) -> list[tuple[int, int]]:
@@ -81,7 +101,7 @@ def write_segments(
         part = entries.slice(lo, hi - lo)
         path = table.new_segment_path(checkpoint_id, task_index, int(partitions[lo]))
         files.append(_write_one(table.filesystem, path, part, kgs[lo:hi], checkpoint_id, rows_min, rows_max,
-                                file_cache, counters))
+                                table.layout.key_names, file_cache, counters))
         crash_point(faults.SEGMENT_WRITTEN)
     return files
 
@@ -96,16 +116,22 @@ def write_segment_file(table: StateTable, entries: pa.Table, path: str, rows_min
     entries = entries.select(table.file_schema().names).cast(table.file_schema())
     kgs = entries.column(KEY_GROUP).to_numpy()
     newest = int(pc.max(entries.column(CHECKPOINT_ID)).as_py())
-    return _write_one(table.filesystem, path, entries, kgs, newest, rows_min, rows_max)
+    return _write_one(table.filesystem, path, entries, kgs, newest, rows_min, rows_max, table.layout.key_names)
 
 
 def _write_one(fs: pafs.FileSystem, path: str, part: pa.Table, kgs: np.ndarray, checkpoint_id: int,
-               rows_min: int, rows_max: int, file_cache: FileCache | None = None,
+               rows_min: int, rows_max: int, key_names: Sequence[str], file_cache: FileCache | None = None,
                counters: FileCacheCounters | None = None) -> SegmentFile:
     sink = pa.BufferOutputStream()
+    # Key columns are nearly unique and sorted, seq ascends: a dictionary only costs them time
+    # to decode (plain keys, delta-coded seq: a third smaller and faster to read than all
+    # dictionary-coded, measured in docs/decisions.md); the rest repeat and keep dictionaries.
+    plain = {*key_names, SEQ}
     with pq.ParquetWriter(
         sink, part.schema, compression=PARQUET_COMPRESSION, write_statistics=True,
         store_schema=False, write_page_checksum=True,
+        use_dictionary=[n for n in part.schema.names if n not in plain],
+        column_encoding={SEQ: "DELTA_BINARY_PACKED"},
     ) as writer:
         for offset, length in _row_group_bounds(kgs, rows_min, rows_max):
             writer.write_table(part.slice(offset, length), row_group_size=length)
@@ -162,9 +188,15 @@ class SegmentReader:
         # Bytes of files fetched by this read's prefetch that the cache had no room for.
         self._staged: dict[str, pa.Buffer] = {}
 
-    def read(self, segments: Sequence[SegmentFile], key_groups: np.ndarray, columns: Sequence[str]) -> list[pa.Table]:
+    def read(self, segments: Sequence[SegmentFile], key_groups: np.ndarray, columns: Sequence[str],
+             keys: KeyRequest | None = None) -> list[pa.Table]:
         """Entries of the (sorted, unique) ``key_groups`` from each segment; ``columns`` that a
-        segment lacks (state variables added after it was written) come back as nulls."""
+        segment lacks (state variables added after it was written) come back as nulls.
+
+        With ``keys`` (per key group, the sorted first-key-column values wanted), a row group of
+        a single key group is read only when one of its key group's wanted values lies within its
+        statistics' bounds: a read of a few keys reads the row groups that can hold them. The
+        rows read are not filtered by key (the caller joins them with its keys)."""
         chosen = []
         for seg in segments:
             lo = np.searchsorted(key_groups, seg.key_group_min, side="left")
@@ -173,24 +205,26 @@ class SegmentReader:
                 chosen.append((seg, key_groups[lo:hi]))
         if self.file_cache is not None:
             needed = [(seg.path, seg.size_bytes) for seg, wanted in chosen
-                      if seg.path not in self._footers or self._row_groups(self._footers[seg.path], wanted)]
+                      if seg.path not in self._footers or self._row_groups(self._footers[seg.path], wanted, keys)]
             if len(needed) > 1:
                 self._staged = self.file_cache.prefetch(self._fs, needed, self.file_cache_counters)
         tables = []
+        values = None if keys is None else pa.array([v for vs in keys.values() for v in vs])
         try:
             for seg, wanted in chosen:
-                t = self._read_one(seg, wanted, columns)
+                t = self._read_one(seg, wanted, columns, keys, values)
                 if t is not None and t.num_rows:
                     tables.append(t)
         finally:
             self._staged = {}
         return tables
 
-    def _read_one(self, seg: SegmentFile, wanted: np.ndarray, columns: Sequence[str]) -> pa.Table | None:
+    def _read_one(self, seg: SegmentFile, wanted: np.ndarray, columns: Sequence[str],
+                  keys: KeyRequest | None, values: pa.Array | None) -> pa.Table | None:
         retry = self.file_cache is not None
         while True:
             try:
-                t = self._read_groups(seg, wanted, columns)
+                t = self._read_groups(seg, wanted, columns, keys, values)
                 break
             except _ReadFailed as failed:
                 self._footers.pop(seg.path, None)
@@ -207,28 +241,29 @@ class SegmentReader:
                 ) from e
         if t is None:
             return None
-        t = t.filter(pc.is_in(t.column(KEY_GROUP), value_set=pa.array(wanted, pa.int32())))
         for c in columns:
             if c not in t.column_names:
                 t = t.append_column(c, pa.nulls(t.num_rows))
         return t.select(list(columns))
 
-    def _read_groups(self, seg: SegmentFile, wanted: np.ndarray, columns: Sequence[str]) -> pa.Table | None:
-        """The row groups of ``seg`` that hold ``wanted`` key groups (None: none does); opens
-        the file at most once. Raises ``_ReadFailed`` when the file cannot be read."""
+    def _read_groups(self, seg: SegmentFile, wanted: np.ndarray, columns: Sequence[str],
+                     keys: KeyRequest | None, values: pa.Array | None) -> pa.Table | None:
+        """The rows of ``wanted`` key groups (and, with ``keys``, of rows whose first key column
+        is one of ``values``) in the row groups of ``seg`` that can hold them (None: none can);
+        opens the file at most once. Raises ``_ReadFailed`` when the file cannot be read."""
         footer = self._footers.get(seg.path)
         if footer is not None:
             self._footers.move_to_end(seg.path)
-            if not self._row_groups(footer, wanted):
+            if not self._row_groups(footer, wanted, keys):
                 return None
         f, cached = self._open(seg)
         try:
             if footer is None:
                 footer = self._read_footer(seg, f)
-            groups = self._row_groups(footer, wanted)
+            groups = self._row_groups(footer, wanted, keys)
             if not groups:
                 return None
-            md, names = footer[0], footer[1]
+            md, names = footer.metadata, footer.names
             present = [c for c in columns if c in names]
             t = pq.ParquetFile(f, metadata=md, page_checksum_verification=True).read_row_groups(
                 groups, columns=present)
@@ -241,6 +276,13 @@ class SegmentReader:
             rg = md.row_group(g)
             self.bytes_read += sum(rg.column(i).total_compressed_size for i in range(rg.num_columns)
                                    if rg.column(i).path_in_schema.split(".", 1)[0] in wanted_cols)
+        if values is not None and footer.key_name in wanted_cols:  # first by key: it leaves few rows
+            column = t.column(footer.key_name)
+            t = t.filter(pc.is_in(column, value_set=values.cast(column.type)))
+        lo, hi = footer.kg_min[groups], footer.kg_max[groups]
+        inside = np.searchsorted(wanted, hi, side="right") - np.searchsorted(wanted, lo, side="left")
+        if not np.array_equal(inside, hi - lo + 1):  # a row group holds key groups not wanted
+            t = t.filter(pc.is_in(t.column(KEY_GROUP), value_set=pa.array(wanted, pa.int32())))
         return t
 
     def _open(self, seg: SegmentFile) -> tuple[pa.NativeFile, bool]:
@@ -259,26 +301,53 @@ class SegmentReader:
         return f, cached
 
     @staticmethod
-    def _row_groups(footer: _Footer, wanted: np.ndarray) -> list[int]:
-        _, _, rg_min, rg_max = footer
-        first = np.searchsorted(wanted, rg_min, side="left")
-        last = np.searchsorted(wanted, rg_max, side="right")
-        return np.flatnonzero(last > first).tolist()
+    def _row_groups(footer: _Footer, wanted: np.ndarray, keys: KeyRequest | None = None) -> list[int]:
+        first = np.searchsorted(wanted, footer.kg_min, side="left")
+        last = np.searchsorted(wanted, footer.kg_max, side="right")
+        groups = np.flatnonzero(last > first).tolist()
+        if keys is None:
+            return groups
+        kept = []
+        for g in groups:
+            bounds = footer.key_bounds[g]
+            values = keys.get(int(footer.kg_min[g])) if bounds is not None else None
+            if values is None or bisect_right(values, bounds[1]) > bisect_left(values, bounds[0]):
+                kept.append(g)
+        return kept
 
     def _read_footer(self, seg: SegmentFile, f: pa.NativeFile) -> _Footer:
         md = pq.ParquetFile(f).metadata
-        names = frozenset(md.schema.to_arrow_schema().names)
+        arrow_schema = md.schema.to_arrow_schema()
+        names = frozenset(arrow_schema.names)
         idx = next(i for i in range(md.num_columns) if md.schema.column(i).path == KEY_GROUP)
+        # The first key column follows the key group (the entry schema's order), if prunable.
+        key_idx = idx + 1 if idx + 1 < md.num_columns and any(
+            t(arrow_schema.field(md.schema.column(idx + 1).path).type) for t in _PRUNABLE_KEY) else None
         rg_min = np.empty(md.num_row_groups, dtype=np.int64)
         rg_max = np.empty(md.num_row_groups, dtype=np.int64)
+        key_bounds: list[tuple[Any, Any] | None] = []
         for g in range(md.num_row_groups):
-            stats = md.row_group(g).column(idx).statistics
+            rg = md.row_group(g)
+            stats = rg.column(idx).statistics
             if stats is None or not stats.has_min_max:
                 rg_min[g], rg_max[g] = seg.key_group_min, seg.key_group_max
             else:
                 rg_min[g], rg_max[g] = stats.min, stats.max
-        footer = (md, names, rg_min, rg_max)
+            key_bounds.append(_exact_bounds(rg.column(key_idx).statistics)
+                              if key_idx is not None and rg_min[g] == rg_max[g] else None)
+        key_name = None if key_idx is None else md.schema.column(key_idx).path
+        footer = _Footer(md, names, rg_min, rg_max, key_name, key_bounds)
         self._footers[seg.path] = footer
         if len(self._footers) > self._footers_max:
             self._footers.popitem(last=False)
         return footer
+
+
+def _exact_bounds(stats: pq.Statistics | None) -> tuple[Any, Any] | None:
+    """A column chunk's (min, max) when both are exact values (a writer may truncate long
+    strings' bounds), else None."""
+    if stats is None or not stats.has_min_max:
+        return None
+    if not getattr(stats, "is_min_value_exact", True) or not getattr(stats, "is_max_value_exact", True):
+        return None
+    return stats.min, stats.max

@@ -496,7 +496,7 @@ class ListState(KeyedState):
         """Each key's list (empty when none), aligned with ``keys``."""
         keys, kgs = self._store.prepare_keys(keys)
         names = self._store.key_names
-        live = self._reader.live_view(self.name, np.unique(kgs).tolist())
+        live = self._reader.live_view(self.name, (), keys, kgs)
         lists = live.sort(ORD).group_by(names, maintain_order=True).agg(pl.col(self._v))
         res = pl.from_arrow(keys).join(lists, on=names, how="left", maintain_order="left")
         out = res.get_column(self._v).to_arrow()
@@ -656,7 +656,7 @@ class MapState(KeyedState):
         """Every live entry of the given keys: columns ``_row`` (index into ``keys``), user key, value."""
         keys, kgs = self._store.prepare_keys(keys)
         names = self._store.key_names
-        live = self._reader.live_view(self.name, np.unique(kgs).tolist())
+        live = self._reader.live_view(self.name, (), keys, kgs)
         left = pl.from_arrow(keys).with_row_index(ROW)
         res = left.join(live, on=names, how="inner", maintain_order="left")
         out = res.select([pl.col(ROW).cast(pl.Int64), self._user_key_col(), self._v]).to_arrow()

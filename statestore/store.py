@@ -163,6 +163,13 @@ class StateStore:
         """``StateReader.live_view``: the live rows of ``name`` in ``key_groups``, as one frame."""
         return self.reader.live_view(name, key_groups)
 
+    def prefetch(self, keys: pa.Table | pa.RecordBatch) -> None:
+        """Read the state of ``keys`` (every variable's) in one batched read, before a per-key
+        loop over them: the loop's reads then find it cached. Keys outside this task's key
+        groups are refused."""
+        keys, kgs = self.prepare_keys(keys)
+        self.reader.prefetch(keys, kgs)
+
     def scan(self, name: str) -> pl.DataFrame:
         """``StateReader.scan``: the live rows of ``name`` over the task's key groups, without caching."""
         self._check_open()

@@ -186,7 +186,8 @@ class StoreMachine(RuleBasedStateMachine):
     """Subclasses choose the key pool and the store config."""
 
     KEYS: tuple = STRING_KEYS
-    CACHE_SIZE_BYTES_MAX: int | None = None
+    CONFIG: dict = {}  # StoreConfig settings of the variant
+    BATCHED_FIRST = False  # whether the invariant reads batched before per key
 
     def __init__(self) -> None:
         super().__init__()
@@ -202,6 +203,7 @@ class StoreMachine(RuleBasedStateMachine):
         # one API per step, alternating: otherwise each API's refresh would hide a missing one
         # in the other, and with alternation every read decides what the next one sees.
         self.refreshed_reads_batched = False
+        self.reads = 0  # invariant checks so far (a variant may read a different subset each time)
         self.open()
 
     def teardown(self) -> None:
@@ -212,8 +214,7 @@ class StoreMachine(RuleBasedStateMachine):
     def open(self) -> None:
         layout = self.layout()
         self.table = DirectoryStateTable(self.dir, layout, retain_checkpoints=RETAIN_CHECKPOINTS)
-        kwargs = {} if self.CACHE_SIZE_BYTES_MAX is None else {"cache_size_bytes_max": self.CACHE_SIZE_BYTES_MAX}
-        self.store = StateStore(self.table, config=StoreConfig(clock_ms=lambda: self.now_ms, **kwargs))
+        self.store = StateStore(self.table, config=StoreConfig(clock_ms=lambda: self.now_ms, **self.CONFIG))
         self.states = {d.name: self.store.get_state(d.name) for d in DESCRIPTORS}
 
     @classmethod
@@ -421,14 +422,23 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def reads_match_model(self):
-        self.check_per_key_reads()
-        self.check_batched_reads()
+        per_key, batched = self.keys_read()
+        if self.BATCHED_FIRST:
+            self.check_batched_reads(batched)
+        self.check_per_key_reads(per_key)
+        if not self.BATCHED_FIRST:
+            self.check_batched_reads(batched)
         self.refreshed_reads_batched = not self.refreshed_reads_batched
+        self.reads += 1
 
-    def check_per_key_reads(self):
+    def keys_read(self) -> tuple[list, list]:
+        """The keys the invariant reads per key and batched: every key, both ways."""
+        return list(self.KEYS), list(self.KEYS)
+
+    def check_per_key_reads(self, keys: list):
         now, s, m = self.now_ms, self.states, self.model
         skip = READ_REFRESHED if self.refreshed_reads_batched else frozenset()
-        for k in self.KEYS:
+        for k in keys:
             self.select(k)
             for name in {*VALUE_NAMES, *REDUCE} - skip:
                 assert s[name].get() == m.value(name, k, now), f"{name}[{k}] at {now}"
@@ -437,9 +447,9 @@ class StoreMachine(RuleBasedStateMachine):
             assert dict(s["m"].items()) == m.map.get(k, {}), f"m[{k}]"
             assert s["m"].get("x") == m.map.get(k, {}).get("x"), f"m[{k}]['x']"
 
-    def check_batched_reads(self):
+    def check_batched_reads(self, asked: list):
         now, s, m = self.now_ms, self.states, self.model
-        keys = [*self.KEYS[::-1], self.KEYS[0]]  # reversed, with a repeat: results follow the request
+        keys = [*asked[::-1], asked[0]]  # reversed, with a repeat: results follow the request
         table = self.keys_table(keys)
         skip = frozenset() if self.refreshed_reads_batched else READ_REFRESHED
         for name in {*VALUE_NAMES, *REDUCE} - skip:
@@ -450,7 +460,7 @@ class StoreMachine(RuleBasedStateMachine):
         for row in s["m"].items_batch(table).to_pylist():
             got_maps[row["_row"]][row["mk_m"]] = row["v_m"]
         assert got_maps == [m.map.get(k, {}) for k in keys]
-        pairs = [(k, u) for k in self.KEYS for u in USER_KEYS]
+        pairs = [(k, u) for k in asked for u in USER_KEYS]
         got = s["m"].get_batch(self.keys_table([k for k, _ in pairs]), [u for _, u in pairs]).to_pylist()
         assert got == [m.map.get(k, {}).get(u) for k, u in pairs]
 
@@ -474,7 +484,31 @@ class PairKeyMachine(StoreMachine):
 class SmallCacheMachine(StoreMachine):
     """A 1-byte cache: every request evicts every key group it did not pin."""
 
-    CACHE_SIZE_BYTES_MAX = 1
+    CONFIG = {"cache_size_bytes_max": 1}
+
+
+class PartialViewsMachine(StoreMachine):
+    """Views filled key by key: every key group is read partially (never loaded whole for its
+    size or the share asked), and each check reads a different part of the keys, so that
+    partial views meet writes of keys they lack, checkpoints, restores and reopens. The
+    batched read comes first; the per-key reads then take the keys it filled and, every
+    third check, one it did not (a per-key read of a key that a partial view lacks loads its
+    key group whole); ``prefetch`` fills some keys before per-key writes."""
+
+    KEYS = ("a", "f", "g", "d", "h", "l")  # key groups 4, 4, 4, 6, 6, 6: a partial group lacks some
+    CONFIG = {"view_partial_rows_min": 0, "view_partial_share_max": 1e9, "view_partial_reads_max": 1000}
+    BATCHED_FIRST = True
+
+    def keys_read(self) -> tuple[list, list]:
+        n, i = len(self.KEYS), self.reads
+        batched = [self.KEYS[i % n], self.KEYS[(i + 2) % n]]
+        per_key = batched + ([self.KEYS[(i + 3) % n]] if i % 3 == 0 else [])
+        return per_key, batched
+
+    @rule(data=st.data())
+    def prefetch(self, data):
+        keys = data.draw(st.lists(st.sampled_from(self.KEYS), min_size=1, max_size=3))
+        self.store.prefetch(self.keys_table(keys))
 
 
 MODEL_SETTINGS = settings(
@@ -490,6 +524,22 @@ TestSmallCache = SmallCacheMachine.TestCase
 # Every read of another key group reloads it from all its segments, and segments pile up
 # with checkpoints (no compaction here): the slowest variant, so shorter sequences.
 TestSmallCache.settings = settings(MODEL_SETTINGS, max_examples=5, stateful_step_count=30)
+TestPartialViews = PartialViewsMachine.TestCase
+TestPartialViews.settings = settings(MODEL_SETTINGS, max_examples=6)
+
+
+def test_partial_views_variant_reads_partially(tmp_path):
+    """The partial-views variant above only means something if its config really fills views
+    key by key: a batched read of one key reads that key's row groups only."""
+    layout = StoreMachine.layout()
+    table = DirectoryStateTable(tmp_path, layout)
+    writer = StateStore(table)
+    writer.get_state("v").update_batch(StoreMachine.keys_table(list(STRING_KEYS)), list(range(len(STRING_KEYS))))
+    writer.checkpoint()
+    store = StateStore(table, config=StoreConfig(**PartialViewsMachine.CONFIG))
+    assert store.get_state("v").get_batch(StoreMachine.keys_table([STRING_KEYS[0]])).to_pylist() == [0]
+    stats = store.stats()
+    assert stats["cache_partial_reads"] == 1 and stats["cache_misses"] == 0
 
 
 def test_small_cache_variant_evicts(tmp_path):
