@@ -330,14 +330,14 @@ def run_processor(processor: StatefulProcessor, store: StateStore, timers: Timer
     out: list[tuple] = []
     try:
         names = store.key_names
-        if rows.num_rows and store.layout.descriptors:
-            store.prefetch(rows.select(names))  # one batched read of every key's state
         if initial is not None and initial.num_rows:
             _feed_initial(processor, store, initial, timer_values)
         columns = rows.column_names
         key_idx = [columns.index(n) for n in names]
         row = _row_maker(columns)
         store.check_routed_keys(rows.select(names), np.asarray(key_groups, dtype=np.int64))
+        if rows.num_rows and store.layout.descriptors:
+            store.prefetch(rows.select(names))  # one batched read of every key's state
         groups: dict[tuple, tuple[int, list]] = {}
         get = groups.get
         # A key tuple per row without a generator: (v,) for one key column, an itemgetter's

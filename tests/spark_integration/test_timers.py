@@ -254,9 +254,9 @@ def test_timers_are_scanned_without_loading_the_rest_of_the_state(tmp_path):
     requested: list[list[str]] = []
     read = lean.reader._segments.read
 
-    def recording_read(segments, key_groups, columns):
+    def recording_read(segments, key_groups, columns, keys=None):
         requested.append(list(columns))
-        return read(segments, key_groups, columns)
+        return read(segments, key_groups, columns, keys)
 
     lean.reader._segments.read = recording_read
     timers = TimerService(lean)

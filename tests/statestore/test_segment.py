@@ -216,6 +216,31 @@ def test_reader_returns_exactly_the_wanted_rows_of_several_key_groups(table):
     assert all(g.column_names == READ_COLUMNS for g in got)
 
 
+def test_reader_with_keys_reads_only_the_row_groups_that_can_hold_them(table):
+    """One key group of 1000 keys in row groups of 100: a read of keys 105 and 730 reads two
+    row groups (their key bounds hold them) and returns the rows of those keys' values there."""
+    rows = [(7, k, "a", k) for k in range(1000)]
+    seg = write(table, rows, rows_min=1, rows_max=100)
+    md = pq.ParquetFile(seg.path).metadata
+    assert md.num_row_groups == 10
+    reader = SegmentReader(table.filesystem)
+    got = reader.read([seg], np.array([7]), READ_COLUMNS, keys={7: [105, 730]})
+    assert sorted(t for g in got for t in as_tuples(g)) == [(7, 105, "a", 105), (7, 730, "a", 730)]
+    read = [md.row_group(g) for g in (1, 7)]
+    assert reader.bytes_read == sum(rg.column(i).total_compressed_size for rg in read for i in range(rg.num_columns))
+    # a key between two row groups' bounds, or past the last, reads nothing
+    assert SegmentReader(table.filesystem).read([seg], np.array([7]), READ_COLUMNS, keys={7: [5000]}) == []
+
+
+def test_reader_with_keys_keeps_row_groups_of_several_key_groups(table):
+    """A row group holding several key groups has no single key range: it is read whole and
+    filtered by key group and first key value; the caller's join does the rest."""
+    seg = write(table, kg_rows([3, 3, 3]), rows_min=9)
+    assert row_group_sizes(seg.path) == [9]
+    got = SegmentReader(table.filesystem).read([seg], np.array([1]), READ_COLUMNS, keys={1: [1001]})
+    assert sorted(t for g in got for t in as_tuples(g)) == [(1, 1001, "a", 4)]
+
+
 def test_reader_skips_segments_outside_the_wanted_range(table):
     low = write(table, kg_rows([5, 5], first_kg=10), rows_min=1)
     high = write(table, kg_rows([5, 5], first_kg=50), rows_min=1)

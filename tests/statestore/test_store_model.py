@@ -53,7 +53,7 @@ import copy
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 import pytest
@@ -186,7 +186,7 @@ class StoreMachine(RuleBasedStateMachine):
     """Subclasses choose the key pool and the store config."""
 
     KEYS: tuple = STRING_KEYS
-    CONFIG: dict = {}  # StoreConfig settings of the variant
+    CONFIG: ClassVar[dict] = {}  # StoreConfig settings of the variant
     BATCHED_FIRST = False  # whether the invariant reads batched before per key
 
     def __init__(self) -> None:
@@ -484,7 +484,7 @@ class PairKeyMachine(StoreMachine):
 class SmallCacheMachine(StoreMachine):
     """A 1-byte cache: every request evicts every key group it did not pin."""
 
-    CONFIG = {"cache_size_bytes_max": 1}
+    CONFIG: ClassVar[dict] = {"cache_size_bytes_max": 1}
 
 
 class PartialViewsMachine(StoreMachine):
@@ -496,7 +496,8 @@ class PartialViewsMachine(StoreMachine):
     key group whole); ``prefetch`` fills some keys before per-key writes."""
 
     KEYS = ("a", "f", "g", "d", "h", "l")  # key groups 4, 4, 4, 6, 6, 6: a partial group lacks some
-    CONFIG = {"view_partial_rows_min": 0, "view_partial_share_max": 1e9, "view_partial_reads_max": 1000}
+    CONFIG: ClassVar[dict] = {"view_partial_rows_min": 0, "view_partial_share_max": 1e9,
+                              "view_partial_reads_max": 1000}
     BATCHED_FIRST = True
 
     def keys_read(self) -> tuple[list, list]:
