@@ -213,7 +213,9 @@ def main(
     seed: int = typer.Option(7, help="seed of the state and the batches"),
 ) -> None:
     if quick:
-        keys, checkpoints, events, batch_events, batches, few_keys, s3_keys = 200_000, 3, 30_000, 2_000, 3, 100, 20_000
+        # key groups of about 4.7k entries locally: above view_partial_rows_min, so read partially
+        keys, checkpoints, events, batch_events, batches = 1_000_000, 3, 200_000, 2_000, 3
+        few_keys, s3_keys = 100, 20_000
     local = Sizes(keys, checkpoints, events, tasks, batch_events, batches, few_keys)
     root = Path(tempfile.mkdtemp(prefix="bench_restart_reads_"))
     results: dict = {"machine": machine_info()}

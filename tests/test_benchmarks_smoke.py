@@ -1,6 +1,6 @@
 """Smoke test of the benchmarks, so that a change that breaks one fails CI rather than the next
-benchmark run: every module of ``benchmarks`` imports, and ``bench_store`` and
-``remote_storage`` (moto's S3 server and our proxy, started by the run) run end to end through
+benchmark run: every module of ``benchmarks`` imports, and ``bench_store``, ``remote_storage``
+and ``bench_restart_reads`` (moto's S3 server and our proxy, started by the run) run end to end through
 their command lines at tiny sizes (no Spark), writing their JSON and plots to a temporary
 folder, never over the recorded results.
 """
@@ -73,3 +73,29 @@ def test_remote_storage_runs_end_to_end(tmp_path, monkeypatch):
     assert s3["throughput"]["warm"]["requests"] == {}  # warm caches: no round trip
     assert s3["cold"]["first_lookup_patterns"]
     assert (tmp_path / "remote_storage_quick.png").stat().st_size > 0
+
+
+def test_bench_restart_reads_runs_end_to_end(tmp_path, monkeypatch):
+    """The restart benchmark at its ``--quick`` sizes: both variants and the empty state run
+    locally and on S3, and the partial variant really reads partially (fewer bytes)."""
+    pytest.importorskip("matplotlib")
+    from benchmarks import bench_restart_reads
+    from tests import s3_server
+
+    if not s3_server.available():
+        pytest.skip("moto_server not installed (test extras)")
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    app = typer.Typer()
+    app.command()(bench_restart_reads.main)
+    result = CliRunner().invoke(app, ["--quick"])
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "bench_restart_reads_quick.json").read_text())
+    for where in ("local", "s3"):
+        variants = results[where]["variants"]
+        assert list(variants) == ["partial", "whole"]
+        assert len(results[where]["empty"]["batches"]) == 3
+    local = results["local"]["variants"]
+    assert local["partial"]["batches"][0]["cache_partial_reads"] > 0
+    assert local["whole"]["batches"][0]["cache_partial_reads"] == 0
+    assert local["partial"]["few_keys"]["segment_bytes_read"] < local["whole"]["few_keys"]["segment_bytes_read"]
+    assert (tmp_path / "bench_restart_reads_quick.png").stat().st_size > 0
