@@ -23,7 +23,9 @@ class StoreConfig:
         than the bound is served and then trimmed.
     row_group_rows_min / row_group_rows_max: a segment's row groups end at key-group
         boundaries once they hold at least ``row_group_rows_min`` rows, and never exceed
-        ``row_group_rows_max``; aligned row groups let a read of one key group skip the rest.
+        ``row_group_rows_max``; aligned row groups let a read of one key group skip the rest,
+        and a read of a few keys skip the row groups of their key group that cannot hold them
+        (32k rows decode as fast as 128k, measured; 8k cost a quarter more).
     footer_cache_entries_max: Parquet footers kept in memory (segments are immutable).
     clock_ms: processing-time clock for TTL, in epoch milliseconds.
     file_cache_mode: the local cache of whole segment files (``file_cache.FileCache``):
@@ -50,7 +52,7 @@ class StoreConfig:
 
     cache_size_bytes_max: int = 512 * 1024 * 1024
     row_group_rows_min: int = 4096
-    row_group_rows_max: int = 128 * 1024
+    row_group_rows_max: int = 32 * 1024
     footer_cache_entries_max: int = 4096
     clock_ms: Callable[[], int] = field(default=wall_clock_ms)
     file_cache_mode: str = "auto"

@@ -107,7 +107,7 @@ def write_segments(
 
 
 def write_segment_file(table: StateTable, entries: pa.Table, path: str, rows_min: int = 4096,
-                       rows_max: int = 128 * 1024) -> SegmentFile:
+                       rows_max: int = 32 * 1024) -> SegmentFile:
     """Write ``entries`` (entry schema, any order, key groups of one partition) as one file at
     ``path``, sorted and with row groups aligned to key groups like a segment (compaction's
     output: entries of many checkpoints, each keeping its own checkpoint id and seq)."""
