@@ -72,6 +72,7 @@ from benchmarks.harness import (
     write_results,
 )
 from catalog import TableRef
+from catalog.fileio import METADATA_FILES
 from catalog.task_view import TaskStateTable
 from statestore import StateStore, StoreConfig, assign_key_groups
 from statestore.file_cache import close_process_file_caches
@@ -289,6 +290,7 @@ def bench_cold(storage: Storage, variant: Variant, keys: int, tasks: int, lookup
         open_rec: list[Traffic] = []
         lookup_rec: list[Traffic] = []
         close_process_file_caches()  # a task on a new host: nothing of the table on local disk
+        METADATA_FILES.clear()  # a new driver process: none of the table's metadata in memory
         t0 = time.perf_counter()
         with storage.counting(open_rec):
             table = ref.open(count_layout())
