@@ -529,6 +529,7 @@ TestPartialViews = PartialViewsMachine.TestCase
 TestPartialViews.settings = settings(MODEL_SETTINGS, max_examples=6)
 
 
+
 def test_partial_views_variant_reads_partially(tmp_path):
     """The partial-views variant above only means something if its config really fills views
     key by key: a batched read of one key reads that key's row groups only."""
