@@ -92,6 +92,9 @@ def main(
     workdir: Path | None = typer.Option(None, help="work directory (default: a fresh temporary one)"),
     keep: bool = typer.Option(False, help="keep the work directory (input, checkpoints, logs)"),
     report_from: Path | None = typer.Option(None, help="print the tables and redraw the plot of a results JSON"),
+    results_name: str = typer.Option("", help="name of the results JSON and plot in benchmarks/results (default "
+                                              "spark_bench, spark_bench_quick with --quick): a partial run (--only, "
+                                              "--restart-keys...) should not overwrite the recorded full run"),
     s3_latency_ms: float = typer.Option(20, help="latency per request of the S3 proxy (the -s3 implementations)"),
     worker: Path | None = typer.Option(None, hidden=True, help="internal: run one job file"),
 ) -> None:
@@ -154,7 +157,8 @@ def main(
         if not keep and workdir is None:
             shutil.rmtree(root, ignore_errors=True)
     derive_restart(results)
-    path = write_results("spark_bench_quick.json" if quick else "spark_bench.json", results, default=str)
+    name = results_name or ("spark_bench_quick" if quick else "spark_bench")
+    path = write_results(f"{name}.json", results, default=str)
     finish(results, path.with_suffix(".png"))
     console.log(f"total {results['total_s']:.0f} s; results in {path} and .png")
 
