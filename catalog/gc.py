@@ -31,6 +31,7 @@ from pyiceberg.table import Table
 from pyiceberg.table.refs import MAIN_BRANCH
 from pyiceberg.table.snapshots import Snapshot
 
+from catalog.fileio import METADATA_FILES
 from catalog.manifests import ManifestCache
 from catalog.naming import Locations, merged_away_manifests
 from catalog.retention import orphans, plan_retention, unreferenced_files, unreferenced_operator_files
@@ -127,6 +128,7 @@ class GarbageCollector:
     def delete(self, uris: list[str]) -> None:
         """Delete the files ``uris``; a missing one is already deleted, a failure is logged."""
         for uri in uris:
+            METADATA_FILES.discard(uri)  # a deleted metadata file is not served from memory either
             try:
                 self._locations.filesystem.delete_file(self._locations.to_path(uri))
             except FileNotFoundError:

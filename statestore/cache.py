@@ -58,7 +58,8 @@ class CachedKeyGroup:
         self.size_bytes = sum(int(v.estimated_size()) for v in self.views.values()) + sum(
             int(p.estimated_size()) for parts in self.pending.values() for p in parts) + sum(
             len(ix) * INDEX_ENTRY_BYTES for _, ix in self.indexes.values()) + (
-            0 if self.covered is None else int(self.covered.estimated_size()))
+            0 if self.covered is None else int(self.covered.estimated_size())) + (
+            0 if self._covered_set is None else len(self._covered_set) * INDEX_ENTRY_BYTES)
         return self.size_bytes
 
 

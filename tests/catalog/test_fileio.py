@@ -147,3 +147,18 @@ def test_a_commit_reads_none_of_the_metadata_it_wrote(tmp_path, proxy, prefix):
         fresh.restore()
         reader = StateStore(fresh)
         assert reader.get_state("count").get_batch(pa.table({"user": ["a", "b", "c"]})).to_pylist() == [1, 2, 3]
+
+
+def test_files_that_retention_deletes_are_not_served_from_memory(tmp_path):
+    """Retention's sweep deletes expired snapshots' manifest lists and manifests through the
+    filesystem: the cache forgets them, so reading one fails as it would in a new process."""
+    METADATA_FILES.clear()
+    with TableRef("gc", warehouse=str(tmp_path)).open(LAYOUT, retain_checkpoints=1) as table:
+        store = StateStore(table)
+        for i in range(4):
+            store.get_state("count").update_batch(pa.table({"user": [f"u{i}"]}), pa.array([i], pa.int64()))
+            store.checkpoint()
+        store.close()
+    cached = list(METADATA_FILES._files)
+    assert any(loc.endswith(".avro") for loc in cached)
+    assert [loc for loc in cached if not Path(loc.removeprefix("file://")).exists()] == []
