@@ -17,6 +17,7 @@ from catalog import IcebergStateTable, TableRef
 from statestore.layout import StateLayout
 from tests import s3_server
 from tests.catalog.catalog_helpers import LAYOUT
+from tests.net_proxy import NetProxy
 
 S3_BUCKET = "icestate-catalog"
 PLACES = ["local", "s3"]
@@ -48,6 +49,19 @@ def catalog_s3(s3_server_endpoint: str) -> str:
     """moto's S3 server (session-wide, ``tests/conftest.py``) with this package's bucket."""
     s3_server.create_bucket(s3_server_endpoint, S3_BUCKET)
     return s3_server_endpoint
+
+
+@pytest.fixture
+def s3_proxy(catalog_s3: str) -> Iterator[NetProxy]:
+    """Our proxy in front of that server, for one test: it counts, delays and fails requests."""
+    with NetProxy(catalog_s3) as p:
+        yield p
+
+
+@pytest.fixture
+def s3_prefix(tmp_path: Path) -> str:
+    """A place of this test's own in this package's bucket."""
+    return f"s3://{S3_BUCKET}/{hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12]}"
 
 
 @dataclass

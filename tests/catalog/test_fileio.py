@@ -6,8 +6,6 @@ table's commit reads none of the metadata it wrote itself.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,30 +19,11 @@ from tests import s3_server
 from tests.catalog.catalog_helpers import LAYOUT
 from tests.net_proxy import NetProxy
 
-BUCKET = "icestate-fileio"
-
-
-@pytest.fixture(scope="module")
-def server(s3_server_endpoint: str) -> str:
-    s3_server.create_bucket(s3_server_endpoint, BUCKET)
-    return s3_server_endpoint
-
 
 @pytest.fixture
-def proxy(server: str) -> Iterator[NetProxy]:
-    with NetProxy(server) as p:
-        yield p
-
-
-@pytest.fixture
-def prefix(tmp_path: Path) -> str:
-    return f"s3://{BUCKET}/{hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12]}"
-
-
-@pytest.fixture
-def fileio(proxy: NetProxy):
+def fileio(s3_proxy: NetProxy):
     METADATA_FILES.clear()
-    return load_file_io({"py-io-impl": STATE_FILE_IO, **s3_server.properties(proxy.endpoint)})
+    return load_file_io({"py-io-impl": STATE_FILE_IO, **s3_server.properties(s3_proxy.endpoint)})
 
 
 def _write(fileio, location: str, data: bytes) -> None:
@@ -60,46 +39,46 @@ def test_metadata_files_are_recognised_by_name():
     assert not is_metadata_file("s3://b/t/metadata/operator-state.parquet")
 
 
-def test_a_metadata_file_is_one_put_and_is_then_read_and_sized_without_requests(fileio, proxy, prefix):
-    location = f"{prefix}/metadata/00001-abc.metadata.json"
-    proxy.reset()
+def test_a_metadata_file_is_one_put_and_is_then_read_and_sized_without_requests(fileio, s3_proxy, s3_prefix):
+    location = f"{s3_prefix}/metadata/00001-abc.metadata.json"
+    s3_proxy.reset()
     _write(fileio, location, b'{"format-version": 2}')
-    assert proxy.snapshot().by_method == {"PUT": 1}
-    proxy.reset()
+    assert s3_proxy.snapshot().by_method == {"PUT": 1}
+    s3_proxy.reset()
     assert len(fileio.new_input(location)) == 21
     with fileio.new_input(location).open() as f:
         assert f.read() == b'{"format-version": 2}'
     assert fileio.new_input(location).exists()
-    assert proxy.snapshot().count == 0
+    assert s3_proxy.snapshot().count == 0
     METADATA_FILES.clear()  # another process: read from the store once, then from memory
     with fileio.new_input(location).open() as f:
         assert f.read() == b'{"format-version": 2}'
-    assert proxy.snapshot().by_method.get("GET") == 1
-    proxy.reset()
+    assert s3_proxy.snapshot().by_method.get("GET") == 1
+    s3_proxy.reset()
     with fileio.new_input(location).open() as f:
         f.read()
-    assert proxy.snapshot().count == 0
+    assert s3_proxy.snapshot().count == 0
 
 
-def test_a_deleted_metadata_file_is_forgotten(fileio, prefix):
-    location = f"{prefix}/metadata/00003-abc.metadata.json"
+def test_a_deleted_metadata_file_is_forgotten(fileio, s3_prefix):
+    location = f"{s3_prefix}/metadata/00003-abc.metadata.json"
     _write(fileio, location, b"{}")
     fileio.delete(fileio.new_input(location))
     assert METADATA_FILES.get(location) is None
     assert not fileio.new_input(location).exists()
 
 
-def test_other_files_are_not_cached(fileio, proxy, prefix):
-    location = f"{prefix}/data/seg-cp000000000001-t00000-p00000-abc.parquet"
+def test_other_files_are_not_cached(fileio, s3_proxy, s3_prefix):
+    location = f"{s3_prefix}/data/seg-cp000000000001-t00000-p00000-abc.parquet"
     _write(fileio, location, b"PAR1")
-    proxy.reset()
+    s3_proxy.reset()
     with fileio.new_input(location).open() as f:
         assert f.read() == b"PAR1"
-    assert proxy.snapshot().by_method.get("GET") == 1
+    assert s3_proxy.snapshot().by_method.get("GET") == 1
 
 
-def test_a_metadata_write_that_fails_halfway_leaves_no_file(fileio, proxy, prefix):
-    location = f"{prefix}/metadata/00002-abc.metadata.json"
+def test_a_metadata_write_that_fails_halfway_leaves_no_file(fileio, s3_proxy, s3_prefix):
+    location = f"{s3_prefix}/metadata/00002-abc.metadata.json"
     with pytest.raises(RuntimeError, match="serializer"), fileio.new_output(location).create() as out:
         out.write(b"{half")
         raise RuntimeError("the serializer failed")
@@ -119,12 +98,12 @@ def test_the_cache_keeps_the_most_recently_used_files_within_its_bound():
     assert cache.get("huge") is None and cache.size_bytes == 8
 
 
-def test_a_commit_reads_none_of_the_metadata_it_wrote(tmp_path, proxy, prefix):
+def test_a_commit_reads_none_of_the_metadata_it_wrote(tmp_path, s3_proxy, s3_prefix):
     """The second checkpoint of a table: pyiceberg would read back the parent's manifest list
     (twice) and the SQL catalog the current metadata.json; all were written by this process."""
     METADATA_FILES.clear()
     props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "init_catalog_tables": "true",
-             "warehouse": prefix, **s3_server.properties(proxy.endpoint)}
+             "warehouse": s3_prefix, **s3_server.properties(s3_proxy.endpoint)}
     ref = TableRef("fileio", catalog_name="fileio", catalog_properties=props)
     with ref.open(LAYOUT) as table:
         store = StateStore(table)
@@ -133,9 +112,9 @@ def test_a_commit_reads_none_of_the_metadata_it_wrote(tmp_path, proxy, prefix):
         store.checkpoint()
         state.update_batch(pa.table({"user": ["c"]}), pa.array([3], pa.int64()))
         segments = store.flush(2)
-        proxy.reset()
+        s3_proxy.reset()
         table.commit_checkpoint(2, segments, parallelism=1)
-        calls = proxy.snapshot().calls()
+        calls = s3_proxy.snapshot().calls()
         store.checkpoint_complete(2)
         store.close()
     metadata_reads = [(m, t) for m, t in calls if m in ("GET", "HEAD") and "/metadata/" in t]

@@ -8,8 +8,6 @@ next checkpoint commits everything the failed one held: nothing is lost, nothing
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,26 +19,16 @@ from tests import s3_server
 from tests.catalog.catalog_helpers import LAYOUT
 from tests.net_proxy import NetProxy
 
-BUCKET = "icestate-outage"
 
-
-@pytest.fixture(scope="module")
-def server(s3_server_endpoint: str) -> str:
-    s3_server.create_bucket(s3_server_endpoint, BUCKET)
-    return s3_server_endpoint
+@pytest.fixture
+def proxy(s3_proxy: NetProxy) -> NetProxy:
+    return s3_proxy
 
 
 @pytest.fixture
-def proxy(server: str) -> Iterator[NetProxy]:
-    with NetProxy(server) as p:
-        yield p
-
-
-@pytest.fixture
-def ref(tmp_path: Path, proxy: NetProxy) -> TableRef:
-    prefix = hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12]
+def ref(tmp_path: Path, proxy: NetProxy, s3_prefix: str) -> TableRef:
     props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "init_catalog_tables": "true",
-             "warehouse": f"s3://{BUCKET}/{prefix}", **s3_server.properties(proxy.endpoint),
+             "warehouse": s3_prefix, **s3_server.properties(proxy.endpoint),
              # fail fast while the server is away (the SDK's own retries would wait it out)
              "s3.connect-timeout": "1", "s3.request-timeout": "2"}
     return TableRef("outage", catalog_name="outage", catalog_properties=props)
