@@ -31,8 +31,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Container, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Container, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,7 @@ from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.table.update.snapshot import ExpireSnapshots, ManageSnapshots
 
 from catalog import properties as props
+from catalog.fileio import IO_POOL, UPLOADS
 from catalog.manifests import FileEntry, ManifestCache, file_entry
 from catalog.naming import Locations, commit_uuid
 from catalog.retention import (
@@ -143,26 +144,24 @@ class CheckpointCommitter:
                 f"within one partition of [0, {n - 1}]: write one segment per partition_of(key group)"
             )
 
-    def data_files(self, segments: Sequence[SegmentFile], checkpoint_id: int) -> list[DataFile]:
-        """``data_file`` of every segment, in order; their footers are read in parallel (on an
-        object store each is a round trip or two, the commit's longest wait)."""
-        if len(segments) <= 1:
-            return [self.data_file(s, checkpoint_id) for s in segments]
+    def data_files(self, segments: Sequence[SegmentFile], checkpoint_id: int) -> tuple[list[DataFile], Future]:
+        """``data_file`` of every segment, in order, and the check that the segments are stored
+        as their writers reported (``check_stored``), running meanwhile on the I/O pool: its
+        round trips overlap the commit's metadata uploads, and ``commit`` waits for it before
+        the catalog switches. Footers a writer did not report are read now, in parallel (on an
+        object store each is a round trip or two)."""
+        reported = [s for s in segments if s.footer is not None]
+        check = IO_POOL.submit(self.check_stored, reported, checkpoint_id)
+        if sum(s.footer is None for s in segments) <= 1:
+            return [self.data_file(s, checkpoint_id) for s in segments], check
         with ThreadPoolExecutor(min(FOOTER_READS_MAX, len(segments)), thread_name_prefix="icestate-footers") as pool:
-            return list(pool.map(lambda s: self.data_file(s, checkpoint_id), segments))
+            return list(pool.map(lambda s: self.data_file(s, checkpoint_id), segments)), check
 
-    def data_file(self, segment: SegmentFile, checkpoint_id: int) -> DataFile:
-        """The Iceberg DataFile of a segment, from its Parquet footer (no data page is read).
-
-        Raises CorruptSegmentError when the file is missing, unreadable, of another schema,
-        or holds other entries than declared.
-        """
-        uri = self._locations.to_uri(segment.path)
-        what = f"segment {segment.path} of checkpoint {checkpoint_id} in state table {self._name}"
-        io = self._table.io
-        if segment.footer is not None:
-            # The writer's footer: one HEAD says the file is there, whole, instead of reading
-            # its footer back (three round trips on an object store).
+    def check_stored(self, segments: Sequence[SegmentFile], checkpoint_id: int) -> None:
+        """Raise CorruptSegmentError unless each of ``segments`` (whose writers reported their
+        footers) is stored whole: one HEAD each, in parallel, instead of reading footers back."""
+        def check(segment: SegmentFile) -> None:
+            what = f"segment {segment.path} of checkpoint {checkpoint_id} in state table {self._name}"
             info = self._locations.filesystem.get_file_info(segment.path)
             if info.type != pafs.FileType.File:
                 raise CorruptSegmentError(f"{what} does not exist: the task that wrote it failed; rerun the "
@@ -170,7 +169,24 @@ class CheckpointCommitter:
             if info.size != segment.size_bytes:
                 raise CorruptSegmentError(f"{what} holds {info.size} bytes, its writer wrote {segment.size_bytes}: "
                                           "it was damaged or replaced; rerun the checkpoint")
-            io = _FooterIO(segment.footer, segment.size_bytes)
+
+        if len(segments) <= 1:
+            for segment in segments:
+                check(segment)
+            return
+        with ThreadPoolExecutor(min(FOOTER_READS_MAX, len(segments)), thread_name_prefix="icestate-heads") as pool:
+            list(pool.map(check, segments))
+
+    def data_file(self, segment: SegmentFile, checkpoint_id: int) -> DataFile:
+        """The Iceberg DataFile of a segment, from its writer's footer when reported (nothing
+        is read: ``check_stored`` checks the file), else from the file's Parquet footer.
+
+        Raises CorruptSegmentError when the file is missing, unreadable, of another schema,
+        or holds other entries than declared.
+        """
+        uri = self._locations.to_uri(segment.path)
+        what = f"segment {segment.path} of checkpoint {checkpoint_id} in state table {self._name}"
+        io = self._table.io if segment.footer is None else _FooterIO(segment.footer, segment.size_bytes)
         try:
             data_file = parquet_file_to_data_file(io, self._table.metadata, uri)
         except FileNotFoundError as e:
@@ -231,10 +247,11 @@ class CheckpointCommitter:
 
     def commit(
         self, checkpoint_id: int, data_files: list[DataFile], summary: dict[str, str], *,
-        opened: Snapshot | None, expected_head: int | None,
+        opened: Snapshot | None, expected_head: int | None, stored: Future | None = None,
     ) -> Committed:
         """Commit the checkpoint after ``opened`` (the snapshot the table is opened at; the
-        branch's head was ``expected_head`` when last seen), retrying lost races.
+        branch's head was ``expected_head`` when last seen), retrying lost races. ``stored``
+        (``data_files``' check) is waited for, and its error raised, before the catalog switches.
 
         Raises:
             CommitConflictError: another writer kept committing, or committed checkpoints
@@ -248,7 +265,7 @@ class CheckpointCommitter:
                 self._check_not_overtaken(checkpoint_id)
             parent, rollback = self._plan_parent(opened, expected_head)
             try:
-                return self._commit_once(checkpoint_id, data_files, summary, parent, rollback)
+                return self._commit_once(checkpoint_id, data_files, summary, parent, rollback, stored)
             except CommitFailedException as e:
                 logger.warning("commit of checkpoint %s to %s lost a race (%s); retrying", checkpoint_id, self._name, e)
             except (ValueError, FileNotFoundError) as e:
@@ -305,9 +322,13 @@ class CheckpointCommitter:
 
     def _commit_once(
         self, checkpoint_id: int, data_files: list[DataFile], summary: dict[str, str], parent: int | None,
-        rollback: bool,
+        rollback: bool, stored: Future | None,
     ) -> Committed:
-        """Commit the append and, in the same catalog commit, the expiry that retention asks for."""
+        """Commit the append and, in the same catalog commit, the expiry that retention asks for.
+
+        The append's manifests and manifest list upload while the transaction goes on; the
+        catalog's metadata.json write waits for them (``catalog.fileio.UPLOADS``)."""
+        UPLOADS.settle(metadata_directory(self._table))  # an abandoned attempt's, referenced by nothing
         tx = self._table.transaction()
         main = self._branch == MAIN_BRANCH
         if rollback:
@@ -327,7 +348,7 @@ class CheckpointCommitter:
         key = stored_keys.LAST_CHECKPOINT_ID if main else stored_keys.last_checkpoint_id_key(self._branch)
         tx.set_properties({key: str(checkpoint_id)})
         unreferenced = self._stage_expiry(tx)
-        with _crash_before_catalog_switch(self._table):
+        with _before_catalog_switch(self._table, None if stored is None else stored.result):
             tx.commit_transaction()
         return Committed(self._table.metadata.snapshot_by_id(append.snapshot_id), commit, unreferenced)
 
@@ -386,32 +407,42 @@ def _is_stale_metadata_error(e: ValueError) -> bool:
     return "sequence number" in text or "does not exist" in text
 
 
+def metadata_directory(table: Table) -> str:
+    """The directory of ``table``'s metadata files (where its next metadata.json goes)."""
+    return table.metadata_location.rsplit("/", 1)[0]
+
+
 @contextlib.contextmanager
-def _crash_before_catalog_switch(table: Table) -> Iterator[None]:
-    """Call the COMMIT_METADATA_WRITTEN crash point inside this table's next catalog commit.
+def _before_catalog_switch(table: Table, wait: Callable[[], object] | None) -> Iterator[None]:
+    """Call ``wait`` (raising what it raises), then the COMMIT_METADATA_WRITTEN crash point,
+    inside this table's next catalog commit.
 
     pyiceberg's ``Transaction.commit_transaction`` ends in ``Table._do_commit``, which calls
     ``table.catalog.commit_table`` once per attempt: the single call that switches the
     catalog to the new metadata. When it is entered, the append has written its manifests
     and manifest list. The table's ``catalog`` attribute (our own Table object, not the
-    user's catalog) is replaced for the duration by a proxy that crashes before delegating.
+    user's catalog) is replaced for the duration by a proxy that waits and crashes before
+    delegating.
     """
     real = table.catalog
-    table.catalog = _CrashBeforeSwitch(real)  # type: ignore[assignment]
+    table.catalog = _BeforeSwitch(real, wait)  # type: ignore[assignment]
     try:
         yield
     finally:
         table.catalog = real
 
 
-class _CrashBeforeSwitch:
-    def __init__(self, catalog: Catalog):
+class _BeforeSwitch:
+    def __init__(self, catalog: Catalog, wait: Callable[[], object] | None):
         self._catalog = catalog
+        self._wait = wait
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._catalog, name)
 
     def commit_table(self, *args: Any, **kwargs: Any) -> Any:
+        if self._wait is not None:
+            self._wait()
         crash_point(COMMIT_METADATA_WRITTEN)
         return self._catalog.commit_table(*args, **kwargs)
 

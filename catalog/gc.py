@@ -9,6 +9,13 @@ again (the SNAPSHOTS_EXPIRED and FILES_DELETED crash points), and every
 ``ORPHAN_SWEEP_INTERVAL_COMMITS`` commits, and at the first after open, sweeps orphans of
 crashed commits.
 
+The deletes after a commit run in the background, several at once (``DELETE_POOL``): on an
+object store each costs three requests (pyarrow checks the object, deletes it and puts back
+the directory marker), and a checkpoint that expires another drops about ten files, which
+one after another took longer than the commit itself (measured: a steady commit of 330 ms
+at 20 ms per request, 81 ms of it deleting). ``collect`` and the table's ``close`` wait for
+them.
+
 Invariants: a file is deleted only when no retained snapshot references it (the plan) or
 it is an orphan by name (``retention.orphans``); a missing file is already deleted; a
 failed delete or a lost expiry race is logged and retried by a later commit, never raised:
@@ -31,7 +38,7 @@ from pyiceberg.table import Table
 from pyiceberg.table.refs import MAIN_BRANCH
 from pyiceberg.table.snapshots import Snapshot
 
-from catalog.fileio import METADATA_FILES
+from catalog.fileio import METADATA_FILES, delete_later, wait_for_deletes
 from catalog.manifests import ManifestCache
 from catalog.naming import Locations, merged_away_manifests
 from catalog.retention import orphans, plan_retention, unreferenced_files, unreferenced_operator_files
@@ -61,16 +68,18 @@ class GarbageCollector:
 
     def after_commit(self, snapshot: Snapshot, commit: uuid.UUID, unreferenced: list[str]) -> None:
         """Clean up after the commit of ``snapshot`` (files named after ``commit``), whose
-        staged expiry left ``unreferenced`` files; then retention, and a sweep when due."""
+        staged expiry left ``unreferenced`` files (deleted in the background); then
+        retention, and a sweep when due."""
         # The expiry went with the commit; a crash from here on leaves files only the sweep finds.
         crash_point(SNAPSHOTS_EXPIRED)
         listed = [m.manifest_path for m in self._cache.manifests(snapshot)]
-        self.delete(merged_away_manifests(commit, listed) + unreferenced)
-        self.collect(sweep=self._commits_until_sweep <= 0)
+        self._delete_later(merged_away_manifests(commit, listed) + unreferenced)
+        self.collect(sweep=self._commits_until_sweep <= 0, wait=False)
 
-    def collect(self, sweep: bool) -> None:
+    def collect(self, sweep: bool, wait: bool = True) -> None:
         """Expire what retention drops now and delete its files; with ``sweep`` (on main
-        only), also delete orphans of crashed commits."""
+        only), also delete orphans of crashed commits. With ``wait``, return when every
+        delete of this collector (those in the background too) is done."""
         sweep = sweep and self._branch == MAIN_BRANCH
         plan = plan_retention(self._table.metadata, self._retain, self._branch)
         if plan.expired:
@@ -84,14 +93,24 @@ class GarbageCollector:
                 return
             if self._expire([s.snapshot_id for s in plan.expired]):
                 crash_point(SNAPSHOTS_EXPIRED)
-                self.delete(doomed)
+                self._delete_later(doomed)
         else:
             crash_point(SNAPSHOTS_EXPIRED)
         self._commits_until_sweep -= 1
         if sweep:
-            self.delete(self._orphans())
+            self._delete_later(self._orphans())
             self._commits_until_sweep = ORPHAN_SWEEP_INTERVAL_COMMITS
+        if wait:
+            wait_for_deletes()
         crash_point(FILES_DELETED)
+
+    def _delete_later(self, uris: list[str]) -> None:
+        """Forget ``uris`` now (no cache serves them from memory) and delete them in the background."""
+        for uri in uris:
+            METADATA_FILES.discard(uri)
+        self._cache.forget(uris)
+        for uri in uris:
+            delete_later(self._delete_file, uri)
 
     def _expire(self, snapshot_ids: list[int]) -> bool:
         try:
@@ -125,15 +144,11 @@ class GarbageCollector:
         return {self._locations.to_uri(i.path): (None if i.mtime is None else i.mtime.timestamp())
                 for i in infos if i.type == pafs.FileType.File}
 
-    def delete(self, uris: list[str]) -> None:
-        """Delete the files ``uris``; a missing one is already deleted, a failure is logged."""
-        for uri in uris:
-            METADATA_FILES.discard(uri)  # a deleted metadata file is not served from memory either
-            try:
-                self._locations.filesystem.delete_file(self._locations.to_path(uri))
-            except FileNotFoundError:
-                # Deleted by an earlier, interrupted collection: nothing left to do.
-                continue
-            except OSError as e:
-                logger.warning("could not delete %s of state table %s (%s); the next sweep retries", uri, self._name, e)
-        self._cache.forget(uris)
+    def _delete_file(self, uri: str) -> None:
+        """Delete one file; a missing one is already deleted, a failure is logged."""
+        try:
+            self._locations.filesystem.delete_file(self._locations.to_path(uri))
+        except FileNotFoundError:
+            pass  # deleted by an earlier, interrupted collection: nothing left to do
+        except OSError as e:
+            logger.warning("could not delete %s of state table %s (%s); the next sweep retries", uri, self._name, e)

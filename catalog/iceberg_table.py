@@ -61,6 +61,7 @@ from catalog import refs
 from catalog.commit import CheckpointCommitter, adds_no_checkpoint, is_int
 from catalog.creation import load_or_create
 from catalog.defaults import DEFAULT_NAMESPACE, default_catalog
+from catalog.fileio import wait_for_deletes
 from catalog.gc import GarbageCollector
 from catalog.manifests import FileEntry, ManifestCache, file_entry
 from catalog.naming import Locations
@@ -410,10 +411,10 @@ class IcebergStateTable:
         self._check_open()
         properties = properties or {}
         self._committer.check_args(checkpoint_id, segments, parallelism, batch_id, properties, self._index)
-        data_files = self._committer.data_files(segments, checkpoint_id)
+        data_files, stored = self._committer.data_files(segments, checkpoint_id)
         summary = self._committer.summary(checkpoint_id, parallelism, batch_id, properties, operator_state)
         committed = self._committer.commit(checkpoint_id, data_files, summary, opened=self._snapshot,
-                                           expected_head=self._expected_head)
+                                           expected_head=self._expected_head, stored=stored)
         self._advance_to(committed.snapshot, data_files)
         crash_point(COMMIT_DONE)
         self._gc.after_commit(committed.snapshot, committed.commit_uuid, committed.unreferenced)
@@ -446,12 +447,19 @@ class IcebergStateTable:
         self._check_open()
         self._gc.collect(sweep=True)
 
+    def wait_for_deletes(self) -> None:
+        """Return when the garbage deletes started so far are done: after a commit, the files
+        its expiry left unreferenced go in the background (``catalog.gc``)."""
+        wait_for_deletes()
+
     def close(self) -> None:
-        """Release caches, and the catalog when ``open`` created it. Idempotent."""
+        """Release caches, and the catalog when ``open`` created it (after the garbage deletes
+        under way). Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._index, self._ordered = {}, []
+        wait_for_deletes()
         if self._owns_catalog:
             self._catalog.close()
 

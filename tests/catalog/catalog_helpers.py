@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from catalog import IcebergStateTable
+from catalog.fileio import wait_for_deletes
 from statestore.descriptors import MapStateDescriptor, ValueStateDescriptor
 from statestore.layout import OP_PUT, StateLayout
 from statestore.table import SegmentFile
@@ -58,7 +59,8 @@ def commit_next(table: IcebergStateTable, groups: list[list[int]] | None = None,
 
 
 def table_files(table: IcebergStateTable) -> set[str]:
-    """Paths of every file under the table's location."""
+    """Paths of every file under the table's location (once the garbage deletes under way are done)."""
+    wait_for_deletes()
     root = table.filesystem.normalize_path(table.location.removeprefix("file://"))
     return {str(p) for p in Path(root).rglob("*") if p.is_file()}
 
@@ -88,4 +90,6 @@ def snapshot_files(table: IcebergStateTable, snapshot) -> set[str]:
 
 
 def file_exists(path: str) -> bool:
+    """Whether ``path`` is a file, once the garbage deletes under way are done."""
+    wait_for_deletes()
     return os.path.isfile(path)

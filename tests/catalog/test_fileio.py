@@ -6,6 +6,7 @@ table's commit reads none of the metadata it wrote itself.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -13,7 +14,7 @@ import pytest
 from pyiceberg.io import load_file_io
 
 from catalog import TableRef
-from catalog.fileio import METADATA_FILES, STATE_FILE_IO, MetadataFileCache, is_metadata_file
+from catalog.fileio import METADATA_FILES, STATE_FILE_IO, MetadataFileCache, is_metadata_file, wait_for_deletes
 from statestore import StateStore
 from tests import s3_server
 from tests.catalog.catalog_helpers import LAYOUT
@@ -65,7 +66,41 @@ def test_a_deleted_metadata_file_is_forgotten(fileio, s3_prefix):
     _write(fileio, location, b"{}")
     fileio.delete(fileio.new_input(location))
     assert METADATA_FILES.get(location) is None
+    wait_for_deletes()  # the delete itself runs in the background
     assert not fileio.new_input(location).exists()
+
+
+def test_manifests_upload_in_the_background_and_a_metadata_json_waits_for_them(fileio, s3_proxy, s3_prefix):
+    manifest = f"{s3_prefix}/metadata/abc-m0.avro"
+    manifest_list = f"{s3_prefix}/metadata/snap-1-1-abc.avro"
+    metadata = f"{s3_prefix}/metadata/00001-abc.metadata.json"
+    s3_proxy.pause()  # the store hangs: nothing is stored until it resumes
+    try:
+        _write(fileio, manifest, b"manifest")  # returns at once: the upload is on the I/O pool
+        _write(fileio, manifest_list, b"list")
+        with fileio.new_input(manifest).open() as f:  # readable in this process meanwhile
+            assert f.read() == b"manifest"
+        done = threading.Event()
+        writer = threading.Thread(target=lambda: (_write(fileio, metadata, b"{}"), done.set()))
+        writer.start()
+        assert not done.wait(0.5)  # the metadata.json is not through while the others hang
+    finally:
+        s3_proxy.resume()
+    writer.join(30)
+    assert done.is_set()
+    METADATA_FILES.clear()  # all three are in the store, not only in memory
+    assert all(fileio.new_input(loc).exists() for loc in (manifest, manifest_list, metadata))
+
+
+def test_a_failed_manifest_upload_fails_the_metadata_json_after_it(fileio, s3_proxy, s3_prefix):
+    manifest = f"{s3_prefix}/metadata/def-m0.avro"
+    s3_proxy.fail_next(1, status=403, method="PUT")  # not retried by the client
+    _write(fileio, manifest, b"manifest")
+    with pytest.raises(OSError, match=r"def-m0\.avro"):
+        _write(fileio, f"{s3_prefix}/metadata/00002-def.metadata.json", b"{}")
+    assert METADATA_FILES.get(manifest) is None  # never stored: not served from memory either
+    # The failure is raised once: the next metadata.json of the directory goes through.
+    _write(fileio, f"{s3_prefix}/metadata/00003-def.metadata.json", b"{}")
 
 
 def test_other_files_are_not_cached(fileio, s3_proxy, s3_prefix):

@@ -113,6 +113,7 @@ def test_expired_and_orphaned_operator_state_files_are_deleted(open_table):
         stores[0].get_list_state(SEEN).update([str(i)])
         commit_operator_state(table, stores)
         written.append([f.path for f in table.operator_state_files()])
+    table.wait_for_deletes()  # garbage goes in the background after each commit
     assert not any(os.path.exists(p) for files in written[:2] for p in files)  # expired with their checkpoints
     assert all(os.path.exists(p) for files in written[2:] for p in files)
     # an uncommitted flush (a crash before the commit) is an orphan once a later checkpoint committed

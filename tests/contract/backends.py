@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import pyarrow.fs as pafs
 
+from catalog.fileio import wait_for_deletes
 from statestore.directory_table import CHECKPOINT_DIR, HEAD, DirectoryStateTable
 from statestore.layout import StateLayout
 from statestore.table import StateTable
@@ -82,11 +83,14 @@ class Backend(abc.ABC):
     # -- the storage side, through the table's filesystem
 
     def files(self, table: StateTable) -> set[str]:
-        """Paths of every file under the table's root."""
+        """Paths of every file under the table's root (once the garbage deletes under way, which
+        run in the background after a commit, are done)."""
+        wait_for_deletes()
         selector = pafs.FileSelector(self.root(table), recursive=True, allow_not_found=True)
         return {i.path for i in table.filesystem.get_file_info(selector) if i.type == pafs.FileType.File}
 
     def exists(self, table: StateTable, path: str) -> bool:
+        wait_for_deletes()
         return table.filesystem.get_file_info(path).type == pafs.FileType.File
 
     def size_bytes(self, table: StateTable, path: str) -> int:
