@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,7 @@ class Cluster:
     logs: list[Path]
     env: dict[str, str]
     driver_only: Path  # the workers (and their executors) see an empty directory here
+    root: Path  # the daemons' logs and the workers' directories (executors' stdout and stderr)
 
     def state(self) -> dict:
         with urllib.request.urlopen(f"{self.ui_url}/json/", timeout=5) as r:
@@ -119,7 +121,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     hide = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
             'mount -t tmpfs -o size=1m icestate-hidden "$0" && exec "$@"', str(driver_only)]
     processes, logs = [], []
-    c = Cluster(master_url, ui_url, processes, logs, env, driver_only)
+    c = Cluster(master_url, ui_url, processes, logs, env, driver_only, root)
     try:
         for name, args, extra in commands:
             log = root / f"{name}.log"
@@ -287,6 +289,7 @@ def test_executors_that_cannot_read_the_drivers_disk_run_a_query_on_s3_and_its_r
     from catalog import TableRef
     from tests import s3_server
 
+    secret = f"planted-secret-{uuid.uuid4().hex}"  # moto takes any key: looked for everywhere afterwards
     bucket = "icestate-cluster"
     s3_server.create_bucket(s3_server_endpoint, bucket)
     driver_files = cluster.driver_only / tmp_path.name  # seen by the driver only
@@ -295,9 +298,14 @@ def test_executors_that_cannot_read_the_drivers_disk_run_a_query_on_s3_and_its_r
     batches = _write_input(tmp_path / "input")
     batches += _write_input(tmp_path / "later", range(FILES, more))
     properties = {"type": "sql", "uri": f"sqlite:///{driver_files}/catalog.db", "init_catalog_tables": "true",
-                  "warehouse": f"s3://{bucket}/{tmp_path.name}", **s3_server.properties(s3_server_endpoint)}
+                  "warehouse": f"s3://{bucket}/{tmp_path.name}", **s3_server.properties(s3_server_endpoint),
+                  "s3.secret-access-key": secret}
+    events = driver_files / "events"  # Spark's event log: what its UI and history server show
+    events.mkdir()
+    conf = {**SPARK_CONF, "spark.eventLog.enabled": "true", "spark.eventLog.dir": events.as_uri(),
+            "spark.eventLog.compress": "false"}  # searchable as it is
     config = {
-        "master": cluster.master_url, "app_name": "icestate-standalone-s3", "conf": SPARK_CONF,
+        "master": cluster.master_url, "app_name": "icestate-standalone-s3", "conf": conf,
         "wait_executors": WORKERS, "input": str(tmp_path / "input"),
         "catalog": {"name": "driver_sqlite", "properties": properties},
         "checkpoint_root": str(driver_files / "checkpoints"), "result": str(driver_files / "result.json"),
@@ -331,6 +339,17 @@ def test_executors_that_cannot_read_the_drivers_disk_run_a_query_on_s3_and_its_r
     assert {r["key"]: _count_of(r["v_count"]) for r in state["variables"]["count"]} == totals
     assert restarted["output"]["batches"] == list(range(more))
     assert sorted((r["key"], r["count"]) for r in restarted["output"]["rows"]) == expected_rows
+
+    # The secret key is in no file the run left, but the config that handed it to the driver:
+    # not in Spark's event log, the driver's log, the daemons' logs, the executors' stdout and
+    # stderr, the Spark checkpoints or the catalog.
+    event_log = b"".join(p.read_bytes() for p in events.rglob("*") if p.is_file())
+    assert b"SparkListenerJobStart" in event_log and b"SparkListenerEnvironmentUpdate" in event_log
+    left = [p for root in (driver_files, cluster.root) for p in root.rglob("*")
+            if p.is_file() and p != driver_files / "config.json"]
+    assert any(p.name == "stderr" for p in left)  # the executors' own output is among them
+    assert [p for p in left if secret.encode() in p.read_bytes()] == []
+    assert secret.encode() in (driver_files / "config.json").read_bytes()  # the search finds it where it is
 
     # Every segment is on S3, none on the driver's disk.
     with TableRef("t_rows", catalog_name="driver_sqlite", catalog_properties=properties).open() as table:
