@@ -6,9 +6,10 @@ latency-and-fault proxy in front of it (``tests.net_proxy``), and measures, for 
 proxy at 0, 10 and 20 ms per request, a SQLite catalog on local disk whose warehouse is
 ``s3://``, opened through ``TableRef`` as any pyiceberg catalog):
 
-1. *Checkpoint commit* of a ``delta``-key delta of one store (a value state): the flush
+1. *Checkpoint commit* of a ``delta``-key delta of one store (a value state), in the steady
+   state of a stream (each commit expires the oldest retained checkpoint): the flush
    (segment upload), the commit (Iceberg metadata) and the whole checkpoint, median of
-   ``repeat``;
+   ``repeat``, and the requests of the expired files' deletes, which run in the background;
 2. *Cold open to first lookup* of task 0 of ``tasks`` on a ``keys``-key state written by
    ``tasks`` tasks over ``checkpoints`` checkpoints: a fresh ``TableRef.open`` (the
    restore: metadata only), a fresh ``StateStore`` and a batched get of ``lookup`` of the
@@ -73,6 +74,7 @@ from benchmarks.harness import (
 )
 from catalog import TableRef
 from catalog.fileio import METADATA_FILES
+from catalog.iceberg_table import DEFAULT_RETAIN_CHECKPOINTS
 from catalog.task_view import TaskStateTable
 from statestore import StateStore, StoreConfig, assign_key_groups
 from statestore.file_cache import close_process_file_caches
@@ -192,7 +194,11 @@ def patterns(traffic: Traffic, table_prefix: str) -> list[list]:
 
 
 def bench_commit(storage: Storage, variant: Variant, delta: int, repeat: int) -> dict:
-    """Checkpoints of ``delta`` new keys each on a fresh table: flush, commit and the whole."""
+    """Checkpoints of ``delta`` new keys each, as a long-running stream makes them: after
+    ``DEFAULT_RETAIN_CHECKPOINTS`` + 1 unmeasured ones, so that each measured commit also
+    expires the oldest checkpoint (whose files then go in the background: their deletes are
+    waited for after the commit and counted apart). Flush, commit and the whole, median of
+    ``repeat``."""
     ref = storage.ref(variant, f"commit_{_slug(variant.name)}")
     table = ref.open(count_layout())
     table_prefix = "/" + table.location.split("://", 1)[-1]
@@ -201,9 +207,11 @@ def bench_commit(storage: Storage, variant: Variant, delta: int, repeat: int) ->
     flush_s, commit_s, total_s = [], [], []
     flush_t: list[Traffic] = []
     commit_t: list[Traffic] = []
+    delete_t: list[Traffic] = []
     rng = np.random.default_rng(11)
-    for r in range(repeat + 1):  # the first checkpoint of a new table is a warm-up
-        ids = rng.choice(10 * delta * (repeat + 1), size=delta, replace=False)
+    warm_up = DEFAULT_RETAIN_CHECKPOINTS + 1
+    for r in range(warm_up + repeat):
+        ids = rng.choice(10 * delta * (warm_up + repeat), size=delta, replace=False)
         state.update_batch(user_keys(ids), pa.array(np.full(delta, r, dtype=np.int64)))
         flush_rec: list[Traffic] = []
         commit_rec: list[Traffic] = []
@@ -216,7 +224,9 @@ def bench_commit(storage: Storage, variant: Variant, delta: int, repeat: int) ->
             table.commit_checkpoint(checkpoint_id, segments, parallelism=1)
             store.checkpoint_complete(checkpoint_id)
         t2 = time.perf_counter()
-        if r == 0:
+        with storage.counting(delete_t if r >= warm_up else []):
+            table.wait_for_deletes()
+        if r < warm_up:
             continue
         flush_s.append(t1 - t0)
         commit_s.append(t2 - t1)
@@ -226,14 +236,16 @@ def bench_commit(storage: Storage, variant: Variant, delta: int, repeat: int) ->
     store.close()
     table.close()
     return {
-        "delta_keys": delta, "repeat": repeat,
+        "delta_keys": delta, "repeat": repeat, "warm_up_checkpoints": warm_up,
         "flush_s_median": statistics.median(flush_s), "commit_s_median": statistics.median(commit_s),
         "checkpoint_s_median": statistics.median(total_s),
         "flush_s_all": flush_s, "commit_s_all": commit_s, "checkpoint_s_all": total_s,
         "flush_requests": median_counts(flush_t), "commit_requests": median_counts(commit_t),
+        "background_delete_requests": median_counts(delete_t),
         "checkpoint_requests": median_counts([_merge(a, b) for a, b in zip(flush_t, commit_t, strict=True)]),
         "flush_patterns": patterns(flush_t[-1], table_prefix) if flush_t else [],
         "commit_patterns": patterns(commit_t[-1], table_prefix) if commit_t else [],
+        "background_delete_patterns": patterns(delete_t[-1], table_prefix) if delete_t else [],
     }
 
 
@@ -522,6 +534,7 @@ MEASURES = [
 REQUESTS = [
     ("flush", ("commit", "flush_requests")),
     ("commit", ("commit", "commit_requests")),
+    ("its garbage (background)", ("commit", "background_delete_requests")),
     ("open (restore)", ("cold", "open_requests")),
     ("first lookup", ("cold", "first_lookup_requests")),
     ("task's cold first lookup", ("cold", "task_first_lookup_requests")),

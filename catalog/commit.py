@@ -49,7 +49,7 @@ from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.table.update.snapshot import ExpireSnapshots, ManageSnapshots
 
 from catalog import properties as props
-from catalog.fileio import IO_POOL, UPLOADS
+from catalog.fileio import UPLOADS, submit_io
 from catalog.manifests import FileEntry, ManifestCache, file_entry
 from catalog.naming import Locations, commit_uuid
 from catalog.retention import (
@@ -151,7 +151,7 @@ class CheckpointCommitter:
         the catalog switches. Footers a writer did not report are read now, in parallel (on an
         object store each is a round trip or two)."""
         reported = [s for s in segments if s.footer is not None]
-        check = IO_POOL.submit(self.check_stored, reported, checkpoint_id)
+        check = submit_io(self.check_stored, reported, checkpoint_id)
         if sum(s.footer is None for s in segments) <= 1:
             return [self.data_file(s, checkpoint_id) for s in segments], check
         with ThreadPoolExecutor(min(FOOTER_READS_MAX, len(segments)), thread_name_prefix="icestate-footers") as pool:
@@ -327,8 +327,18 @@ class CheckpointCommitter:
         """Commit the append and, in the same catalog commit, the expiry that retention asks for.
 
         The append's manifests and manifest list upload while the transaction goes on; the
-        catalog's metadata.json write waits for them (``catalog.fileio.UPLOADS``)."""
-        UPLOADS.settle(metadata_directory(self._table))  # an abandoned attempt's, referenced by nothing
+        catalog call that switches the table waits for them (``catalog.fileio.UPLOADS``)."""
+        main = self._branch == MAIN_BRANCH
+        # pyiceberg names the commit's manifests and manifest list after this UUID; tagging
+        # it with the checkpoint id lets the orphan sweep recognise them after a crash.
+        commit = commit_uuid(checkpoint_id, fork=not main)
+        with UPLOADS.deferred(str(commit)):
+            return self._commit_transaction(checkpoint_id, data_files, summary, parent, rollback, stored, commit)
+
+    def _commit_transaction(
+        self, checkpoint_id: int, data_files: list[DataFile], summary: dict[str, str], parent: int | None,
+        rollback: bool, stored: Future | None, commit: uuid.UUID,
+    ) -> Committed:
         tx = self._table.transaction()
         main = self._branch == MAIN_BRANCH
         if rollback:
@@ -339,16 +349,20 @@ class CheckpointCommitter:
             else:
                 ManageSnapshots(tx).create_branch(parent, self._branch).commit()
         append = tx.update_snapshot(snapshot_properties=summary, branch=self._branch).merge_append()
-        # pyiceberg names the commit's manifests and manifest list after this UUID; tagging
-        # it with the checkpoint id lets the orphan sweep recognise them after a crash.
-        append.commit_uuid = commit = commit_uuid(checkpoint_id, fork=not main)
+        append.commit_uuid = commit
         for data_file in data_files:
             append.append_data_file(data_file)
         append.commit()
         key = stored_keys.LAST_CHECKPOINT_ID if main else stored_keys.last_checkpoint_id_key(self._branch)
         tx.set_properties({key: str(checkpoint_id)})
         unreferenced = self._stage_expiry(tx)
-        with _before_catalog_switch(self._table, None if stored is None else stored.result):
+
+        def ready() -> None:  # everything the new metadata references is stored
+            if stored is not None:
+                stored.result()
+            UPLOADS.wait(str(commit))
+
+        with _before_catalog_switch(self._table, ready):
             tx.commit_transaction()
         return Committed(self._table.metadata.snapshot_by_id(append.snapshot_id), commit, unreferenced)
 
@@ -407,13 +421,8 @@ def _is_stale_metadata_error(e: ValueError) -> bool:
     return "sequence number" in text or "does not exist" in text
 
 
-def metadata_directory(table: Table) -> str:
-    """The directory of ``table``'s metadata files (where its next metadata.json goes)."""
-    return table.metadata_location.rsplit("/", 1)[0]
-
-
 @contextlib.contextmanager
-def _before_catalog_switch(table: Table, wait: Callable[[], object] | None) -> Iterator[None]:
+def _before_catalog_switch(table: Table, wait: Callable[[], object]) -> Iterator[None]:
     """Call ``wait`` (raising what it raises), then the COMMIT_METADATA_WRITTEN crash point,
     inside this table's next catalog commit.
 
@@ -433,7 +442,7 @@ def _before_catalog_switch(table: Table, wait: Callable[[], object] | None) -> I
 
 
 class _BeforeSwitch:
-    def __init__(self, catalog: Catalog, wait: Callable[[], object] | None):
+    def __init__(self, catalog: Catalog, wait: Callable[[], object]):
         self._catalog = catalog
         self._wait = wait
 
@@ -441,8 +450,7 @@ class _BeforeSwitch:
         return getattr(self._catalog, name)
 
     def commit_table(self, *args: Any, **kwargs: Any) -> Any:
-        if self._wait is not None:
-            self._wait()
+        self._wait()
         crash_point(COMMIT_METADATA_WRITTEN)
         return self._catalog.commit_table(*args, **kwargs)
 

@@ -16,16 +16,17 @@ commit reloads the current metadata.json: 6 requests, one after another); it wri
 buffer without first asking whether the name exists (a HEAD and, on S3, a LIST per file), and
 knows their sizes without a HEAD.
 
-A commit's metadata files go up together, not one after another (``UPLOADS``): a manifest or
-manifest list is handed to a pool of I/O threads when its writer closes it (its bytes are
-already in ``METADATA_FILES`` for any reader in this process), and a ``metadata.json`` (the
-file a catalog commit then points at) returns from its close only when it and every upload
-under the same metadata directory that started before it are stored; the first failure is
-raised there, so the catalog never switches to metadata whose files are missing. A commit
-that wrote a manifest, a manifest list and a metadata.json waits one round trip for them
-instead of three. Deletes of metadata files (pyiceberg's pruning of old ``metadata.json``
-versions, three requests on S3) run on a pool of their own and are not waited for: a file that
-failed to go is unreferenced garbage that retention's sweep finds.
+A checkpoint commit's manifests and manifest list go up together, not one after another
+(``UPLOADS``): inside the commit's ``deferred`` block (keyed by the commit's UUID, which their
+names hold), each is handed to a pool of I/O threads when its writer closes it (its bytes are
+already in ``METADATA_FILES`` for any reader in this process), and the commit waits for them,
+raising the first failure, before the catalog call that switches the table: the catalog never
+points at metadata whose files are missing. Every other metadata file (metadata.json, other
+pyiceberg commits) is written when closed. Deletes of metadata files (pyiceberg's pruning of
+old ``metadata.json`` versions, three requests on S3) run on threads of their own and are not
+waited for: a file that failed to go is unreferenced garbage that retention's sweep finds.
+The threads are created when first used, again in a child after ``fork``, and at interpreter
+exit (when pools refuse work) the work runs in the caller.
 
 Catalogs opened through ``TableRef`` and the embedded default use it unless their properties
 name another ``py-io-impl``; tasks get it through the shipped storage properties.
@@ -33,11 +34,13 @@ name another ``py-io-impl``; tasks get it through the shipped storage properties
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import os
 import threading
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -49,8 +52,8 @@ log = logging.getLogger(__name__)
 
 STATE_FILE_IO = f"{__name__}.StateFileIO"
 METADATA_CACHE_BYTES_MAX = 64 * 1024 * 1024
-IO_THREADS = 16  # concurrent uploads of metadata files (and commit checks) per process
-DELETE_THREADS = 8  # concurrent deletes of a table's garbage per process
+IO_THREADS = 16  # concurrent uploads of a commit's metadata files (and its checks) per process
+DELETE_THREADS = 8  # concurrent deletes of garbage per process
 
 
 def is_metadata_file(location: str) -> bool:
@@ -99,72 +102,143 @@ class MetadataFileCache:
 METADATA_FILES = MetadataFileCache(METADATA_CACHE_BYTES_MAX)
 
 
-def _directory(location: str) -> str:
-    return location.rsplit("/", 1)[0]
+class _Pools:
+    """The process's background threads: uploads (and a commit's checks), and deletes (their
+    own threads: garbage going never delays a commit's uploads). Created when first used, and
+    again in a child after ``fork`` (threads do not survive it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._io: ThreadPoolExecutor | None = None
+        self._delete: ThreadPoolExecutor | None = None
+
+    def io(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._io is None:
+                self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="icestate-io")
+            return self._io
+
+    def delete(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._delete is None:
+                self._delete = ThreadPoolExecutor(DELETE_THREADS, thread_name_prefix="icestate-delete")
+            return self._delete
+
+    def forget(self) -> None:
+        self._lock = threading.Lock()
+        self._io = self._delete = None
+
+
+_POOLS = _Pools()
+
+
+def run_in_background(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future:
+    """``pool.submit(fn, *args)``, or at interpreter exit (pools refuse work then) ``fn`` run now."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as e:
+            done.set_exception(e)
+        return done
+
+
+def submit_io(fn: Callable[..., Any], *args: Any) -> Future:
+    """Run ``fn(*args)`` on the I/O threads (a commit's checks beside its uploads)."""
+    return run_in_background(_POOLS.io(), fn, *args)
 
 
 class PendingUploads:
-    """Uploads of metadata files under way, by metadata directory; thread safe.
+    """Uploads of metadata files under way; thread safe.
 
-    ``start`` runs an upload on the I/O pool; ``wait_directory`` waits for every upload
-    under a directory that started before it and raises the first failure (each upload is
-    waited for, and its failure raised, once); ``wait_file`` waits for one file's upload.
+    Only the files of a ``deferred`` commit upload in the background: those whose names hold
+    its tag (the commit's UUID, in every manifest and manifest list pyiceberg names for it).
+    The commit waits for them (``wait``) before the catalog call that switches the table,
+    whatever the catalog (a REST catalog writes no metadata.json through this FileIO); other
+    writers, of the same table or not, are never held up by them nor see their failures.
     """
 
-    def __init__(self, pool: ThreadPoolExecutor):
-        self._pool = pool
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[str, dict[str, Future]] = {}
+        self._pending: dict[str, Future] = {}  # location -> its upload
+        self._deferred: Counter[str] = Counter()
 
-    def start(self, location: str, upload: Callable[[], None]) -> Future:
-        future = self._pool.submit(upload)
+    @contextlib.contextmanager
+    def deferred(self, tag: str) -> Iterator[None]:
+        """Within the block, the metadata files named with ``tag`` upload in the background;
+        the block calls ``wait(tag)`` before anything points at them. Leaving it, uploads still
+        under way are waited for and their failures forgotten: the block did not get to its
+        switch, so nothing references them."""
         with self._lock:
-            self._pending.setdefault(_directory(location), {})[location] = future
+            self._deferred[tag] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._deferred[tag] -= 1
+                if not self._deferred[tag]:
+                    del self._deferred[tag]
+            try:
+                self.wait(tag)
+            except OSError as e:
+                log.info("metadata uploads of abandoned commit %s failed (%s); nothing references them", tag, e)
+
+    def deferred_tag(self, location: str) -> str | None:
+        name = location.rsplit("/", 1)[-1]
+        with self._lock:
+            return next((tag for tag in self._deferred if tag in name), None)
+
+    def start(self, location: str, upload: Callable[[], None]) -> None:
+        future = run_in_background(_POOLS.io(), upload)
+        with self._lock:
+            self._pending[location] = future
         future.add_done_callback(lambda f: self._settled(location, f))
-        return future
 
     def _settled(self, location: str, future: Future) -> None:
         if future.exception() is not None:
             METADATA_FILES.discard(location)  # never stored: not to be read from memory either
             return  # kept until a wait raises it
         with self._lock:
-            files = self._pending.get(_directory(location), {})
-            if files.get(location) is future:
-                del files[location]
+            if self._pending.get(location) is future:
+                del self._pending[location]
 
-    def wait_directory(self, directory: str) -> None:
+    def wait(self, tag: str) -> None:
+        """Wait for the uploads of the files named with ``tag``; raise the first failure (each
+        failure is raised once)."""
         with self._lock:
-            futures = list(self._pending.pop(directory, {}).items())
-        errors = [(location, f.exception()) for location, f in futures if f.exception() is not None]
+            futures = [(loc, f) for loc, f in self._pending.items() if tag in loc.rsplit("/", 1)[-1]]
+        errors = [(loc, f.exception()) for loc, f in futures if f.exception() is not None]
+        with self._lock:
+            for loc, f in futures:
+                if self._pending.get(loc) is f:
+                    del self._pending[loc]
         if errors:
             location, error = errors[0]
             raise OSError(f"{len(errors)} metadata file(s) could not be stored, first {location}: {error}") from error
 
     def wait_file(self, location: str) -> None:
+        """Wait for ``location``'s upload, if under way (done either way: a failed one is not
+        there to read)."""
         with self._lock:
-            future = self._pending.get(_directory(location), {}).get(location)
+            future = self._pending.get(location)
         if future is not None:
-            future.exception()  # done either way; a failed upload is not there to read
+            future.exception()
 
-    def settle(self, directory: str) -> None:
-        """Wait for the uploads under ``directory`` and forget their failures (the uploads of an
-        attempt that was abandoned before its metadata.json: nothing references them)."""
-        try:
-            self.wait_directory(directory)
-        except OSError as e:
-            log.info("abandoned metadata uploads under %s failed (%s); nothing references them", directory, e)
+    def forget(self) -> None:
+        self._lock = threading.Lock()
+        self._pending, self._deferred = {}, Counter()
 
 
-IO_POOL = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="icestate-io")
-# Deletes have their own threads: garbage going never delays a commit's uploads.
-DELETE_POOL = ThreadPoolExecutor(DELETE_THREADS, thread_name_prefix="icestate-delete")
+UPLOADS = PendingUploads()
 _deleting: set[Future] = set()
 _deleting_lock = threading.Lock()
 
 
 def delete_later(delete: Callable[[str], None], location: str) -> None:
-    """Run ``delete(location)`` on the delete pool (it logs its own failures)."""
-    future = DELETE_POOL.submit(delete, location)
+    """Run ``delete(location)`` on the delete threads (it logs its own failures)."""
+    future = run_in_background(_POOLS.delete(), delete, location)
     with _deleting_lock:
         _deleting.add(future)
     future.add_done_callback(_deleted)
@@ -181,7 +255,16 @@ def wait_for_deletes() -> None:
         pending = list(_deleting)
     for future in pending:
         future.result()
-UPLOADS = PendingUploads(IO_POOL)
+
+
+def _forget_after_fork() -> None:
+    global _deleting, _deleting_lock
+    _POOLS.forget()
+    UPLOADS.forget()
+    _deleting, _deleting_lock = set(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 class _MetadataFile(InputFile, OutputFile):
@@ -193,10 +276,16 @@ class _MetadataFile(InputFile, OutputFile):
 
     def __len__(self) -> int:
         data = METADATA_FILES.get(self.location)
-        return len(self._file) if data is None else len(data)
+        if data is None:
+            UPLOADS.wait_file(self.location)  # written by this process, dropped from memory meanwhile
+            return len(self._file)
+        return len(data)
 
     def exists(self) -> bool:
-        return METADATA_FILES.get(self.location) is not None or self._file.exists()
+        if METADATA_FILES.get(self.location) is not None:
+            return True
+        UPLOADS.wait_file(self.location)
+        return self._file.exists()
 
     def open(self, seekable: bool = True) -> InputStream:
         data = METADATA_FILES.get(self.location)
@@ -215,13 +304,17 @@ class _MetadataFile(InputFile, OutputFile):
         return _BufferedWrite(self)
 
     def store(self, data: bytes) -> None:
-        """Store the file: a metadata.json now, after every upload started before it under its
-        directory; any other metadata file on the I/O pool (readable from memory meanwhile)."""
+        """Store the file: in the background when it belongs to a ``deferred`` commit (readable
+        from memory meanwhile), else now."""
         METADATA_FILES.put(self.location, data)
-        upload = UPLOADS.start(self.location, lambda: self._put(data))
-        if self.location.endswith(".metadata.json"):
-            UPLOADS.wait_directory(_directory(self.location))
-            upload.result()
+        if UPLOADS.deferred_tag(self.location) is not None:
+            UPLOADS.start(self.location, lambda: self._put(data))
+            return
+        try:
+            self._put(data)
+        except BaseException:
+            METADATA_FILES.discard(self.location)
+            raise
 
     def _put(self, data: bytes) -> None:
         with self._file.create(overwrite=True) as out:

@@ -9,7 +9,7 @@ again (the SNAPSHOTS_EXPIRED and FILES_DELETED crash points), and every
 ``ORPHAN_SWEEP_INTERVAL_COMMITS`` commits, and at the first after open, sweeps orphans of
 crashed commits.
 
-The deletes after a commit run in the background, several at once (``DELETE_POOL``): on an
+The deletes after a commit run in the background, several at once (``fileio.delete_later``): on an
 object store each costs three requests (pyarrow checks the object, deletes it and puts back
 the directory marker), and a checkpoint that expires another drops about ten files, which
 one after another took longer than the commit itself (measured: a steady commit of 330 ms
@@ -79,7 +79,7 @@ class GarbageCollector:
     def collect(self, sweep: bool, wait: bool = True) -> None:
         """Expire what retention drops now and delete its files; with ``sweep`` (on main
         only), also delete orphans of crashed commits. With ``wait``, return when every
-        delete of this collector (those in the background too) is done."""
+        delete of the process under way (this collector's, in the background) is done."""
         sweep = sweep and self._branch == MAIN_BRANCH
         plan = plan_retention(self._table.metadata, self._retain, self._branch)
         if plan.expired:

@@ -33,10 +33,10 @@ CRASH_EXIT_CODE = 77
 FLUSH_STARTED = "flush_started"                      # memtable sealed, no segment written
 SEGMENT_WRITTEN = "segment_written"                  # after the first segment file of a checkpoint is written
 SEGMENTS_WRITTEN = "segments_written"                # all segments written, nothing committed
-COMMIT_METADATA_WRITTEN = "commit_metadata_written"  # Iceberg manifests and metadata written, catalog not switched
+COMMIT_METADATA_WRITTEN = "commit_metadata_written"  # manifests and manifest list stored, catalog not switched
 COMMIT_DONE = "commit_done"                          # catalog switched to the new snapshot, retention not run
 SNAPSHOTS_EXPIRED = "snapshots_expired"              # old snapshots expired, unreferenced files not deleted yet
-FILES_DELETED = "files_deleted"                      # retention finished
+FILES_DELETED = "files_deleted"                      # retention planned; its deletes run in the background
 
 # Every crash point, in the order a checkpoint passes them.
 CHECKPOINT_CRASH_POINTS = (

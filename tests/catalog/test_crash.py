@@ -7,7 +7,9 @@ one crash point. The parent then checks, for every crash point:
 * the newest complete checkpoint (1 before the catalog switch, 2 after) is the one the
   table opens at, is restorable, and every file of it exists;
 * the next commit (and its retention and orphan sweep) leaves no file behind that no
-  snapshot references: nothing of the crashed commit leaks.
+  snapshot references: nothing of the crashed commit leaks. A commit's deletes run in the
+  background, so a crash at any point after the switch (``files_deleted`` included) may
+  leave its garbage: the first sweep after the reopen finds it.
 """
 
 from __future__ import annotations

@@ -14,7 +14,14 @@ import pytest
 from pyiceberg.io import load_file_io
 
 from catalog import TableRef
-from catalog.fileio import METADATA_FILES, STATE_FILE_IO, MetadataFileCache, is_metadata_file, wait_for_deletes
+from catalog.fileio import (
+    METADATA_FILES,
+    STATE_FILE_IO,
+    UPLOADS,
+    MetadataFileCache,
+    is_metadata_file,
+    wait_for_deletes,
+)
 from statestore import StateStore
 from tests import s3_server
 from tests.catalog.catalog_helpers import LAYOUT
@@ -74,33 +81,62 @@ def test_manifests_upload_in_the_background_and_a_metadata_json_waits_for_them(f
     manifest = f"{s3_prefix}/metadata/abc-m0.avro"
     manifest_list = f"{s3_prefix}/metadata/snap-1-1-abc.avro"
     metadata = f"{s3_prefix}/metadata/00001-abc.metadata.json"
-    s3_proxy.pause()  # the store hangs: nothing is stored until it resumes
-    try:
-        _write(fileio, manifest, b"manifest")  # returns at once: the upload is on the I/O pool
-        _write(fileio, manifest_list, b"list")
-        with fileio.new_input(manifest).open() as f:  # readable in this process meanwhile
-            assert f.read() == b"manifest"
-        done = threading.Event()
-        writer = threading.Thread(target=lambda: (_write(fileio, metadata, b"{}"), done.set()))
-        writer.start()
-        assert not done.wait(0.5)  # the metadata.json is not through while the others hang
-    finally:
-        s3_proxy.resume()
-    writer.join(30)
-    assert done.is_set()
+    with UPLOADS.deferred("abc"):  # as a checkpoint commit does, with its commit UUID
+        s3_proxy.pause()  # the store hangs: nothing is stored until it resumes
+        try:
+            _write(fileio, manifest, b"manifest")  # returns at once: the upload is on the I/O pool
+            _write(fileio, manifest_list, b"list")
+            with fileio.new_input(manifest).open() as f:  # readable in this process meanwhile
+                assert f.read() == b"manifest"
+            done = threading.Event()
+            waiter = threading.Thread(target=lambda: (UPLOADS.wait("abc"), done.set()))
+            waiter.start()
+            assert not done.wait(0.5)  # the commit's wait is not through while the uploads hang
+        finally:
+            s3_proxy.resume()
+        waiter.join(30)
+        assert done.is_set()
+        _write(fileio, metadata, b"{}")  # what the catalog then switches to
     METADATA_FILES.clear()  # all three are in the store, not only in memory
     assert all(fileio.new_input(loc).exists() for loc in (manifest, manifest_list, metadata))
 
 
-def test_a_failed_manifest_upload_fails_the_metadata_json_after_it(fileio, s3_proxy, s3_prefix):
+def test_leaving_a_deferred_block_waits_for_its_uploads_and_forgets_their_failures(fileio, s3_proxy, s3_prefix):
+    """A commit that stopped before its switch (an error, a crash point): its files are
+    referenced by nothing, so their failure is not raised to anyone later."""
+    manifest = f"{s3_prefix}/metadata/jkl-m0.avro"
+    s3_proxy.fail_next(1, status=403, method="PUT")
+    with pytest.raises(RuntimeError, match="before the switch"), UPLOADS.deferred("jkl"):
+        _write(fileio, manifest, b"manifest")
+        raise RuntimeError("the commit failed before the switch")
+    UPLOADS.wait("jkl")  # nothing left to raise
+    METADATA_FILES.clear()
+    assert not fileio.new_input(manifest).exists()
+
+
+def test_a_failed_upload_fails_the_commits_wait_and_no_other_writer(fileio, s3_proxy, s3_prefix):
     manifest = f"{s3_prefix}/metadata/def-m0.avro"
-    s3_proxy.fail_next(1, status=403, method="PUT")  # not retried by the client
+    with UPLOADS.deferred("def"):
+        s3_proxy.fail_next(1, status=403, method="PUT")  # not retried by the client
+        _write(fileio, manifest, b"manifest")
+        # Another writer of the same table meanwhile: written at once, and not failed by it.
+        other = f"{s3_prefix}/metadata/xyz-m0.avro"
+        _write(fileio, other, b"other")
+        with pytest.raises(OSError, match=r"def-m0\.avro"):
+            UPLOADS.wait("def")
+        assert METADATA_FILES.get(manifest) is None  # never stored: not served from memory either
+        UPLOADS.wait("def")  # a failure is raised once
+    METADATA_FILES.clear()
+    assert fileio.new_input(other).exists() and not fileio.new_input(manifest).exists()
+
+
+def test_outside_a_deferred_block_a_manifest_is_stored_when_its_close_returns(fileio, s3_proxy, s3_prefix):
+    """Only a commit that waits for its uploads before the catalog switch defers them (a REST
+    catalog writes no metadata.json through the FileIO: nothing else would wait)."""
+    manifest = f"{s3_prefix}/metadata/ghi-m0.avro"
+    s3_proxy.reset()
     _write(fileio, manifest, b"manifest")
-    with pytest.raises(OSError, match=r"def-m0\.avro"):
-        _write(fileio, f"{s3_prefix}/metadata/00002-def.metadata.json", b"{}")
-    assert METADATA_FILES.get(manifest) is None  # never stored: not served from memory either
-    # The failure is raised once: the next metadata.json of the directory goes through.
-    _write(fileio, f"{s3_prefix}/metadata/00003-def.metadata.json", b"{}")
+    assert s3_proxy.snapshot().by_method == {"PUT": 1}  # already through when close returned
 
 
 def test_other_files_are_not_cached(fileio, s3_proxy, s3_prefix):
