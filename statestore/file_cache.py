@@ -11,11 +11,21 @@ served from memory without caching: the cache never fails a read.
 One cache per process and directory (``process_file_cache``): every store of a process (a
 Spark Python worker holds several task stores) shares it, so a store opened after another
 finds the files the first read or wrote. Each process keeps its files in its own
-subdirectory ``<directory>/<pid>-<random>`` (the bound is per process), holding an exclusive
-``flock`` on ``.lock`` in it while it lives; the directory is removed when the cache closes
-(at interpreter exit at the latest), and a process creating a cache removes every sibling
-whose lock it can take (its owner died without cleaning up: killed, ``os._exit``). Files
-are written to a temporary name and renamed, so a cached name never holds a partial file.
+subdirectory ``<directory>/<pid>-<random>``, holding an exclusive ``flock`` on ``.lock`` in
+it while it lives; the directory is removed when the cache closes (at interpreter exit at the
+latest), and a process creating a cache removes every sibling whose lock it can take (its
+owner died without cleaning up: killed, ``os._exit``). Files are written to a temporary name
+and renamed, so a cached name never holds a partial file.
+
+The bound is the directory's, for every process of the host together (a host runs a Spark
+Python worker per core, each with its own cache). A process that needs room evicts the least
+recently used files of any process: each process stamps a file's access time when it uses it
+(``os.utime``, the modification time kept), and reads the others' files from disk, under an
+``flock`` on ``<directory>/.evict.lock`` so that two processes do not evict for each other.
+Evicting another process's file leaves an empty ``<name>.evicted`` beside it, so that its
+owner, finding the copy gone, counts it as evicted and not as damage. The other processes'
+files are read from disk at each insert (a directory listing per process); two processes
+inserting at the same moment may overshoot the bound by those files until the next insert.
 
 Integrity: the index records each file's size and xxh3-64 digest (computed from the bytes in
 memory before they are written). Every use checks the file's size; the digest is checked
@@ -46,6 +56,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +83,9 @@ ENV_DIR = "ICESTATE_FILE_CACHE_DIR"
 DEFAULT_DIR_NAME = "icestate-file-cache"
 PREFETCH_THREADS_MAX = 8
 _LOCK_FILE = ".lock"
+_EVICT_LOCK_FILE = ".evict.lock"
+_SEGMENT_SUFFIX = ".seg"
+_EVICTED_SUFFIX = ".evicted"
 _OWN_DIR = re.compile(r"^(\d+)-[0-9a-f]+$")
 _INIT_DIR = re.compile(r"^\.init-(\d+)-[0-9a-f]+$")
 
@@ -109,6 +123,16 @@ class _Entry:
     digest: int
     stat: tuple[int, int] | None = None  # (mtime_ns, inode) when last checked
     verified: bool = False  # the digest was checked against the file on disk
+    used_ns: int = 0  # when last used (also the file's access time, for other processes)
+
+
+@dataclass
+class _Foreign:
+    """A cached file of another process of the host, as read from disk."""
+
+    path: str
+    size: int
+    used_ns: int
 
 
 def fetch(fs: pafs.FileSystem, path: str, size: int | None) -> pa.Buffer:
@@ -281,10 +305,13 @@ class FileCache:
             except OSError:  # the copy was deleted or cannot be read
                 served = None
             if served is not None:
+                self._touch(entry)
                 self._count(counters, hits=1)
                 return served
             del self._entries[path]
             self._drop_file(entry)
+            if self._evicted_by_another(entry):
+                return None  # another process made room: a plain miss
         log.warning("file cache: the cached copy of %s was lost or damaged; fetching it again", path)
         self._count(counters, refetched=1)
         return None
@@ -361,16 +388,97 @@ class FileCache:
                 return False
             self._entries[path] = entry
             self._size_bytes += n
+            self._touch(entry)
             return True
 
     def _make_room(self, n: int, counters: FileCacheCounters | None) -> bool:
-        """Evict least recently used files until ``n`` more bytes fit the bound and the disk's
-        reserve (lock held). False when they do not fit even with the cache empty."""
-        while self._entries and (self._size_bytes + n > self.bytes_max or not self._disk_has_room(n)):
-            _, entry = self._entries.popitem(last=False)
-            self._drop_file(entry)
-            self._count(counters, evictions=1)
-        return self._size_bytes + n <= self.bytes_max and self._disk_has_room(n)
+        """Evict least recently used files, of this process or another of the host, until ``n``
+        more bytes fit the bound and the disk's reserve (lock held). False when they do not fit
+        even with the directory empty."""
+        if self._fits(n, sum(f.size for f in self._read_others())):
+            return True
+        with self._evict_lock():
+            foreign = sorted(self._read_others(), key=lambda f: f.used_ns)
+            others = sum(f.size for f in foreign)
+            while (self._entries or foreign) and not self._fits(n, others):
+                own = next(iter(self._entries.values()), None)
+                if own is not None and (not foreign or own.used_ns <= foreign[0].used_ns):
+                    self._entries.popitem(last=False)
+                    self._drop_file(own)
+                elif _evict_foreign(foreign[0]):
+                    others -= foreign.pop(0).size
+                else:  # its owner dropped it meanwhile
+                    others -= foreign.pop(0).size
+                    continue
+                self._count(counters, evictions=1)
+            return self._fits(n, others)
+
+    def _fits(self, n: int, others: int) -> bool:
+        return self._size_bytes + others + n <= self.bytes_max and self._disk_has_room(n)
+
+    def _read_others(self) -> list[_Foreign]:
+        """Read the other processes' files from disk; forget own entries another process evicted."""
+        foreign = []
+        try:
+            children = [c for c in os.scandir(self.root) if c.is_dir(follow_symlinks=False)
+                        and _OWN_DIR.match(c.name) and c.path != self.path]
+        except OSError:
+            children = []
+        for child in children:
+            with contextlib.suppress(OSError):
+                for f in os.scandir(child.path):
+                    if f.name.endswith(_SEGMENT_SUFFIX):
+                        with contextlib.suppress(OSError):
+                            st = f.stat(follow_symlinks=False)
+                            foreign.append(_Foreign(f.path, st.st_size, st.st_atime_ns))
+        self._forget_evicted()
+        return foreign
+
+    def _forget_evicted(self) -> None:
+        try:
+            evicted = {f.name[:-len(_EVICTED_SUFFIX)] for f in os.scandir(self.path)
+                       if f.name.endswith(_EVICTED_SUFFIX)}
+        except OSError:
+            return
+        if not evicted:
+            return
+        for path, entry in list(self._entries.items()):
+            if entry.name in evicted and not os.path.exists(os.path.join(self.path, entry.name)):
+                del self._entries[path]
+                self._size_bytes -= entry.size
+        for name in evicted:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.path, name + _EVICTED_SUFFIX))
+
+    def _evicted_by_another(self, entry: _Entry) -> bool:
+        tombstone = os.path.join(self.path, entry.name + _EVICTED_SUFFIX)
+        try:
+            os.unlink(tombstone)
+        except OSError:
+            return False
+        return True
+
+    def _touch(self, entry: _Entry) -> None:
+        """Stamp ``entry`` as used now: in memory, and as its file's access time (what other
+        processes of the host compare), keeping its modification time."""
+        entry.used_ns = time.time_ns()
+        local = os.path.join(self.path, entry.name)
+        with contextlib.suppress(OSError):
+            os.utime(local, ns=(entry.used_ns, os.stat(local).st_mtime_ns))
+
+    @contextlib.contextmanager
+    def _evict_lock(self):
+        """The host's eviction lock (``flock`` on ``<directory>/.evict.lock``; none without fcntl)."""
+        fd = None
+        if fcntl is not None:
+            with contextlib.suppress(OSError):
+                fd = os.open(os.path.join(self.root, _EVICT_LOCK_FILE), os.O_CREAT | os.O_RDWR, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the lock
 
     def _disk_has_room(self, n: int) -> bool:
         try:
@@ -383,6 +491,17 @@ class FileCache:
         self._size_bytes -= entry.size
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.path, entry.name))
+
+
+def _evict_foreign(f: _Foreign) -> bool:
+    """Delete another process's cached file, leaving its tombstone; False when it was gone."""
+    try:
+        os.unlink(f.path)
+    except OSError:
+        return False
+    with contextlib.suppress(OSError), open(f.path + _EVICTED_SUFFIX, "wb"):
+        pass
+    return True
 
 
 # ---------------------------------------------------------------------- directories of processes

@@ -325,6 +325,103 @@ def test_directories_of_dead_processes_are_removed_and_live_ones_kept(cache_root
         os.close(fd)
 
 
+# ---------------------------------------------------------------------- one bound per host
+
+
+def on_disk(cache_root: Path) -> int:
+    """Bytes of cached files in every process's directory."""
+    return sum(f.stat().st_size for f in cache_root.glob("*/*.seg"))
+
+
+def test_the_bound_holds_for_every_process_of_the_host_together(remote, cache_root):
+    """Two caches on one directory (as two Spark workers of a host): each makes room by
+    evicting the least recently used file of either, and the loser takes the loss of its copy
+    as an eviction, not as damage."""
+    fs, handler, directory = remote
+    files = {n: remote_file(directory, n, 100, seed=i) for i, n in enumerate("abcde")}
+    a = FileCache(str(cache_root), 300, NO_RESERVE)
+    b = FileCache(str(cache_root), 300, NO_RESERVE)
+
+    def cached() -> set[tuple[str, str]]:
+        return {(who, n) for who, x in (("a", a), ("b", b)) for n in files
+                if x.local_path(files[n][0]) and Path(x.local_path(files[n][0])).exists()}
+
+    try:
+        for n in "abc":
+            a.open(fs, files[n][0], 100)[0].close()
+        a.open(fs, files["a"][0], 100)[0].close()  # use order of the host: b, c, a
+        b.open(fs, files["d"][0], 100)[0].close()  # full: evicts the host's oldest, a's b
+        assert cached() == {("a", "a"), ("a", "c"), ("b", "d")} and b.counters.evictions == 1
+        b.open(fs, files["e"][0], 100)[0].close()  # then a's c
+        assert cached() == {("a", "a"), ("b", "d"), ("b", "e")} and b.counters.evictions == 2
+        fetches = handler.fetches
+        f, hit = a.open(fs, files["b"][0], 100)  # a's copy is gone: a plain miss, not damage
+        assert (read_all(f), hit) == (files["b"][1], False) and handler.fetches == fetches + 1
+        assert a.counters.refetched == 0 and a.counters.evictions == 1  # it evicted its own a
+        assert cached() == {("a", "b"), ("b", "d"), ("b", "e")} and on_disk(cache_root) == 300
+        assert a.size_bytes == 100 and b.size_bytes == 200  # each knows what it holds
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_process_that_knows_of_evictions_only_from_disk_accounts_for_them(remote, cache_root):
+    """The loser's own size follows the evictions at its next fresh look, without using the files."""
+    _fs, _handler, directory = remote
+    files = {n: remote_file(directory, n, 100, seed=i) for i, n in enumerate("abcd")}
+    a = FileCache(str(cache_root), 300, NO_RESERVE)
+    b = FileCache(str(cache_root), 300, NO_RESERVE)
+    try:
+        for n in "abc":
+            a.put(files[n][0], files[n][1])
+        b.put(files["d"][0], files["d"][1])  # evicts a's oldest (a)
+        assert a.size_bytes == 300  # a has not looked yet
+        a._read_others()  # what a does at its next insert
+        assert a.size_bytes == 200 and not a.contains(files["a"][0])
+        assert not list(Path(a.path).glob("*.evicted"))  # the tombstones are consumed
+    finally:
+        a.close()
+        b.close()
+
+
+def test_another_process_shares_the_bound(remote, cache_root, tmp_path):
+    """A real second process (its own pid and directory) fills the directory; this one then
+    evicts the other's files to stay within the bound, and the other serves its reads again."""
+    import subprocess
+    import sys
+
+    fs, _handler, directory = remote
+    mine = [remote_file(directory, f"m{i}", 1000, seed=i) for i in range(3)]
+    theirs = [remote_file(directory, f"t{i}", 1000, seed=10 + i) for i in range(3)]
+    script = f"""
+import sys, pyarrow.fs as pafs
+from statestore.file_cache import FileCache
+cache = FileCache({str(cache_root)!r}, 3000, 0)
+fs = pafs.LocalFileSystem()
+for path in {[p for p, _ in theirs]!r}:
+    cache.open(fs, path, 1000)[0].close()
+print("filled", flush=True)
+sys.stdin.readline()  # hold the files until told
+ok = all(cache.open(fs, p, 1000)[0].read() == open(p, "rb").read() for p in {[p for p, _ in theirs]!r})
+print("ok" if ok else "bad", cache.counters.refetched, flush=True)
+cache.close()
+"""
+    other = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, cwd=str(Path(__file__).resolve().parents[2]))
+    try:
+        assert other.stdout.readline().strip() == "filled"
+        cache = FileCache(str(cache_root), 3000, NO_RESERVE)
+        for path, data in mine:
+            assert read_all(cache.open(fs, path, 1000)[0]) == data
+        assert on_disk(cache_root) == 3000 and cache.counters.evictions == 3 and len(cache) == 3
+        out, _ = other.communicate("go\n", timeout=60)
+        assert out.split() == ["ok", "0"]  # its copies were evicted, not damaged: fetched again
+        cache.close()
+    finally:
+        if other.poll() is None:
+            other.kill()
+
+
 # ---------------------------------------------------------------------- configuration
 
 
