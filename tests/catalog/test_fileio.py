@@ -119,6 +119,7 @@ def test_a_failed_upload_fails_the_commits_wait_and_no_other_writer(fileio, s3_p
     with UPLOADS.deferred("def"):
         s3_proxy.fail_next(1, status=403, method="PUT")  # not retried by the client
         _write(fileio, manifest, b"manifest")
+        UPLOADS.wait_file(manifest)  # its upload has met the injected failure (raised by wait only)
         # Another writer of the same table meanwhile: written at once, and not failed by it.
         other = f"{s3_prefix}/metadata/xyz-m0.avro"
         _write(fileio, other, b"other")
