@@ -323,39 +323,57 @@ def run_processor(processor: StatefulProcessor, store: StateStore, timers: Timer
 
     ``rows`` holds the input columns; ``key_groups`` the key group of each row (computed by
     Spark's routing). Keys are processed in order of first appearance; each key's rows are
-    handed to ``handleInputRows`` as ``pyspark.sql.Row`` objects, as Spark does.
+    handed to ``handleInputRows`` as ``pyspark.sql.Row`` objects, as Spark's ``transformWithState``
+    does.
     """
+    out: list[tuple] = []
+    _drive(processor, store, timers, rows, key_groups, timer_values, fire_upto_ms, initial,
+           _row_groups, out.extend)
+    return out
+
+
+def run_pandas_processor(processor: StatefulProcessor, store: StateStore, timers: TimerService | None,
+                         rows: pa.Table, key_groups: list[int], timer_values: TimerValues,
+                         fire_upto_ms: int | None, output_schema: pa.Schema, initial: pa.Table | None = None,
+                         timezone: str = "UTC") -> pa.Table:
+    """``run_processor`` for a processor written for Spark's ``transformWithStateInPandas``:
+    each key's rows arrive as one ``pandas.DataFrame`` (in an iterator, index from 0), the
+    initial state's rows of a key as one DataFrame, and the handlers yield DataFrames, whose
+    columns are matched to ``output_schema`` by name (by position when they are not named)."""
+    frames: list = []
+    _drive(processor, store, timers, rows, key_groups, timer_values, fire_upto_ms, initial,
+           lambda r, k, s: _pandas_groups(r, k, s, timezone), frames.extend,
+           initial_groups=lambda t, s: _pandas_groups(t, None, s, timezone))
+    return frames_to_arrow(frames, output_schema, timezone)
+
+
+def _drive(processor: StatefulProcessor, store: StateStore, timers: TimerService | None, rows: pa.Table,
+           key_groups: list[int], timer_values: TimerValues, fire_upto_ms: int | None, initial: pa.Table | None,
+           groups: Callable, emit: Callable, initial_groups: Callable | None = None) -> None:
+    """Spark's order within a task: ``init``; the initial state (first batch); each key's
+    rows (``groups`` yields (key, key group, handler input) in order of first appearance);
+    the expired timers in time order; ``close``."""
     handle = StoreHandle(store, timers)
     processor.init(handle)
-    out: list[tuple] = []
     try:
         names = store.key_names
         if initial is not None and initial.num_rows:
-            _feed_initial(processor, store, initial, timer_values)
-        columns = rows.column_names
-        key_idx = [columns.index(n) for n in names]
-        row = _row_maker(columns)
+            if initial_groups is None:
+                _feed_initial(processor, store, initial, timer_values)
+            else:
+                for key, _, frames in initial_groups(initial, store):
+                    store.set_current_key(key)
+                    for frame in frames:
+                        processor.handleInitialState(key, frame, timer_values)
         store.check_routed_keys(rows.select(names), np.asarray(key_groups, dtype=np.int64))
         if rows.num_rows and store.layout.descriptors:
             store.prefetch(rows.select(names))  # one batched read of every key's state
-        groups: dict[tuple, tuple[int, list]] = {}
-        get = groups.get
-        # A key tuple per row without a generator: (v,) for one key column, an itemgetter's
-        # tuple for several.
-        key_of = (lambda v, i=key_idx[0]: (v[i],)) if len(key_idx) == 1 else operator.itemgetter(*key_idx)
-        for kg, values in zip(key_groups, zip(*[c.to_pylist() for c in rows.columns], strict=True), strict=True):
-            key = key_of(values)
-            g = get(key)
-            if g is None:
-                groups[key] = (kg, [row(values)])
-            else:
-                g[1].append(row(values))
         select_key = store.select_key
-        for key, (kg, key_rows) in groups.items():
+        for key, kg, key_rows in groups(rows, key_groups, store):
             select_key(key, kg)
-            result = processor.handleInputRows(key, iter(key_rows), timer_values)
+            result = processor.handleInputRows(key, key_rows, timer_values)
             if result is not None:
-                out.extend(result)
+                emit(result)
         if timers is not None and fire_upto_ms is not None:
             # As Spark: timers expired when the batch started, in time order; each is deleted
             # after its handler ran (a handler sees it in listTimers, and re-registering the
@@ -371,11 +389,104 @@ def run_processor(processor: StatefulProcessor, store: StateStore, timers: Timer
                     continue  # deleted by an earlier handler of this batch
                 result = processor.handleExpiredTimer(key, timer_values, ExpiredTimerInfo(ts))
                 if result is not None:
-                    out.extend(result)
+                    emit(result)
                 timers.delete(ts)
     finally:
         processor.close()
-    return out
+
+
+def _row_groups(rows: pa.Table, key_groups: list[int], store: StateStore) -> Iterator[tuple[tuple, int, Any]]:
+    """Each key's rows as ``Row`` objects, keys in order of first appearance."""
+    columns = rows.column_names
+    key_idx = [columns.index(n) for n in store.key_names]
+    row = _row_maker(columns)
+    groups: dict[tuple, tuple[int, list]] = {}
+    get = groups.get
+    # A key tuple per row without a generator: (v,) for one key column, an itemgetter's
+    # tuple for several.
+    key_of = (lambda v, i=key_idx[0]: (v[i],)) if len(key_idx) == 1 else operator.itemgetter(*key_idx)
+    for kg, values in zip(key_groups, zip(*[c.to_pylist() for c in rows.columns], strict=True), strict=True):
+        key = key_of(values)
+        g = get(key)
+        if g is None:
+            groups[key] = (kg, [row(values)])
+        else:
+            g[1].append(row(values))
+    for key, (kg, key_rows) in groups.items():
+        yield key, kg, iter(key_rows)
+
+
+def _pandas_groups(rows: pa.Table, key_groups: list[int] | None, store: StateStore, timezone: str,
+                   ) -> Iterator[tuple[tuple, int, Any]]:
+    """Each key's rows as one pandas DataFrame (index from 0), keys in order of first
+    appearance: the task's rows are ordered by key and converted once, then sliced."""
+    import polars as pl
+
+    if rows.num_rows == 0:
+        return
+    names = store.key_names
+    index = pl.from_arrow(rows.select(names)).with_row_index("__i")
+    grouped = index.group_by(names, maintain_order=True).agg(pl.col("__i"))
+    order = grouped.get_column("__i").explode().to_numpy()
+    sizes = grouped.get_column("__i").list.len().to_numpy()
+    frame = arrow_to_pandas(rows.take(order), timezone)
+    keys = grouped.select(names).rows()
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    kgs = np.asarray(key_groups, dtype=np.int64)[order[bounds[:-1]]] if key_groups is not None else None
+    for j, key in enumerate(keys):
+        part = frame.iloc[bounds[j]:bounds[j + 1]].reset_index(drop=True)
+        yield key, -1 if kgs is None else int(kgs[j]), iter([part])
+
+
+def arrow_to_pandas(table: pa.Table, timezone: str = "UTC") -> Any:
+    """Arrow rows as the pandas DataFrame Spark's pandas UDFs get: timestamps as naive
+    ``datetime64[ns]`` in the session's time zone, dates as ``datetime.date``, structs as dicts."""
+    frame = table.to_pandas(coerce_temporal_nanoseconds=True, date_as_object=True, maps_as_pydicts="strict")
+    for f in table.schema:
+        if pa.types.is_timestamp(f.type) and f.type.tz is not None:
+            frame[f.name] = frame[f.name].dt.tz_convert(timezone).dt.tz_localize(None)
+    return frame
+
+
+def frames_to_arrow(frames: list, schema: pa.Schema, timezone: str = "UTC", what: str = "processor output",
+                    ) -> pa.Table:
+    """pandas DataFrames yielded by a processor as an Arrow table of ``schema``: columns by
+    name (by position when the frame's columns are not strings, as Spark), naive timestamps
+    read in the session's time zone; a clear error when a frame does not fit."""
+    import pandas as pd
+
+    if not frames:
+        return schema.empty_table()
+    names = schema.names
+    parts = []
+    for frame in frames:
+        if not isinstance(frame, pd.DataFrame):
+            raise TypeError(f"{what}: handlers of a pandas processor must yield pandas.DataFrames, got "
+                            f"{type(frame).__name__}")
+        if all(isinstance(c, str) for c in frame.columns):
+            missing = [n for n in names if n not in frame.columns]
+            if missing:
+                raise ValueError(f"{what}: DataFrame lacks column(s) {missing} of the declared output schema "
+                                 f"{names}; it has {list(frame.columns)}")
+            frame = frame[names]
+        elif len(frame.columns) != len(names):
+            raise ValueError(f"{what}: DataFrame has {len(frame.columns)} column(s); the declared output schema "
+                             f"has {len(names)}: {names}")
+        else:
+            frame = frame.set_axis(names, axis=1)
+        parts.append(frame)
+    frame = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
+    arrays = []
+    for f in schema:
+        col = frame[f.name]
+        if pa.types.is_timestamp(f.type) and f.type.tz is not None and pd.api.types.is_datetime64_dtype(col) \
+                and getattr(col.dt, "tz", None) is None:
+            col = col.dt.tz_localize(timezone)
+        try:
+            arrays.append(pa.array(col, type=f.type, from_pandas=True))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError) as e:
+            raise TypeError(f"{what}: column {f.name!r} does not match the declared type {f.type}: {e}") from e
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def _feed_initial(processor: StatefulProcessor, store: StateStore, initial: pa.Table, timer_values: TimerValues,

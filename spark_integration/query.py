@@ -58,6 +58,7 @@ from spark_integration.tasks import (
     run_partition,
     segment_of,
 )
+from spark_integration.ticks import Beacon, beacon_path, ticks_frame, write_beacon
 from spark_integration.timers import normalize_time_mode, timers_descriptor
 from spark_integration.vectorized import VectorizedProcessor
 from statestore import stored_keys
@@ -178,7 +179,8 @@ class StatefulRunner:
                  output_schema: pa.Schema, layout: StateLayout, location: StateLocation, checkpoint_location: str,
                  foreach_batch: Callable[[DataFrame, int], None] | None, output: OutputTable | None,
                  time_mode: str, event_time_column: str | None, initial_state: DataFrame | None,
-                 store_config: StoreConfig, compaction: CompactionPolicy | None = None):
+                 store_config: StoreConfig, compaction: CompactionPolicy | None = None,
+                 beacon: str | None = None, watermark_delay_ms: int | None = None, api: str = "row"):
         self.spark = spark
         self.keys = keys
         self.processor = processor
@@ -193,6 +195,10 @@ class StatefulRunner:
         self.event_time_column = event_time_column
         self.initial_state = initial_state
         self.store_config = store_config
+        self.api = api
+        self.timezone = spark.conf.get("spark.sql.session.timeZone") or "UTC"
+        self.beacon = beacon  # what is due next, for the ticks source (None: no timers)
+        self.watermark_delay_ms = watermark_delay_ms
         self.run_id = uuid.uuid4().hex
         self.query_id: str | None = None  # Spark's persistent query id, read at the first batch
         self.table = location.open(layout)
@@ -295,6 +301,8 @@ class StatefulRunner:
                                      batch_id=batch_id, properties=self._properties(plan, report))
         for task, stats in report.tasks.items():
             self.task_tokens[task] = (plan.checkpoint_id, stats["token"])
+        if self.beacon is not None:
+            write_beacon(self.beacon, self._beacon(plan, report))
         kill_if_asked("state_committed", batch_id)
         if self.compactor is not None:
             self.compactor.checkpoint_committed(self.table)
@@ -328,7 +336,15 @@ class StatefulRunner:
     def _plan(self, batch_id: int, info: Any) -> BatchPlan:
         meta = _offset_metadata(self.spark, self.checkpoint_location, batch_id)
         processing_time = int(meta["batchTimestampMs"])
-        watermark = int(meta.get("batchWatermarkMs") or 0) if self.time_mode == "eventtime" else -1
+        watermark = late_watermark = -1
+        if self.time_mode == "eventtime":
+            # The watermark's two roles, as Spark's stateful operators: this batch's evicts state
+            # and fires timers; the previous batch's drops late input (Spark's
+            # eventTimeWatermarkForLateEvents), so a row is never dropped by a watermark that
+            # its own batch's input moved.
+            watermark = int(meta.get("batchWatermarkMs") or 0)
+            late_watermark = 0 if batch_id == 0 else int(
+                _offset_metadata(self.spark, self.checkpoint_location, batch_id - 1).get("batchWatermarkMs") or 0)
         # Outputs go to the output table as data files; when only the callback reads them, they
         # are the rows of the tasks' DataFrame that the callback gets.
         output_dir = self.output.data_location if self.output is not None else None
@@ -340,9 +356,10 @@ class StatefulRunner:
             checkpoint_id=self.table.next_checkpoint_id(),
             base_checkpoint_id=None if info is None else info.checkpoint_id,
             task_tokens=dict(self.task_tokens), processing_time_ms=processing_time, watermark_ms=watermark,
+            late_watermark_ms=late_watermark,
             time_mode=self.time_mode, event_time_column=self.event_time_column, output_dir=output_dir,
             output_io={} if self.output is None else self.output.io_properties,
-            store_config=self.store_config, inline_outputs=inline,
+            store_config=self.store_config, inline_outputs=inline, api=self.api, timezone=self.timezone,
         )
 
     def _routed(self, df: DataFrame, columns: Sequence[str], heartbeat: bool = False) -> DataFrame:
@@ -436,10 +453,28 @@ class StatefulRunner:
         props = {stored_keys.QUERY_RUN_ID: self.run_id, stored_keys.QUERY_ID: self.query_id}
         if plan.watermark_ms >= 0:
             props[stored_keys.QUERY_WATERMARK_MS] = str(plan.watermark_ms)
-        events = [t["max_event_ms"] for t in report.tasks.values() if t.get("max_event_ms") is not None]
-        if events:
-            props[stored_keys.QUERY_MAX_EVENT_TIME_MS] = str(max(events))
+        events = _max_event_ms(report)
+        if events is not None:
+            props[stored_keys.QUERY_MAX_EVENT_TIME_MS] = str(events)
+        if self.beacon is not None:
+            beacon = self._beacon(plan, report)
+            if beacon.next_timer_ms is not None:
+                props[stored_keys.QUERY_NEXT_TIMER_MS] = str(beacon.next_timer_ms)
+            if beacon.next_watermark_ms >= 0:
+                props[stored_keys.QUERY_NEXT_WATERMARK_MS] = str(beacon.next_watermark_ms)
         return props
+
+    def _beacon(self, plan: BatchPlan, report: BatchReport) -> Beacon:
+        """What the state committed by this batch needs next (``spark_integration.ticks``)."""
+        timers = [t["next_timer_ms"] for t in report.tasks.values() if t.get("next_timer_ms") is not None]
+        next_watermark = plan.watermark_ms
+        events = _max_event_ms(report)
+        if self.time_mode == "eventtime" and events is not None and self.watermark_delay_ms is not None:
+            # Spark's rule (WatermarkTracker): the batch's max event time minus the delay, if ahead.
+            next_watermark = max(plan.watermark_ms, events - self.watermark_delay_ms)
+        return Beacon(checkpoint_id=plan.checkpoint_id, time_mode=self.time_mode,
+                      next_timer_ms=min(timers) if timers else None, watermark_ms=plan.watermark_ms,
+                      next_watermark_ms=next_watermark)
 
     def _delete_files(self, uris: Sequence[str]) -> None:
         self.output.delete_files(list(uris))
@@ -454,7 +489,14 @@ class StatefulRunner:
             self.output.close()
 
 
+def _max_event_ms(report: BatchReport) -> int | None:
+    events = [t["max_event_ms"] for t in report.tasks.values() if t.get("max_event_ms") is not None]
+    return max(events) if events else None
+
+
 _RUNNERS: dict[str, StatefulRunner] = {}
+# The metadata key of a column marked by withWatermark (Spark's EventTimeWatermark.delayKey).
+WATERMARK_DELAY_KEY = "spark.watermarkDelayMs"
 DEFAULT_COMPACTION = CompactionPolicy()
 
 
@@ -492,6 +534,16 @@ def _conform_initial(initial: DataFrame, df: DataFrame, keys: list[str]) -> Data
     return initial
 
 
+def _watermark_of(df: DataFrame) -> tuple[str, int] | None:
+    """The input's watermark (``withWatermark``): its column and delay in ms, from the mark
+    Spark puts in the column's metadata; None without one."""
+    for f in df.schema.fields:
+        delay = (f.metadata or {}).get(WATERMARK_DELAY_KEY)
+        if delay is not None:
+            return f.name, int(delay)
+    return None
+
+
 def _warm_workers(spark: SparkSession, location: StateLocation, view: CheckpointView, layout: StateLayout) -> None:
     """Start a Python worker per executor core (up to the query's parallelism), with the
     store's modules imported and the state table opened once: a cold worker spends seconds
@@ -520,7 +572,7 @@ def start_stateful_query(
     foreach_batch: Callable[[DataFrame, int], None] | None = None, output_table: str | None = None,
     time_mode: str = "None", event_time_column: str | None = None, initial_state: DataFrame | None = None,
     query_name: str | None = None, store_config: StoreConfig | None = None, warm_workers: bool = True,
-    compaction: CompactionPolicy | None = DEFAULT_COMPACTION,
+    compaction: CompactionPolicy | None = DEFAULT_COMPACTION, api: str = "row",
 ) -> StreamingQuery:
     """Start a streaming query that runs ``processor`` per key with state in an Iceberg table.
 
@@ -551,6 +603,9 @@ def start_stateful_query(
         warm_workers: while the query starts, run a small job that starts Python workers on
             the executors, imports the store's modules in them and opens the state table, so
             the first batch's tasks find warm workers (Spark reuses them).
+        api: for a ``StatefulProcessor``, the API it is written for: ``"row"`` (Spark's
+            ``transformWithState``: ``Row``s in, ``Row``s out) or ``"pandas"`` (Spark's
+            ``transformWithStateInPandas``: a key's rows as a pandas DataFrame, DataFrames out).
         compaction: the policy of the compaction that runs beside the query, in a process
             of its own started when a unit of the state table needs it and stopped with the
             query (``catalog.compactor``); None turns it off (``icestate compact`` then
@@ -574,6 +629,9 @@ def start_stateful_query(
     mode = normalize_time_mode(time_mode)
     if event_time_column is not None and event_time_column not in df.columns:
         raise SchemaMismatchError(f"event_time_column {event_time_column!r} is not an input column {df.columns}")
+    watermark = _watermark_of(df)
+    if event_time_column is None and watermark is not None:
+        event_time_column = watermark[0]  # Spark's stateful operators use the watermark's column
     run_schema = input_schema  # the columns the tasks get
     if isinstance(processor, VectorizedProcessor):
         descriptors = list(processor.state_variables(input_schema, keys))
@@ -588,6 +646,9 @@ def start_stateful_query(
                                           f"lacks; its columns are {input_schema.names}")
             run_schema = pa.schema([input_schema.field(c) for c in wanted])
     elif isinstance(processor, StatefulProcessor):
+        if api not in ("row", "pandas"):
+            raise ValueError(f"api must be 'row' (Spark's transformWithState) or 'pandas' "
+                             f"(transformWithStateInPandas), got {api!r}")
         descriptors = list(declare(processor).descriptors)
     else:
         raise TypeError("processor must be a pyspark StatefulProcessor or a spark_integration VectorizedProcessor, "
@@ -609,12 +670,16 @@ def start_stateful_query(
         location=location, checkpoint_location=checkpoint_location, foreach_batch=foreach_batch, output=output,
         time_mode=mode, event_time_column=event_time_column, initial_state=initial_state,
         store_config=store_config or StoreConfig(), compaction=compaction,
+        beacon=None if mode == "none" else beacon_path(checkpoint_location, location.identity), api=api,
+        watermark_delay_ms=None if watermark is None or watermark[0] != event_time_column else watermark[1],
     )
     if warm_workers:
         view = runner.table.checkpoint_view()
         threading.Thread(target=_warm_workers, args=(spark, location, view, layout), name="icestate-warm-workers",
                          daemon=True).start()
-    writer = df.writeStream.foreachBatch(runner).option("checkpointLocation", checkpoint_location)
+    # With timers, the ticks source runs a batch without input when one is due, as Spark does.
+    source = df if runner.beacon is None else ticks_frame(df, runner.beacon)
+    writer = source.writeStream.foreachBatch(runner).option("checkpointLocation", checkpoint_location)
     if query_name:
         writer = writer.queryName(query_name)
     if trigger:

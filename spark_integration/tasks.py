@@ -94,13 +94,16 @@ class BatchPlan:
     base_checkpoint_id: int | None
     task_tokens: dict[int, tuple[int, str]]
     processing_time_ms: int
-    watermark_ms: int
+    watermark_ms: int          # this batch's: evicts state, fires event-time timers
+    late_watermark_ms: int     # the previous batch's: drops late input rows
     time_mode: str
     event_time_column: str | None
     output_dir: str | None
     output_io: dict[str, str] = field(default_factory=dict, repr=False)  # the output table's storage
     store_config: StoreConfig = field(default_factory=StoreConfig)
     inline_outputs: bool = False  # the output rows are the tasks' result; reports go to an accumulator
+    api: str = "row"              # a StatefulProcessor's: "row" (transformWithState) or "pandas"
+    timezone: str = "UTC"         # the session's, for pandas timestamps
 
     @property
     def compat(self) -> bool:
@@ -300,6 +303,7 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
         **{name: after[name] - before[name] for name in FILE_CACHE_STATS},
         "segments": len(segments), "segment_bytes": sum(s.size_bytes for s in segments),
         "timers": ts.timers.count() if ts.timers is not None else 0,
+        "next_timer_ms": ts.timers.next_expiry() if ts.timers is not None else None,
         "elapsed_ms": _ms(started), "open_ms": _ms(started, opened), "process_ms": _ms(opened, processed),
         "flush_ms": _ms(processed, flushed), "output_ms": _ms(flushed),
         "cpu_ms": round((time.process_time() - cpu_started) * 1000, 1),  # the worker's, all its threads
@@ -333,10 +337,13 @@ def _run_compat(plan: BatchPlan, ts: _TaskStore, data: pa.Table, kgs: np.ndarray
                 initial: pa.Table | None) -> pa.Table:
     from pyspark.sql.streaming.stateful_processor import TimerValues
 
-    from spark_integration.compat import rows_to_arrow, run_processor
+    from spark_integration.compat import rows_to_arrow, run_pandas_processor, run_processor
 
     timer_values = TimerValues(*((-1, -1) if plan.time_mode == "none" else
                                  (plan.processing_time_ms, plan.watermark_ms)))
+    if plan.api == "pandas":
+        return run_pandas_processor(plan.processor, ts.store, ts.timers, data, kgs.tolist(), timer_values,
+                                    plan.fire_upto_ms, plan.output_schema, initial, plan.timezone)
     out = run_processor(plan.processor, ts.store, ts.timers, data, kgs.tolist(), timer_values,
                         plan.fire_upto_ms, initial)
     return rows_to_arrow(out, plan.output_schema)
@@ -390,9 +397,9 @@ def _event_time(plan: BatchPlan, rows: pa.Table) -> tuple[int | None, pa.Array |
     us = pc.cast(rows.column(col).cast(pa.timestamp("us", tz="UTC"), safe=False), pa.int64())
     top = pc.max(us).as_py()
     late = None
-    if plan.time_mode == "eventtime" and plan.watermark_ms > 0:
-        # Spark's stateful operators drop rows at or before the watermark.
-        late = pc.fill_null(pc.less_equal(us, plan.watermark_ms * 1000), False)
+    if plan.time_mode == "eventtime" and plan.late_watermark_ms > 0:
+        # Spark's stateful operators drop rows at or before the previous batch's watermark.
+        late = pc.fill_null(pc.less_equal(us, plan.late_watermark_ms * 1000), False)
     return None if top is None else top // 1000, late
 
 

@@ -84,6 +84,14 @@ class TimerService:
         key, _ = self._store.current_key()
         return sorted(self._index().get(key, ()))
 
+    def next_expiry(self) -> int | None:
+        """The earliest registered timer of the task, or None."""
+        self._index()
+        queue = self._queue
+        while queue and queue[0][0] not in self._by_key.get(queue[0][1], ()):
+            heapq.heappop(queue)  # deleted since it was queued
+        return queue[0][0] if queue else None
+
     def count(self) -> int:
         return sum(len(v) for v in self._index().values())
 

@@ -78,6 +78,10 @@ SUMMARY_COMPACTION = "icestate.compaction"
 # They travel as user checkpoint properties and are read back from ``CheckpointInfo.properties``.
 QUERY_WATERMARK_MS = "icestate.watermark-ms"
 QUERY_MAX_EVENT_TIME_MS = "icestate.max-event-time-ms"
+# The earliest registered timer after the batch, and the watermark Spark gives the next batch
+# (spark_integration.ticks: when a batch with no input is due).
+QUERY_NEXT_TIMER_MS = "icestate.next-timer-ms"
+QUERY_NEXT_WATERMARK_MS = "icestate.next-watermark-ms"
 QUERY_RUN_ID = "icestate.run-id"
 QUERY_ID = "icestate.query-id"
 

@@ -72,7 +72,8 @@ class Driver:
         self.batch_id = 0 if info is None else info.batch_id + 1
         self.tokens: dict[int, tuple[int, str]] = {}
 
-    def plan(self, processing_time_ms: int = 0, watermark_ms: int = -1) -> BatchPlan:
+    def plan(self, processing_time_ms: int = 0, watermark_ms: int = -1, late_watermark_ms: int | None = None,
+             ) -> BatchPlan:
         info = self.table.current_checkpoint()
         return BatchPlan(
             run_id=self.run_id, table=self.location.identity, parallelism=self.location.parallelism,
@@ -81,7 +82,8 @@ class Driver:
             checkpoint_id=self.table.next_checkpoint_id(),
             base_checkpoint_id=None if info is None else info.checkpoint_id,
             task_tokens=dict(self.tokens), processing_time_ms=processing_time_ms,
-            watermark_ms=watermark_ms, time_mode=self.time_mode, event_time_column=self.event_time_column,
+            watermark_ms=watermark_ms, late_watermark_ms=watermark_ms if late_watermark_ms is None else late_watermark_ms,
+            time_mode=self.time_mode, event_time_column=self.event_time_column,
             output_dir=self.output_dir,
         )
 
@@ -395,14 +397,16 @@ def test_a_task_group_with_rows_of_two_tasks_is_refused(location, workers, drive
 
 # ---------------------------------------------------------------------------- event time
 
-def test_event_time_rows_at_or_before_the_watermark_are_dropped_as_late(location, workers, drivers, tmp_path):
+def test_event_time_rows_at_or_before_the_previous_batch_watermark_are_dropped_as_late(location, workers, drivers,
+                                                                                      tmp_path):
     schema = pa.schema([("k", pa.string()), ("ts", pa.timestamp("us", tz="UTC"))])
     driver = drivers(location, RunningAggregate("count"), time_mode="eventtime", event_time_column="ts",
                      input_schema=schema, output_dir=str(tmp_path / "out"))
     k = KEYS[0][0]
     rows = routed({"k": [k] * 4, "ts": [4_000_000, 5_000_000, 5_000_001, 9_000_000]}, parallelism=P,
                   max_parallelism=N, schema=schema)
-    plan = driver.plan(processing_time_ms=10_000, watermark_ms=5_000)
+    # The batch's own watermark (eviction, timers) is ahead; the previous batch's drops rows.
+    plan = driver.plan(processing_time_ms=10_000, watermark_ms=8_000, late_watermark_ms=5_000)
     rows = rows.append_column(HEARTBEAT, pa.array([False] * rows.num_rows))
     stats = driver.commit(plan, [workers.run(0, plan, 0, rows)])
     assert (stats[0]["rows_in"], stats[0]["rows_late"], stats[0]["max_event_ms"]) == (4, 2, 9_000)

@@ -1,0 +1,169 @@
+"""No-data micro-batches: the ``icestate_ticks`` streaming source.
+
+Spark runs a micro-batch when a source has new data, or when a stateful operator of the
+last batch's plan asks for another one (``shouldRunAnotherBatch``): that is how Spark's
+``transformWithState`` fires timers with no new input. A stateful query here is a
+``foreachBatch`` over a stateless plan, so Spark would never run such a batch. The ticks
+source restores it: ``start_stateful_query`` unions it (no rows, the input's schema) into
+the input when the query has timers, and its offset advances when the committed state has
+a timer due:
+
+* processing time: the earliest registered timer is at or before now (the batch Spark then
+  constructs has a timestamp at or after now, so the timer fires in it);
+* event time: the earliest registered timer is at or before the watermark Spark will give
+  the next batch (``max(watermark, batch's max event time - delay)``, Spark's rule), and
+  that watermark is ahead of the last batch's.
+
+A batch with no input and no timer due is never run (Spark runs one at every trigger in
+processing time, and at every watermark advance in event time; such a batch fires nothing
+and emits nothing). The trigger decides when the source is asked (every trigger interval,
+continuously, ``availableNow`` until nothing is due, ``once``: one batch only), as for any
+source.
+
+The runner tells the source what is due through a *beacon*: a small JSON file on the driver
+host (both run there, under a classic or a Connect session), rewritten after every committed
+batch, named by the query's checkpoint location and state table, so a restarted query finds
+the last run's. The same figures are stored in the checkpoint's snapshot summary. Without a
+beacon (a query restarted on another host) nothing ticks until the first batch with input.
+
+This module stays light: the source runs in a Python process that Spark starts on the driver
+for the query's lifetime, and imports nothing of the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+
+FORMAT = "icestate_ticks"
+OPTION_BEACON = "beacon"
+
+
+@dataclass(frozen=True)
+class Beacon:
+    """What the committed state needs next, as of checkpoint ``checkpoint_id``."""
+
+    checkpoint_id: int
+    time_mode: str                       # "processingtime" or "eventtime"
+    next_timer_ms: int | None = None     # the earliest registered timer of every task
+    watermark_ms: int = -1               # the watermark of the batch that committed it
+    next_watermark_ms: int = -1          # the watermark Spark gives the next batch
+
+    def due(self, now_ms: int) -> bool:
+        """Whether a batch run now would fire a timer."""
+        if self.next_timer_ms is None:
+            return False
+        if self.time_mode == "processingtime":
+            return self.next_timer_ms <= now_ms
+        return self.next_watermark_ms > self.watermark_ms and self.next_timer_ms <= self.next_watermark_ms
+
+
+def beacon_path(checkpoint_location: str, table_identity: tuple) -> str:
+    """The beacon file of a query: in the driver host's temporary directory, named by the
+    query's checkpoint location and state table (no secret: the identity holds a digest)."""
+    digest = hashlib.sha256(json.dumps([checkpoint_location, list(table_identity)], default=str).encode())
+    return os.path.join(tempfile.gettempdir(), "icestate-ticks", f"{digest.hexdigest()[:32]}.json")
+
+
+def write_beacon(path: str, beacon: Beacon) -> None:
+    """Replace the beacon atomically (a reader sees the old one or the new one)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(asdict(beacon), f)
+    os.replace(tmp, path)
+
+
+def read_beacon(path: str) -> Beacon | None:
+    try:
+        with open(path) as f:
+            return Beacon(**json.load(f))
+    except (OSError, ValueError, TypeError):
+        return None  # none yet, or one being replaced by a crashed writer's leftover
+
+
+class _Reader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Offsets ``{"ticks": n, "checkpoint": c}``: n ticks so far, the last for checkpoint c.
+    Never a row: a tick is a batch, its input is the other sources'."""
+
+    def __init__(self, beacon: str):
+        self.beacon = beacon
+        self._mtime: int | None = None
+        self._cached: Beacon | None = None
+
+    def _current(self) -> Beacon | None:
+        try:
+            mtime = os.stat(self.beacon).st_mtime_ns
+        except OSError:
+            return None
+        if mtime != self._mtime:
+            self._cached, self._mtime = read_beacon(self.beacon), mtime
+        return self._cached
+
+    def initialOffset(self) -> dict:
+        return {"ticks": 0, "checkpoint": -1}
+
+    def latestOffset(self, start: dict, limit: Any) -> dict:
+        beacon = self._current()
+        # One tick per committed state: the batch it starts commits a newer checkpoint, whose
+        # beacon says what is due next.
+        if beacon is not None and beacon.checkpoint_id > start["checkpoint"] and beacon.due(int(time.time() * 1000)):
+            return {"ticks": start["ticks"] + 1, "checkpoint": beacon.checkpoint_id}
+        return start
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        # Ticks are due work, not data arriving: an availableNow run ends when none is due.
+        pass
+
+    def partitions(self, start: dict, end: dict) -> list[InputPartition]:
+        return []
+
+    def read(self, partition: InputPartition):
+        return iter([])
+
+    def commit(self, end: dict) -> None:
+        pass
+
+
+class TicksDataSource(DataSource):
+    """``spark.readStream.format("icestate_ticks").schema(...).option("beacon", path)``."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> str:
+        return "tick long"  # a schema given to readStream replaces it
+
+    def streamReader(self, schema: Any) -> DataSourceStreamReader:
+        path = self.options.get(OPTION_BEACON)
+        if not path:
+            raise ValueError(f"the {FORMAT} source needs the option {OPTION_BEACON!r} (the query's beacon file)")
+        return _Reader(path)
+
+
+def ticks_frame(df: Any, beacon: str) -> Any:
+    """``df`` with the ticks source unioned in (same columns, never a row)."""
+    from pyspark.sql.types import StructField, StructType
+
+    spark = df.sparkSession
+    spark.dataSource.register(TicksDataSource)
+    # The input's columns without their metadata: the watermark's mark stays on the input's
+    # event-time column alone.
+    schema = StructType([StructField(f.name, f.dataType, True) for f in df.schema.fields])
+    ticks = spark.readStream.format(FORMAT).schema(schema).option(OPTION_BEACON, beacon).load()
+    return df.unionByName(ticks)
+
+
+def forget_beacon(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
