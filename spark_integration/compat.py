@@ -431,7 +431,7 @@ def _pandas_groups(rows: pa.Table, key_groups: list[int] | None, store: StateSto
     sizes = grouped.get_column("__i").list.len().to_numpy()
     frame = arrow_to_pandas(rows.take(order), timezone)
     keys = grouped.select(names).rows()
-    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     kgs = np.asarray(key_groups, dtype=np.int64)[order[bounds[:-1]]] if key_groups is not None else None
     for j, key in enumerate(keys):
         part = frame.iloc[bounds[j]:bounds[j + 1]].reset_index(drop=True)

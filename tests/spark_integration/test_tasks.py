@@ -82,7 +82,8 @@ class Driver:
             checkpoint_id=self.table.next_checkpoint_id(),
             base_checkpoint_id=None if info is None else info.checkpoint_id,
             task_tokens=dict(self.tokens), processing_time_ms=processing_time_ms,
-            watermark_ms=watermark_ms, late_watermark_ms=watermark_ms if late_watermark_ms is None else late_watermark_ms,
+            watermark_ms=watermark_ms,
+            late_watermark_ms=watermark_ms if late_watermark_ms is None else late_watermark_ms,
             time_mode=self.time_mode, event_time_column=self.event_time_column,
             output_dir=self.output_dir,
         )

@@ -1,0 +1,162 @@
+"""Spark's semantics, exactly: the same processor, the same input, Spark's own
+``transformWithState`` (or ``transformWithStateInPandas``) and ours in the same test,
+outputs compared batch by batch, the batches without input (no-data batches) included.
+
+Spark runs batches that fire nothing where we run none (processing time: one at every
+trigger; event time: one at every watermark advance): those are empty on Spark's side, so
+the comparison is of the sequence of batches that emitted something, each batch's rows
+sorted. Which of those batches had no input is compared too.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+
+import pyarrow as pa
+import pytest
+
+from spark_integration import StateLocation, runner_of, start_stateful_query
+from tests.integration import tws_processors as P
+from tests.integration.streaming_helpers import PROVIDER_CONF, ROCKSDB, stream, write_batches
+
+EVENTS = pa.schema([("key", pa.string()), ("v", pa.int64()), ("ts", pa.timestamp("us", tz="UTC"))])
+EVENTS_DDL = "key string, v long, ts timestamp"
+
+
+def at(seconds: float) -> dt.datetime:
+    return dt.datetime(2026, 1, 1, tzinfo=dt.UTC) + dt.timedelta(seconds=seconds)
+
+
+def event_batches(rows: list[list[tuple]]) -> list[pa.Table]:
+    return [pa.Table.from_pylist([dict(zip(EVENTS.names, r, strict=True)) for r in b], schema=EVENTS) for b in rows]
+
+
+class Run:
+    """One engine's run: rows per batch id, and which batches had input."""
+
+    def __init__(self) -> None:
+        self.batches: dict[int, list[tuple]] = {}
+
+    def collect(self, df, batch_id: int) -> None:
+        self.batches[batch_id] = sorted(tuple(r) for r in df.collect())
+
+    def emitted(self) -> list[list[tuple]]:
+        return [rows for _, rows in sorted(self.batches.items()) if rows]
+
+
+def run_spark(spark, df, processor, output_schema: str, checkpoint: str, *, time_mode: str = "None",
+              api: str = "row", initial=None, trigger: dict | None = None,
+              until: Callable[[Run], bool] | None = None, timeout_s: float = 240) -> Run:
+    """Spark's own operator over ``df`` grouped by ``key``, into a foreachBatch that records
+    each batch; ``until`` stops a query that would not end by itself."""
+    run = Run()
+    spark.conf.set(PROVIDER_CONF, ROCKSDB)
+    try:
+        grouped = df.groupBy("key")
+        seed = None if initial is None else initial.groupBy("key")
+        op = grouped.transformWithStateInPandas if api == "pandas" else grouped.transformWithState
+        out = op(processor, output_schema, "Update", time_mode, initialState=seed)
+        query = (out.writeStream.foreachBatch(run.collect).option("checkpointLocation", checkpoint)
+                 .trigger(**(trigger or {"availableNow": True})).start())
+        _wait(query, run, until, timeout_s)
+    finally:
+        spark.conf.unset(PROVIDER_CONF)
+    return run
+
+
+def run_ours(spark, df, processor, output_schema: str, checkpoint: str, location: StateLocation, *,
+             time_mode: str = "None", api: str = "row", initial=None, trigger: dict | None = None,
+             until: Callable[[Run], bool] | None = None, timeout_s: float = 240) -> tuple[Run, set[int]]:
+    """Ours over the same input; also returns the ids of the batches that had no input."""
+    run = Run()
+    query = start_stateful_query(df, ["key"], processor, output_schema, location=location,
+                                 checkpoint_location=checkpoint, trigger=trigger or {"availableNow": True},
+                                 foreach_batch=run.collect, time_mode=time_mode, api=api, initial_state=initial,
+                                 compaction=None)
+    _wait(query, run, until, timeout_s)
+    reports = [r for r in runner_of(query).reports if not r.skipped]
+    no_input = {r.batch_id for r in reports if sum(t["rows_in"] for t in r.tasks.values()) == 0}
+    return run, no_input
+
+
+def _wait(query, run: Run, until: Callable[[Run], bool] | None, timeout_s: float) -> None:
+    try:
+        if until is None:
+            query.awaitTermination(timeout_s)
+        else:
+            deadline = time.monotonic() + timeout_s
+            while not until(run) and query.isActive and time.monotonic() < deadline:
+                time.sleep(0.2)
+        if query.exception() is not None:
+            raise query.exception()
+        assert until is None or until(run), f"the query did not reach its expected state in {timeout_s} s"
+    finally:
+        query.stop()
+
+
+@pytest.fixture
+def location(tmp_path):
+    def make(parallelism: int = 2, table: str = "state") -> StateLocation:
+        return StateLocation(table=table, warehouse=str(tmp_path / "wh"), parallelism=parallelism, max_parallelism=16)
+    return make
+
+
+def compare(spark_run: Run, ours: Run) -> None:
+    assert ours.emitted() == spark_run.emitted()
+
+
+def output_batches_without_input(run: Run, no_input: set[int]) -> list[list[tuple]]:
+    return [rows for b, rows in sorted(run.batches.items()) if rows and b in no_input]
+
+
+# ---------------------------------------------------------------------------- value, list and map state
+
+@pytest.mark.parametrize("api", ["row", "pandas"])
+def test_value_list_and_map_state_as_spark(spark, tmp_path, location, api):
+    batches = [pa.table({"key": [f"k{(i * 7) % 11}" for i in range(b * 30, b * 30 + 30)],
+                         "v": pa.array(range(b * 30, b * 30 + 30), pa.int64())}) for b in range(3)]
+    input_dir = write_batches(tmp_path / "in", batches)
+    processor = P.PandasCountsProcessor() if api == "pandas" else P.CountsProcessor()
+    theirs = run_spark(spark, stream(spark, input_dir), processor, P.COUNTS_OUTPUT, str(tmp_path / "cp-spark"),
+                       api=api)
+    ours, _ = run_ours(spark, stream(spark, input_dir), processor, P.COUNTS_OUTPUT, str(tmp_path / "cp-ours"),
+                       location(), api=api)
+    assert len(theirs.emitted()) == 3
+    compare(theirs, ours)
+
+
+# ---------------------------------------------------------------------------- event time
+
+# Out of order and late rows, a watermark 5 s behind, a window of 10 s from a key's first row.
+# Batch 2's row of `a` at 3 s is older than batch 2's watermark (20 s) but not than batch 1's
+# (0): Spark hands it to the processor. Batch 3's row of `g` at 4 s is older than batch 2's
+# watermark: dropped. Timers of `d` and `e` fire after the input ends, in a batch without input.
+WINDOW_ROWS = [
+    [("a", 1, at(1)), ("b", 2, at(2))],
+    [("a", 10, at(21)), ("c", 100, at(25)), ("b", 3, at(1.5))],
+    [("a", 1000, at(3)), ("d", 5, at(40))],
+    [("e", 7, at(41)), ("g", 9, at(4))],
+    [("f", 1, at(70))],
+]
+
+
+@pytest.mark.parametrize("api", ["row", "pandas"])
+def test_event_time_timers_late_rows_and_the_batch_after_the_input_as_spark(spark, tmp_path, location, api):
+    input_dir = write_batches(tmp_path / "in", event_batches(WINDOW_ROWS))
+    processor = P.PandasEventTimeWindowProcessor() if api == "pandas" else P.EventTimeWindowProcessor()
+
+    def events():
+        return stream(spark, input_dir, EVENTS_DDL).withWatermark("ts", "5 seconds")
+
+    theirs = run_spark(spark, events(), processor, P.WINDOW_OUTPUT, str(tmp_path / "cp-spark"), time_mode="EventTime",
+                       api=api)
+    ours, no_input = run_ours(spark, events(), processor, P.WINDOW_OUTPUT, str(tmp_path / "cp-ours"), location(),
+                              time_mode="EventTime", api=api)
+    compare(theirs, ours)
+    keys = [r[0] for rows in ours.emitted() for r in rows]
+    assert sorted(keys) == ["a", "b", "c", "d", "e"]
+    # d's and e's windows close after the input ends: in a batch without input, on both.
+    assert [[r[0] for r in rows] for rows in output_batches_without_input(ours, no_input)] == [["d", "e"]]
+    assert sorted(r[0] for r in theirs.batches[max(theirs.batches)]) == ["d", "e"]

@@ -1,0 +1,240 @@
+"""Processors of the Spark-compatibility suite (``test_spark_semantics``), written the way
+Spark's own ``transformWithState`` tests write theirs: one ``StatefulProcessor`` subclass
+per feature, each run unchanged by Spark's operator and by ours.
+
+Every processor has a row variant (``transformWithState``: ``Row``s in and out) and, where
+the suite runs it, a pandas variant (``transformWithStateInPandas``: a key's rows as a
+pandas DataFrame, DataFrames out) with the same logic. Outputs are deterministic functions
+of the input and of the batch's times, so the two engines' outputs compare batch by batch.
+
+Registered with cloudpickle by value: Python workers do not see the tests directory.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pandas as pd
+from pyspark import cloudpickle
+from pyspark.sql import Row
+from pyspark.sql.streaming import StatefulProcessor
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _values(rows) -> list[int]:
+    return sorted(r.v for r in rows)
+
+
+def _pandas_values(frames) -> list[int]:
+    return sorted(int(v) for f in frames for v in f["v"])
+
+
+# ---------------------------------------------------------------------------- value, list, map
+
+COUNTS_OUTPUT = "key string, count long, recent string, parity_keys int"
+
+
+class CountsProcessor(StatefulProcessor):
+    """A running count (value), the last three values (list) and a total per parity (map)."""
+
+    def init(self, handle) -> None:
+        self.count = handle.getValueState("count", "n long")
+        self.recent = handle.getListState("recent", "v long")
+        self.totals = handle.getMapState("totals", "parity int", "total long")
+
+    def _update(self, values: list[int]) -> tuple[int, str, int]:
+        old = self.count.get()
+        n = (old[0] if old else 0) + len(values)
+        self.count.update((n,))
+        self.recent.appendList([(v,) for v in values])
+        kept = list(self.recent.get())[-3:]
+        self.recent.put(kept)
+        for v in values:
+            cur = self.totals.getValue((v % 2,))
+            self.totals.updateValue((v % 2,), ((cur[0] if cur else 0) + v,))
+        return n, ",".join(str(t[0]) for t in kept), len(list(self.totals.keys()))
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        n, recent, parities = self._update(_values(rows))
+        yield Row(key=key[0], count=n, recent=recent, parity_keys=parities)
+
+    def close(self) -> None:
+        pass
+
+
+class PandasCountsProcessor(CountsProcessor):
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[pd.DataFrame]:
+        n, recent, parities = self._update(_pandas_values(rows))
+        yield pd.DataFrame({"key": [key[0]], "count": [n], "recent": [recent], "parity_keys": [parities]})
+
+
+# ---------------------------------------------------------------------------- processing-time timers
+
+SESSION_OUTPUT = "key string, events long, closed boolean"
+
+
+class SessionProcessor(StatefulProcessor):
+    """Sessions that close ``gap_ms`` of processing time after a key's last rows: each batch
+    with rows moves the key's one timer; the timer emits the session's event count."""
+
+    def __init__(self, gap_ms: int):
+        self.gap_ms = gap_ms
+
+    def init(self, handle) -> None:
+        self.handle = handle
+        self.events = handle.getValueState("events", "n long")
+
+    def _rows(self, key, n: int, timerValues) -> tuple:
+        old = self.events.get()
+        total = (old[0] if old else 0) + n
+        self.events.update((total,))
+        for t in self.handle.listTimers():
+            self.handle.deleteTimer(t)
+        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + self.gap_ms)
+        return key[0], total
+
+    def _expired(self, key) -> tuple:
+        total = self.events.get()[0]
+        self.events.clear()
+        return key[0], total
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        k, total = self._rows(key, sum(1 for _ in rows), timerValues)
+        yield Row(key=k, events=total, closed=False)
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator[Row]:
+        k, total = self._expired(key)
+        yield Row(key=k, events=total, closed=True)
+
+    def close(self) -> None:
+        pass
+
+
+class PandasSessionProcessor(SessionProcessor):
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[pd.DataFrame]:
+        k, total = self._rows(key, sum(len(f) for f in rows), timerValues)
+        yield pd.DataFrame({"key": [k], "events": [total], "closed": [False]})
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator[pd.DataFrame]:
+        k, total = self._expired(key)
+        yield pd.DataFrame({"key": [k], "events": [total], "closed": [True]})
+
+
+# ---------------------------------------------------------------------------- event-time timers
+
+WINDOW_OUTPUT = "key string, total long, fired_at long, watermark long, late_seen long"
+
+
+class EventTimeWindowProcessor(StatefulProcessor):
+    """Sums a key's values until the watermark passes its first event time + ``window_ms``;
+    the timer emits the sum with the expiry and the watermark it fired at. ``late_seen``
+    counts rows at or before the watermark that reached the handler (Spark drops late rows
+    with the previous batch's watermark, so some rows older than the current one still come)."""
+
+    def __init__(self, window_ms: int = 10_000):
+        self.window_ms = window_ms
+
+    def init(self, handle) -> None:
+        self.handle = handle
+        self.total = handle.getValueState("total", "total long, late long")
+
+    def _rows(self, times_ms: list[int], values: list[int], timerValues) -> None:
+        old = self.total.get()
+        if old is None:
+            self.handle.registerTimer(min(times_ms) + self.window_ms)
+        late = sum(1 for t in times_ms if t <= timerValues.getCurrentWatermarkInMs())
+        self.total.update(((old[0] if old else 0) + sum(values), (old[1] if old else 0) + late))
+
+    def _expired(self, key, timerValues, expiredTimerInfo) -> tuple:
+        total, late = self.total.get()
+        self.total.clear()
+        return (key[0], total, expiredTimerInfo.getExpiryTimeInMs(), timerValues.getCurrentWatermarkInMs(), late)
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        rows = list(rows)
+        self._rows([int(r.ts.timestamp() * 1000) for r in rows], [r.v for r in rows], timerValues)
+        return iter([])
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator[Row]:
+        k, total, fired_at, watermark, late = self._expired(key, timerValues, expiredTimerInfo)
+        yield Row(key=k, total=total, fired_at=fired_at, watermark=watermark, late_seen=late)
+
+    def close(self) -> None:
+        pass
+
+
+class PandasEventTimeWindowProcessor(EventTimeWindowProcessor):
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[pd.DataFrame]:
+        frame = pd.concat(list(rows))
+        times = [int(t.timestamp() * 1000) for t in frame["ts"].dt.tz_localize("UTC")]
+        self._rows(times, [int(v) for v in frame["v"]], timerValues)
+        return iter([])
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator[pd.DataFrame]:
+        k, total, fired_at, watermark, late = self._expired(key, timerValues, expiredTimerInfo)
+        yield pd.DataFrame({"key": [k], "total": [total], "fired_at": [fired_at], "watermark": [watermark],
+                            "late_seen": [late]})
+
+
+# ---------------------------------------------------------------------------- initial state
+
+INITIAL_OUTPUT = "key string, count long"
+
+
+class InitialCountProcessor(StatefulProcessor):
+    """A running count seeded from initial state rows (key, seed): seeds add up."""
+
+    def init(self, handle) -> None:
+        self.count = handle.getValueState("count", "n long")
+
+    def handleInitialState(self, key, initialState, timerValues) -> None:
+        old = self.count.get()
+        self.count.update(((old[0] if old else 0) + initialState.seed,))
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        old = self.count.get()
+        n = (old[0] if old else 0) + sum(1 for _ in rows)
+        self.count.update((n,))
+        yield Row(key=key[0], count=n)
+
+    def close(self) -> None:
+        pass
+
+
+class PandasInitialCountProcessor(InitialCountProcessor):
+    def handleInitialState(self, key, initialState, timerValues) -> None:
+        old = self.count.get()
+        self.count.update(((old[0] if old else 0) + int(initialState["seed"].sum()),))
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[pd.DataFrame]:
+        old = self.count.get()
+        n = (old[0] if old else 0) + sum(len(f) for f in rows)
+        self.count.update((n,))
+        yield pd.DataFrame({"key": [key[0]], "count": [n]})
+
+
+# ---------------------------------------------------------------------------- TTL
+
+TTL_OUTPUT = "key string, seen long"
+
+
+class TtlProcessor(StatefulProcessor):
+    """Counts a key's rows in a value state whose entries live ``ttl_ms`` after each update:
+    a key that comes back after longer starts again from zero."""
+
+    def __init__(self, ttl_ms: int):
+        self.ttl_ms = ttl_ms
+
+    def init(self, handle) -> None:
+        self.seen = handle.getValueState("seen", "n long", self.ttl_ms)
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        old = self.seen.get()
+        n = (old[0] if old else 0) + sum(1 for _ in rows)
+        self.seen.update((n,))
+        yield Row(key=key[0], seen=n)
+
+    def close(self) -> None:
+        pass
