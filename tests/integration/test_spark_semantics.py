@@ -160,3 +160,52 @@ def test_event_time_timers_late_rows_and_the_batch_after_the_input_as_spark(spar
     # d's and e's windows close after the input ends: in a batch without input, on both.
     assert [[r[0] for r in rows] for rows in output_batches_without_input(ours, no_input)] == [["d", "e"]]
     assert sorted(r[0] for r in theirs.batches[max(theirs.batches)]) == ["d", "e"]
+
+
+# ---------------------------------------------------------------------------- processing time
+
+def key_rows(spec: list[str]) -> list[pa.Table]:
+    """One batch per string, a row per letter (key), v the row's position."""
+    return [pa.table({"key": list(s), "v": pa.array(range(len(s)), pa.int64())}) for s in spec]
+
+
+SESSION_BATCHES = ["aab", "bc", "c", "aad"]
+
+
+@pytest.mark.parametrize("api", ["row", "pandas"])
+def test_processing_time_sessions_close_in_the_next_batch_and_after_the_input_as_spark(spark, tmp_path, location,
+                                                                                       api):
+    """A session closes 1 ms after a key's last rows: in the next batch, which on both engines
+    starts later; the last sessions close after the input ended, in a batch without input.
+    Spark runs a batch at every trigger in processing time (forever, even under
+    availableNow): its query is stopped once every session closed."""
+    input_dir = write_batches(tmp_path / "in", key_rows(SESSION_BATCHES))
+    processor = P.PandasSessionProcessor(1) if api == "pandas" else P.SessionProcessor(1)
+
+    def all_closed(run: Run) -> bool:
+        return sum(1 for rows in run.batches.values() for r in rows if r[2]) == 5
+
+    theirs = run_spark(spark, stream(spark, input_dir), processor, P.SESSION_OUTPUT, str(tmp_path / "cp-spark"),
+                       time_mode="ProcessingTime", api=api, until=all_closed)
+    ours, no_input = run_ours(spark, stream(spark, input_dir), processor, P.SESSION_OUTPUT,
+                              str(tmp_path / "cp-ours"), location(), time_mode="ProcessingTime", api=api)
+    compare(theirs, ours)
+    assert output_batches_without_input(ours, no_input) == [[("a", 2, True), ("d", 1, True)]]
+    # No timer left: no batch ran after the last sessions closed.
+    assert max(ours.batches) == len(SESSION_BATCHES)
+
+
+# ---------------------------------------------------------------------------- initial state
+
+@pytest.mark.parametrize("api", ["row", "pandas"])
+def test_initial_state_as_spark(spark, tmp_path, location, api):
+    input_dir = write_batches(tmp_path / "in", key_rows(["abca", "bd"]))
+    # Several initial rows for one key, and a key (z) with initial state and no input.
+    initial = spark.createDataFrame([("a", 10), ("a", 5), ("b", 7), ("z", 100)], "key string, seed long")
+    processor = P.PandasInitialCountProcessor() if api == "pandas" else P.InitialCountProcessor()
+    theirs = run_spark(spark, stream(spark, input_dir), processor, P.INITIAL_OUTPUT, str(tmp_path / "cp-spark"),
+                       api=api, initial=initial)
+    ours, _ = run_ours(spark, stream(spark, input_dir), processor, P.INITIAL_OUTPUT, str(tmp_path / "cp-ours"),
+                       location(), api=api, initial=initial)
+    assert theirs.emitted() == [[("a", 17), ("b", 8), ("c", 1)], [("b", 9), ("d", 1)]]
+    compare(theirs, ours)
