@@ -18,6 +18,7 @@ the executors.
 
 from __future__ import annotations
 
+import datetime
 import operator
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,6 +42,7 @@ from statestore.errors import (
     NoCurrentKeyError,
     StateDescriptorMismatchError,
     StateNotDeclaredError,
+    StateVariableDeletedError,
     TimersDisabledError,
 )
 from statestore.store import StateStore
@@ -126,17 +128,35 @@ def declare(processor: StatefulProcessor) -> DeclaringHandle:
 
 
 class _Struct:
-    """Tuple <-> stored struct conversion of one schema."""
+    """Tuple <-> stored struct conversion of one schema: values cross the API as Spark's
+    Python values (``Row``s for structs at every depth below the top-level tuple, lists,
+    dicts for maps, naive local datetimes), and are stored as Arrow structs."""
 
-    __slots__ = ("n", "names")
+    __slots__ = ("_read", "_row", "_write", "n", "names")
 
     def __init__(self, t: pa.DataType):
         self.names = [f.name for f in t]
         self.n = len(self.names)
+        self._read = [_reader(f.type) for f in t]
+        self._write = [_writer(f.type) for f in t]
+        self._row = _row_maker(self.names)
+        if not any(self._read):
+            self._read = None
+        if not any(self._write):
+            self._write = None
 
     def to_store(self, value: Any, what: str) -> dict:
         if type(value) is tuple and len(value) == self.n:  # a plain tuple of the right size: the common case
-            return dict(zip(self.names, value, strict=False))
+            out = dict(zip(self.names, value, strict=False))
+        else:
+            out = self._named(value, what)
+        if self._write is not None:
+            for name, conv in zip(self.names, self._write, strict=True):
+                if conv is not None:
+                    out[name] = conv(out[name])
+        return out
+
+    def _named(self, value: Any, what: str) -> dict:
         if isinstance(value, Row) and hasattr(value, "__fields__"):
             value = value.asDict()
         if isinstance(value, dict):
@@ -151,9 +171,89 @@ class _Struct:
             raise ValueError(f"{what}: expected a tuple of {len(self.names)} field(s) {self.names}, got {value!r}")
         return dict(zip(self.names, value, strict=True))
 
-    @staticmethod
-    def from_store(value: dict | None) -> tuple | None:
-        return None if value is None else tuple(value.values())
+    def from_store(self, value: dict | None) -> tuple | None:
+        if value is None:
+            return None
+        if self._read is None:
+            return tuple(value.values())
+        return tuple(v if conv is None else conv(v) for v, conv in zip(value.values(), self._read, strict=True))
+
+    def row_from_store(self, value: dict | None) -> Row | None:
+        """The value as a ``Row`` of the schema's fields (``MapState.getValue``, as Spark)."""
+        values = self.from_store(value)
+        return None if values is None else self._row(values)
+
+
+def _reader(t: pa.DataType) -> Callable[[Any], Any] | None:
+    """Arrow's Python value of type ``t`` as pyspark's: a ``Row`` for a struct, a dict for a
+    map, a naive datetime in the process's time zone for a timestamp; None when Arrow's
+    value is already pyspark's."""
+    if pa.types.is_struct(t):
+        names = [f.name for f in t]
+        subs = [_reader(f.type) for f in t]
+        make = _row_maker(names)
+
+        def struct(v: Any) -> Any:
+            if v is None:
+                return None
+            return make(tuple(x if c is None else c(x) for x, c in zip(v.values(), subs, strict=True)))
+        return struct
+    if pa.types.is_map(t):
+        key, item = _reader(t.key_type), _reader(t.item_type)
+        return lambda v: None if v is None else {(k if key is None else key(k)): (x if item is None else item(x))
+                                                for k, x in _pairs(v)}
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        sub = _reader(t.value_type)
+        if sub is None:
+            return None
+        return lambda v: None if v is None else [sub(x) for x in v]
+    if pa.types.is_timestamp(t) and t.tz is not None:
+        return lambda v: None if v is None else v.astimezone(None).replace(tzinfo=None)
+    return None
+
+
+def _pairs(v: Any) -> Iterator[tuple[Any, Any]]:
+    """A map's entries, whichever way it was read: a dict, Arrow's (key, value) tuples, or
+    polars' {"key", "value"} structs."""
+    if isinstance(v, dict):
+        yield from v.items()
+        return
+    for entry in v:
+        if isinstance(entry, dict):
+            yield entry["key"], entry["value"]
+        else:
+            yield entry
+
+
+def _writer(t: pa.DataType) -> Callable[[Any], Any] | None:
+    """pyspark's Python value of type ``t`` as Arrow takes it: Rows and dicts of a struct by
+    field name, a naive datetime read in the process's time zone (as pyspark does); None
+    when no conversion is needed."""
+    if pa.types.is_struct(t):
+        names = [f.name for f in t]
+        subs = [_writer(f.type) for f in t]
+
+        def struct(v: Any) -> Any:
+            if v is None:
+                return None
+            if isinstance(v, Row) and hasattr(v, "__fields__"):
+                v = v.asDict()
+            if isinstance(v, dict):
+                v = [v.get(n) for n in names]
+            return {n: (x if c is None else c(x)) for n, x, c in zip(names, v, subs, strict=True)}
+        return struct
+    if pa.types.is_map(t):
+        key, item = _writer(t.key_type), _writer(t.item_type)
+        return lambda v: None if v is None else [((k if key is None else key(k)), (x if item is None else item(x)))
+                                                 for k, x in _pairs(v)]
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        sub = _writer(t.value_type)
+        if sub is None:
+            return None
+        return lambda v: None if v is None else [sub(x) for x in v]
+    if pa.types.is_timestamp(t) and t.tz is not None:
+        return lambda v: v.astimezone() if isinstance(v, datetime.datetime) and v.tzinfo is None else v
+    return None
 
 
 class ValueState:
@@ -216,8 +316,9 @@ class MapState:
     def exists(self) -> bool:
         return self._state.exists()
 
-    def getValue(self, key: tuple) -> tuple | None:
-        return self._values.from_store(self._state.get(self._keys.to_store(key, self._what + " user key")))
+    def getValue(self, key: tuple) -> Row | None:
+        # A Row, where the map's other reads return tuples: as Spark's MapState.
+        return self._values.row_from_store(self._state.get(self._keys.to_store(key, self._what + " user key")))
 
     def containsKey(self, key: tuple) -> bool:
         return self._state.contains(self._keys.to_store(key, self._what + " user key"))
@@ -245,12 +346,25 @@ class MapState:
 _WRAPPERS = {StateKind.VALUE: ValueState, StateKind.LIST: ListState, StateKind.MAP: MapState}
 
 
+class _Deleted:
+    """What a state variable handle reads and writes through after ``deleteIfExists``."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, method: str) -> Any:
+        raise StateVariableDeletedError(
+            f"state {self._name!r} is not initialized: deleteIfExists({self._name!r}) deleted it after this handle "
+            f"was obtained; call get...State({self._name!r}) again after the delete to use the variable")
+
+
 class StoreHandle:
     """Spark's ``StatefulProcessorHandle`` over one task's store (executor side)."""
 
     def __init__(self, store: StateStore, timers: TimerService | None):
         self._store = store
         self._timers = timers
+        self._given: dict[str, list] = {}  # the state variables handed out, by name
 
     def _get(self, name: str, kind: StateKind) -> Any:
         try:
@@ -263,7 +377,9 @@ class StoreHandle:
         if desc.kind is not kind:
             raise StateDescriptorMismatchError(
                 f"state variable {name!r} is a {desc.kind.value} state, requested as {kind.value}")
-        return _WRAPPERS[kind](self._store, desc)
+        state = _WRAPPERS[kind](self._store, desc)
+        self._given.setdefault(name, []).append(state)
+        return state
 
     def getValueState(self, stateName: str, schema: Any = None, ttlDurationMs: int | None = None) -> ValueState:
         return self._get(stateName, StateKind.VALUE)
@@ -291,7 +407,11 @@ class StoreHandle:
 
     def deleteIfExists(self, stateName: str) -> None:
         """Purge a state variable for every key of this task, as Spark does on every call
-        (processors call it from ``init``, so at every batch). Reads the whole variable."""
+        (processors call it from ``init``, so at every batch). Reads the whole variable.
+        A handle of the variable obtained before the delete raises from then on, as on
+        Spark; one obtained after it works (on a variable now empty)."""
+        for state in self._given.pop(stateName, ()):
+            state._state = _Deleted(stateName)
         try:
             self._store.layout.descriptor(stateName)
         except KeyError:

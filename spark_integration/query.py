@@ -337,12 +337,15 @@ class StatefulRunner:
         meta = _offset_metadata(self.spark, self.checkpoint_location, batch_id)
         processing_time = int(meta["batchTimestampMs"])
         watermark = late_watermark = -1
+        if self.time_mode != "none":
+            # TimerValues' watermark: Spark's in both time modes (0 before any, and in
+            # ProcessingTime mode without a watermark); -1 only without a time mode.
+            watermark = int(meta.get("batchWatermarkMs") or 0)
         if self.time_mode == "eventtime":
             # The watermark's two roles, as Spark's stateful operators: this batch's evicts state
             # and fires timers; the previous batch's drops late input (Spark's
             # eventTimeWatermarkForLateEvents), so a row is never dropped by a watermark that
             # its own batch's input moved.
-            watermark = int(meta.get("batchWatermarkMs") or 0)
             late_watermark = 0 if batch_id == 0 else int(
                 _offset_metadata(self.spark, self.checkpoint_location, batch_id - 1).get("batchWatermarkMs") or 0)
         # Outputs go to the output table as data files; when only the callback reads them, they

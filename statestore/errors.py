@@ -79,6 +79,11 @@ class StateFunctionUnavailableError(StateStoreError):
     values: the recorded layout holds no reduce or aggregate function."""
 
 
+class StateVariableDeletedError(StateStoreError, RuntimeError):
+    """A state variable handle was used after ``deleteIfExists`` removed its variable (as
+    Spark's "state is not initialized"); a handle obtained after the delete works."""
+
+
 class TimersDisabledError(StateStoreError):
     """Timers were used by a query started without a time mode (ProcessingTime or EventTime)."""
 

@@ -238,3 +238,82 @@ class TtlProcessor(StatefulProcessor):
 
     def close(self) -> None:
         pass
+
+
+# ---------------------------------------------------------------------------- composite types
+
+COMPOSITE_OUTPUT = "key string, reads string"
+PROFILE = ("id long, meta struct<a:int, inner:struct<x:string, y:double>>, items array<struct<p:int, q:string>>, "
+           "tags map<string, struct<u:int>>, nums array<long>")
+
+
+def describe(value) -> str:
+    """A value with its Python types at every depth (Row fields by name, dicts sorted)."""
+    if isinstance(value, Row) and hasattr(value, "__fields__"):
+        return "Row(" + ", ".join(f"{k}={describe(v)}" for k, v in zip(value.__fields__, value, strict=True)) + ")"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(describe(v) for v in value) + ")"
+    if isinstance(value, list):
+        return "[" + ", ".join(describe(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{describe(k)}: {describe(v)}" for k, v in sorted(value.items())) + "}"
+    return f"{type(value).__name__}:{value!r}"
+
+
+class CompositeProcessor(StatefulProcessor):
+    """Nested structs, arrays of structs and maps of structs in value, list and map state,
+    written as tuples, Rows and dicts; each batch reports what every read returns."""
+
+    def init(self, handle) -> None:
+        self.profile = handle.getValueState("profile", PROFILE)
+        self.events = handle.getListState("events", "n long, at struct<x:string>")
+        self.index = handle.getMapState("index", "name string, k int", "val long, st struct<z:string, w:int>")
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        n = sum(1 for _ in rows)
+        reads = [describe(self.profile.get()), describe(list(self.events.get()) if self.events.exists() else None),
+                 describe(self.index.getValue(("first", 1))), describe(list(self.index.iterator())),
+                 describe(list(self.index.keys())), describe(list(self.index.values()))]
+        self.profile.update((n, Row(a=n, inner=Row(x=key[0], y=n / 2)), [Row(p=n, q="q"), (n + 1, "r")],
+                             {"t": Row(u=n), "s": {"u": n + 1}}, [n, n + 1]))
+        self.events.appendValue((n, Row(x=f"e{n}")))
+        self.index.updateValue(("first", 1), (n, Row(z=key[0], w=n)))
+        self.index.updateValue(Row(name="second", k=n), Row(val=n * 10, st={"z": "d", "w": 0}))
+        reads.append(describe(self.profile.get()))
+        yield Row(key=key[0], reads=" | ".join(reads))
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------- deleted state
+
+DELETED_OUTPUT = "key string, stale string, fresh string, kept long"
+
+
+class DeletedStateProcessor(StatefulProcessor):
+    """``deleteIfExists`` in ``init`` (Spark runs it at every batch): ``stale`` is obtained
+    before its delete (using it raises), ``fresh`` after its delete (usable, empty at every
+    batch), ``kept`` is never deleted."""
+
+    def init(self, handle) -> None:
+        self.stale = handle.getValueState("stale", "n long")
+        handle.deleteIfExists("stale")
+        handle.deleteIfExists("fresh")
+        self.fresh = handle.getValueState("fresh", "n long")
+        self.kept = handle.getValueState("kept", "n long")
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        n = sum(1 for _ in rows)
+        try:
+            stale = f"read {self.stale.get()}"
+        except Exception:  # Spark: PySparkRuntimeError; ours: StateVariableDeletedError (a RuntimeError)
+            stale = "raised"
+        fresh = self.fresh.get()
+        self.fresh.update((n,))
+        kept = self.kept.get()
+        self.kept.update(((kept[0] if kept else 0) + n,))
+        yield Row(key=key[0], stale=stale, fresh=str(fresh), kept=(kept[0] if kept else 0) + n)
+
+    def close(self) -> None:
+        pass
