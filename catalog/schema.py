@@ -32,6 +32,7 @@ from statestore.descriptors import (
     StateDescriptor,
     StateKind,
     ValueStateDescriptor,
+    column_stem,
 )
 from statestore.errors import StateFunctionUnavailableError, StateTableMismatchError
 from statestore.layout import KEY_GROUP, StateLayout
@@ -198,9 +199,10 @@ def _column_type(schema: Schema, name: str) -> pa.DataType:
 
 def _descriptor(state: dict, schema: Schema) -> StateDescriptor:
     name, kind = state["name"], StateKind(state["kind"])
-    value_type = _column_type(schema, f"v_{name}")
+    stem = column_stem(name)
+    value_type = _column_type(schema, f"v_{stem}")
     if kind is StateKind.MAP:
-        return MapStateDescriptor(name, value_type, key_type=_column_type(schema, f"mk_{name}"))
+        return MapStateDescriptor(name, value_type, key_type=_column_type(schema, f"mk_{stem}"))
     if kind is StateKind.REDUCING:
         return ReducingStateDescriptor(name, value_type, reduce_fn=_StoredFunctionUnavailable(name))
     if kind is StateKind.AGGREGATING:

@@ -74,7 +74,7 @@ def connect(
     every = np.arange(layout.max_parallelism, dtype=np.int64)
     for desc in layout.descriptors:
         entries = read_entries(reader, segments, every, variable_entry_schema(layout, desc), state=desc.name)
-        live = resolve(entries.select(entry_columns(desc, keys)), desc, keys, now)
+        live = resolve(entries.select(entry_columns(desc, keys)), desc, keys, now).rename(desc.display_columns())
         con.execute(f"DROP VIEW IF EXISTS {_ident(STATE_TABLE_PREFIX + desc.name)}")
         con.register(STATE_TABLE_PREFIX + desc.name, live.to_arrow())
     return con

@@ -307,7 +307,8 @@ def state_arrow_schema(layout: StateLayout, desc: StateDescriptor) -> pa.Schema:
     types[ORD] = pa.int64()
     fields = [pa.field(KEY_GROUP, pa.int32(), nullable=False)]
     fields += [pa.field(f.name, f.type, nullable=False) for f in layout.key_schema]
-    fields += [pa.field(c, types[c]) for c in view_columns(desc, keys)[len(keys):]]
+    shown = desc.display_columns()  # v_<name>, mk_<name> with the variable's own name
+    fields += [pa.field(shown.get(c, c), types[c]) for c in view_columns(desc, keys)[len(keys):]]
     return pa.schema(fields)
 
 
@@ -467,7 +468,7 @@ def _resolve_chunk(spec: ReadSpec, reader: SegmentReader, segments: Sequence[Seg
     if not entries.height:
         return None
     keys = [KEY_GROUP, *spec.key_names]
-    view = resolve(entries.select(entry_columns(desc, keys)), desc, keys, spec.now_ms)
+    view = resolve(entries.select(entry_columns(desc, keys)), desc, keys, spec.now_ms).rename(desc.display_columns())
     if key_filter is not None:
         wanted = pl.from_arrow(key_filter).cast({k: view.schema[k] for k in spec.key_names})
         view = view.join(wanted, on=spec.key_names, how="semi")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import hashlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +47,25 @@ class TtlConfig:
             raise ValueError(f"ttl_ms must be a positive int, got {self.ttl_ms!r}")
 
 
-_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
+# A state name that is used as is in its column names; any other name (Spark accepts
+# "ttl-state", "my state", "a.b", unicode...) gets a column stem of its safe characters and
+# a digest of the name (``column_stem``).
+_PLAIN_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_]+")
+MAX_NAME_LENGTH = 1000
+
+
+def column_stem(name: str) -> str:
+    """The part of a state variable's column names (``v_<stem>``, ``mk_<stem>``) that comes
+    from its name: the name itself when it is a plain identifier (letters, digits and
+    underscores, a letter first, at most 63), else its safe characters and 8 hex digits of
+    its SHA-256 (distinct names, distinct columns)."""
+    if _PLAIN_NAME.match(name):
+        return name
+    safe = _UNSAFE.sub("_", name).strip("_")[:40] or "s"
+    if not safe[0].isalpha():
+        safe = f"s_{safe}"
+    return f"{safe}_{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
 def _as_type(t: pa.DataType | pa.Schema, what: str) -> pa.DataType:
@@ -98,10 +117,11 @@ class StateDescriptor:
     user_key_type: pa.DataType | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
+        if not isinstance(self.name, str) or not self.name.strip() or len(self.name) > MAX_NAME_LENGTH \
+                or any(ord(c) < 32 for c in self.name):
             raise ValueError(
-                f"state name {self.name!r} is invalid: use 1-63 letters, digits or underscores, starting "
-                "with a letter (it becomes a column name)"
+                f"state name {self.name!r} is invalid: use a non-blank string of at most {MAX_NAME_LENGTH} "
+                "characters without control characters"
             )
         object.__setattr__(self, "value_type", _as_type(self.value_type, f"value type of state {self.name!r}"))
         if self.ttl is not None and not isinstance(self.ttl, TtlConfig):
@@ -109,11 +129,19 @@ class StateDescriptor:
 
     @property
     def value_column(self) -> str:
-        return f"v_{self.name}"
+        return f"v_{column_stem(self.name)}"
 
     @property
     def user_key_column(self) -> str | None:
-        return f"mk_{self.name}" if self.kind is StateKind.MAP else None
+        return f"mk_{column_stem(self.name)}" if self.kind is StateKind.MAP else None
+
+    def display_columns(self) -> dict[str, str]:
+        """Stored column name -> the name shown to people (SQL tables, the data source):
+        ``v_<name>`` and ``mk_<name>`` with the variable's own name."""
+        shown = {self.value_column: f"v_{self.name}"}
+        if self.user_key_column is not None:
+            shown[self.user_key_column] = f"mk_{self.name}"
+        return shown
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pyarrow as pa
 import pytest
 
+from catalog import IcebergStateTable, connect
 from spark_integration import StateLocation, runner_of, start_stateful_query
 from tests.integration import tws_processors as P
 from tests.integration.streaming_helpers import PROVIDER_CONF, ROCKSDB, stream, write_batches
@@ -236,3 +237,25 @@ def test_deleted_state_raises_through_an_old_handle_and_starts_empty_through_a_n
                        str(tmp_path / "cp-ours"), location())
     assert theirs.emitted()[1] == [("a", "raised", "None", 3), ("b", "raised", "None", 2)]
     compare(theirs, ours)
+
+
+# ---------------------------------------------------------------------------- state names
+
+def test_state_names_that_are_not_identifiers_as_spark_and_shown_by_their_name_in_sql(spark, tmp_path, location):
+    input_dir = write_batches(tmp_path / "in", key_rows(["aab", "ab"]))
+    theirs = run_spark(spark, stream(spark, input_dir), P.OddNamesProcessor(), P.NAMES_OUTPUT,
+                       str(tmp_path / "cp-spark"))
+    where = location()
+    ours, _ = run_ours(spark, stream(spark, input_dir), P.OddNamesProcessor(), P.NAMES_OUTPUT,
+                       str(tmp_path / "cp-ours"), where)
+    compare(theirs, ours)
+    table = IcebergStateTable.open_existing(warehouse=where.warehouse, table_name=where.table)
+    try:
+        con = connect(table)
+        assert con.sql('SELECT key, "v_ttl-state".n FROM "state_ttl-state" ORDER BY key').fetchall() == [
+            ("a", 3), ("b", 2)]
+        assert con.sql('SELECT count(*) FROM "state_my state"').fetchall() == [(5,)]
+        assert con.sql("""SELECT "mk_a.b".k FROM "state_a.b" WHERE key = 'a' ORDER BY 1""").fetchall() == [
+            ("n2",), ("n3",)]
+    finally:
+        table.close()

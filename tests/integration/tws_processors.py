@@ -317,3 +317,31 @@ class DeletedStateProcessor(StatefulProcessor):
 
     def close(self) -> None:
         pass
+
+
+# ---------------------------------------------------------------------------- state names
+
+NAMES_OUTPUT = "key string, count long, items long, entries long"
+
+
+class OddNamesProcessor(StatefulProcessor):
+    """State names that are not identifiers: with a dash, a space, a dot and non-ASCII."""
+
+    def init(self, handle) -> None:
+        self.count = handle.getValueState("ttl-state", "n long")
+        self.items = handle.getListState("my state", "v long")
+        self.entries = handle.getMapState("a.b", "k string", "v long")
+        self.other = handle.getValueState("ünïcode", "n long")
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        values = _values(rows)
+        old = self.count.get()
+        n = (old[0] if old else 0) + len(values)
+        self.count.update((n,))
+        self.items.appendList([(v,) for v in values])
+        self.entries.updateValue((f"n{n}",), (n,))
+        self.other.update((n * 2,))
+        yield Row(key=key[0], count=n, items=len(list(self.items.get())), entries=len(list(self.entries.keys())))
+
+    def close(self) -> None:
+        pass

@@ -730,3 +730,36 @@ def test_flush_rejects_checkpoint_ids_that_cannot_order_entries(tmp_path, bad):
         store.flush(bad)
     assert store.checkpoint().checkpoint_id == 1  # the memtable is intact
     assert store.get_state("n").get_batch(pa.table({"k": ["a"]})).to_pylist() == [1]
+
+
+# --------------------------------------------------------------------------- state names
+
+ODD_NAMES = ["ttl-state", "my state", "a.b", "ünïcode", "1st", "_x", "x" * 300, "v_count"]
+
+
+def test_any_name_spark_accepts_is_a_state_name_with_safe_distinct_columns(tmp_path):
+    descriptors = [ValueStateDescriptor(n, pa.int64()) for n in ODD_NAMES] + [
+        MapStateDescriptor("map-of things", pa.int64(), key_type=pa.string())]
+    columns = [c for d in descriptors for c in (d.value_column, d.user_key_column) if c is not None]
+    assert len(set(columns)) == len(columns)
+    assert all(re.fullmatch(r"[A-Za-z][A-Za-z0-9_]{0,62}", c) for c in columns), columns
+    assert descriptors[0].value_column.startswith("v_ttl_state_")
+    assert ValueStateDescriptor("count", pa.int64()).value_column == "v_count"  # plain names as before
+    assert descriptors[-1].display_columns() == {descriptors[-1].value_column: "v_map-of things",
+                                                 descriptors[-1].user_key_column: "mk_map-of things"}
+    store = open_store(tmp_path, descriptors)
+    for i, name in enumerate(ODD_NAMES):
+        store.set_current_key(("a",))
+        store.get_state(name).update(i)
+    store.get_state("map-of things").put("k", 7)
+    store.checkpoint()
+    reopened = open_store(tmp_path, descriptors)
+    reopened.set_current_key(("a",))
+    assert [reopened.get_state(n).get() for n in ODD_NAMES] == list(range(len(ODD_NAMES)))
+    assert reopened.get_state("map-of things").get("k") == 7
+
+
+@pytest.mark.parametrize("name", ["", "   ", "tab\there", "x" * 1001, 7])
+def test_blank_control_character_or_overlong_state_names_are_refused(name):
+    with pytest.raises((ValueError, TypeError), match="state name"):
+        ValueStateDescriptor(name, pa.int64())
