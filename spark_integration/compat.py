@@ -72,11 +72,26 @@ def arrow_type(schema: StructType) -> pa.DataType:
 
 
 def _ttl(ttl_ms: int | None, name: str) -> TtlConfig | None:
-    if ttl_ms is None:
+    if ttl_ms is None or ttl_ms == 0:  # 0: no TTL, as Spark
         return None
-    if not isinstance(ttl_ms, int) or ttl_ms <= 0:
-        raise ValueError(f"state {name!r}: ttlDurationMs must be a positive int of milliseconds, got {ttl_ms!r}")
+    if not isinstance(ttl_ms, int) or isinstance(ttl_ms, bool) or ttl_ms < 0:
+        raise ValueError(f"state {name!r}: ttlDurationMs must be a positive int of milliseconds (0: no TTL), "
+                         f"got {ttl_ms!r}")
     return TtlConfig(ttl_ms)
+
+
+def check_state_name(name: Any) -> None:
+    """Spark's rules for a state variable's name (its state store's column family): not empty,
+    no leading or trailing space, not ``default``, not starting with ``$`` (Spark's own);
+    anything else goes (dashes, spaces, dots, unicode...). Checked when the query starts,
+    where Spark fails the first batch's tasks."""
+    if not isinstance(name, str):
+        raise TypeError(f"a state name must be a string, got {type(name).__name__} ({name!r})")
+    if not name or name.strip() != name or name == "default":
+        raise ValueError(f"state name {name!r} is invalid: it must not be empty, have leading or trailing spaces, "
+                         "or be the reserved 'default' (Spark's rule)")
+    if name.startswith("$"):
+        raise ValueError(f"state name {name!r} is invalid: names starting with '$' are reserved (Spark's rule)")
 
 
 class DeclaringHandle:
@@ -87,6 +102,7 @@ class DeclaringHandle:
         self.deleted: list[str] = []
 
     def _declare(self, desc: StateDescriptor) -> None:
+        check_state_name(desc.name)
         if desc.name == TIMERS_STATE:
             raise ValueError(f"state name {TIMERS_STATE!r} is reserved for timers; choose another name")
         if any(d.name == desc.name for d in self.descriptors):

@@ -653,6 +653,10 @@ def start_stateful_query(
             raise ValueError(f"api must be 'row' (Spark's transformWithState) or 'pandas' "
                              f"(transformWithStateInPandas), got {api!r}")
         descriptors = list(declare(processor).descriptors)
+        with_ttl = [d.name for d in descriptors if d.ttl is not None]
+        if with_ttl and mode != "processingtime":
+            raise ValueError(f"state {with_ttl} declares a TTL (ttlDurationMs), which needs "
+                             f"time_mode='ProcessingTime' (TTL is processing time), not {time_mode!r}; as Spark")
     else:
         raise TypeError("processor must be a pyspark StatefulProcessor or a spark_integration VectorizedProcessor, "
                         f"got {type(processor).__name__}")

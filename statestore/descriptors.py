@@ -52,7 +52,6 @@ class TtlConfig:
 # a digest of the name (``column_stem``).
 _PLAIN_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]+")
-MAX_NAME_LENGTH = 1000
 
 
 def column_stem(name: str) -> str:
@@ -117,12 +116,8 @@ class StateDescriptor:
     user_key_type: pa.DataType | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name.strip() or len(self.name) > MAX_NAME_LENGTH \
-                or any(ord(c) < 32 for c in self.name):
-            raise ValueError(
-                f"state name {self.name!r} is invalid: use a non-blank string of at most {MAX_NAME_LENGTH} "
-                "characters without control characters"
-            )
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"state name {self.name!r} is invalid: use a non-blank string")
         object.__setattr__(self, "value_type", _as_type(self.value_type, f"value type of state {self.name!r}"))
         if self.ttl is not None and not isinstance(self.ttl, TtlConfig):
             raise TypeError(f"ttl of state {self.name!r} must be a TtlConfig, got {type(self.ttl).__name__}")

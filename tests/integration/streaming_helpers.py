@@ -121,59 +121,6 @@ class ProfileProcessor(StatefulProcessor):
         pass
 
 
-class SessionTimeoutProcessor(StatefulProcessor):
-    """Counts per key and emits the count when no row came for ``gap_ms`` (processing-time timer)."""
-
-    def __init__(self, gap_ms: int):
-        self.gap_ms = gap_ms
-
-    def init(self, handle) -> None:
-        self.handle = handle
-        self.count = handle.getValueState("count", "n long")
-
-    def handleInputRows(self, key, rows, timerValues):
-        n = sum(1 for _ in rows)
-        old = self.count.get()
-        self.count.update(((old[0] if old else 0) + n,))
-        for t in self.handle.listTimers():
-            self.handle.deleteTimer(t)
-        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + self.gap_ms)
-        return iter([])
-
-    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
-        n = self.count.get()[0]
-        self.count.clear()
-        yield Row(key=key[0], count=n, fired_at=expiredTimerInfo.getExpiryTimeInMs())
-
-    def close(self) -> None:
-        pass
-
-
-class EventTimeWindowProcessor(StatefulProcessor):
-    """Sums values per key and emits the sum once the watermark passes the key's first event + 10 s."""
-
-    def init(self, handle) -> None:
-        self.handle = handle
-        self.total = handle.getValueState("total", "total long")
-
-    def handleInputRows(self, key, rows, timerValues):
-        rows = list(rows)
-        old = self.total.get()
-        if old is None:
-            first = min(r.ts for r in rows)
-            self.handle.registerTimer(int(first.timestamp() * 1000) + 10_000)
-        self.total.update(((old[0] if old else 0) + sum(r.v for r in rows),))
-        return iter([])
-
-    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
-        total = self.total.get()[0]
-        self.total.clear()
-        yield Row(key=key[0], total=total)
-
-    def close(self) -> None:
-        pass
-
-
 class InitialCountProcessor(CountProcessor):
     """A count seeded from an initial state (key, n)."""
 

@@ -6,7 +6,6 @@ processor class runs on both and must emit the same rows.
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -26,10 +25,8 @@ from tests.integration.streaming_helpers import (
     ROCKSDB,
     BadOutputProcessor,
     CountProcessor,
-    EventTimeWindowProcessor,
     InitialCountProcessor,
     ProfileProcessor,
-    SessionTimeoutProcessor,
     TtlCountProcessor,
     counts,
     key_batches,
@@ -293,63 +290,20 @@ def test_a_new_query_on_a_fork_starts_from_the_forked_state_and_leaves_main_alon
         table.close()
 
 
-def test_processing_time_timers_fire_and_survive_rescale(spark, tmp_path, where):
-    batches = key_batches(4, 12, 9)
-    input_dir = tmp_path / "in"
-    cp = str(tmp_path / "cp")
-    fired: list[tuple] = []
-
-    def collect(df, batch_id):
-        fired.extend((batch_id, r.key, r["count"]) for r in df.collect())
-
-    write_batches(input_dir, batches[:2])
-    run_to_end(spark, str(input_dir), SessionTimeoutProcessor(1), "key string, count long, fired_at long",
-               location=where(parallelism=2), checkpoint=cp, foreach_batch=collect, time_mode="ProcessingTime")
-    write_batches(input_dir, batches)
-    run_to_end(spark, str(input_dir), SessionTimeoutProcessor(1), "key string, count long, fired_at long",
-               location=where(parallelism=3), checkpoint=cp, foreach_batch=collect, time_mode="ProcessingTime")
-    # Model: a key's timer is reset by every batch with its rows and fires in the first later
-    # batch without them, emitting the rows counted since the last firing.
-    expected, pending = [], Counter()
-    for b, t in enumerate(batches):
-        present = Counter(t["key"].to_pylist())
-        for k in sorted(set(pending) - set(present)):
-            expected.append((b, k, pending.pop(k)))
-        pending.update(present)
-    assert sorted(fired) == sorted(expected)
-
-
-def test_event_time_timers_follow_the_watermark(spark, tmp_path, where):
-    def at(seconds):
-        return dt.datetime(2026, 1, 1, tzinfo=dt.UTC) + dt.timedelta(seconds=seconds)
-    rows = [
-        [("a", 1, at(1)), ("b", 2, at(2))],
-        [("a", 10, at(21)), ("c", 100, at(25))],
-        [("a", 1000, at(3)), ("d", 5, at(40))],  # a's row is late (watermark 20 s) and dropped
-        [("e", 7, at(41))],
-    ]
-    schema = pa.schema([("key", pa.string()), ("v", pa.int64()), ("ts", pa.timestamp("us", tz="UTC"))])
-    input_dir = write_batches(tmp_path / "in", [pa.Table.from_pylist(
-        [dict(zip(schema.names, r, strict=True)) for r in b], schema=schema) for b in rows])
-    df = stream(spark, input_dir, "key string, v long, ts timestamp").withWatermark("ts", "5 seconds")
-    out, collect = collector()
-    run_to_end(spark, input_dir, EventTimeWindowProcessor(), "key string, total long", location=where(),
-               checkpoint=str(tmp_path / "cp"), df=df, foreach_batch=collect, time_mode="EventTime",
-               event_time_column="ts")
-    assert sorted(out) == [(2, "a", 11), (2, "b", 2), (3, "c", 100)]
-
-
 def test_ttl_expires_state_between_batches(spark, tmp_path, where):
     batches = key_batches(3, 40, 7)
     input_dir = write_batches(tmp_path / "in", batches)
     short, collect = collector()
     run_to_end(spark, input_dir, TtlCountProcessor(1), "key string, count long", location=where("short"),
-               checkpoint=str(tmp_path / "cp-short"), foreach_batch=collect)
+               checkpoint=str(tmp_path / "cp-short"), foreach_batch=collect, time_mode="ProcessingTime")
     per_batch = {(b, k): n for b, t in enumerate(batches) for k, n in Counter(t["key"].to_pylist()).items()}
     assert {(b, k): n for b, k, n in short} == per_batch
     long_rows, collect = collector()
     run_to_end(spark, input_dir, TtlCountProcessor(3_600_000), "key string, count long", location=where("long"),
-               checkpoint=str(tmp_path / "cp-long"), foreach_batch=collect)
+               checkpoint=str(tmp_path / "cp-long"), foreach_batch=collect, time_mode="ProcessingTime")
+    with pytest.raises(ValueError, match=r"declares a TTL.*needs time_mode='ProcessingTime'"):
+        run_to_end(spark, input_dir, TtlCountProcessor(5), "key string, count long", location=where("none"),
+                   checkpoint=str(tmp_path / "cp-none"))
     assert {k: n for b, k, n in long_rows if b == 2} == {k: counts(batches)[k] for k in per_batch_keys(batches[2])}
 
 

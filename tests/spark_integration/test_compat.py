@@ -29,8 +29,9 @@ from spark_integration.compat import (
     spark_struct,
 )
 from spark_integration.timers import TIMERS_STATE
-from statestore import DirectoryStateTable, StateStoreError, TtlConfig, assign_key_groups
+from statestore import DirectoryStateTable, StateStoreError, TtlConfig, ValueStateDescriptor, assign_key_groups
 from statestore.descriptors import StateKind
+from statestore.errors import StateVariableDeletedError
 from tests.spark_integration.si_helpers import (
     ITEM,
     MAX_PARALLELISM,
@@ -541,7 +542,9 @@ def test_declaring_handle_refuses_timers_in_init(call):
 def test_declaring_handle_checks_ttl_and_schemas():
     handle = DeclaringHandle()
     with pytest.raises(ValueError, match=r"state 'c': ttlDurationMs must be a positive int"):
-        handle.getValueState("c", VALUE, 0)
+        handle.getValueState("c", VALUE, -5)
+    handle.getValueState("no-ttl", VALUE, 0)  # 0: no TTL, as Spark
+    assert handle.descriptors.pop().ttl is None
     with pytest.raises(TypeError, match=r"schema must be a StructType or a DDL string, got int"):
         handle.getValueState("c", 5)
     handle.getMapState("m", IntegerType(), StringType(), 50)
@@ -652,3 +655,34 @@ def test_the_cyclic_collector_pauses_while_a_processor_runs_and_resumes_after():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("name", ["", " padded", "padded ", "default", "$timers"])
+def test_declaring_handle_refuses_the_state_names_spark_refuses(name):
+    with pytest.raises(ValueError, match=r"state name .* is invalid"):
+        DeclaringHandle().getValueState(name, VALUE)
+
+
+@pytest.mark.parametrize("name", ["ttl-state", "my state", "a.b", "DEFAULT", "tab\there", "émoji 🙂", "x" * 5000])
+def test_declaring_handle_takes_every_state_name_spark_takes(name):
+    handle = DeclaringHandle()
+    handle.getListState(name, VALUE)
+    assert handle.descriptors[0].name == name
+
+
+def test_a_handle_obtained_before_delete_if_exists_raises_one_obtained_after_works(tmp_path):
+    layout = layout_of([ValueStateDescriptor("s", pa.struct([("value", pa.int64())]))])
+    store = open_store(tmp_path, layout)
+    store.set_current_key(("a",))
+    store.get_state("s").update({"value": 5})
+    handle = StoreHandle(store, None)
+    before = handle.getValueState("s")
+    handle.deleteIfExists("s")
+    for call in (before.get, before.exists, lambda: before.update((1,)), before.clear):
+        with pytest.raises(StateVariableDeletedError, match=r"state 's' is not initialized.*deleteIfExists"):
+            call()
+    after = handle.getValueState("s")
+    store.set_current_key(("a",))
+    assert (after.exists(), after.get()) == (False, None)
+    after.update((7,))
+    assert after.get() == (7,)

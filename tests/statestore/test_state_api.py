@@ -734,7 +734,7 @@ def test_flush_rejects_checkpoint_ids_that_cannot_order_entries(tmp_path, bad):
 
 # --------------------------------------------------------------------------- state names
 
-ODD_NAMES = ["ttl-state", "my state", "a.b", "ünïcode", "1st", "_x", "x" * 300, "v_count"]
+ODD_NAMES = ["ttl-state", "my state", "a.b", "ünïcode", "1st", "_x", "x" * 5000, "v_count", "tab\there", "DEFAULT"]
 
 
 def test_any_name_spark_accepts_is_a_state_name_with_safe_distinct_columns(tmp_path):
@@ -759,7 +759,7 @@ def test_any_name_spark_accepts_is_a_state_name_with_safe_distinct_columns(tmp_p
     assert reopened.get_state("map-of things").get("k") == 7
 
 
-@pytest.mark.parametrize("name", ["", "   ", "tab\there", "x" * 1001, 7])
-def test_blank_control_character_or_overlong_state_names_are_refused(name):
+@pytest.mark.parametrize("name", ["", "   ", 7])
+def test_blank_state_names_are_refused(name):
     with pytest.raises((ValueError, TypeError), match="state name"):
         ValueStateDescriptor(name, pa.int64())
