@@ -500,16 +500,24 @@ def _drive(processor: StatefulProcessor, store: StateStore, timers: TimerService
                 for key, _, frames in initial_groups(initial, store):
                     store.set_current_key(key)
                     for frame in frames:
-                        processor.handleInitialState(key, frame, timer_values)
+                        try:
+                            processor.handleInitialState(key, frame, timer_values)
+                        except Exception as e:
+                            _note(e, processor, "handleInitialState", key)
+                            raise
         store.check_routed_keys(rows.select(names), np.asarray(key_groups, dtype=np.int64))
         if rows.num_rows and store.layout.descriptors:
             store.prefetch(rows.select(names))  # one batched read of every key's state
         select_key = store.select_key
         for key, kg, key_rows in groups(rows, key_groups, store):
             select_key(key, kg)
-            result = processor.handleInputRows(key, key_rows, timer_values)
-            if result is not None:
-                emit(result)
+            try:
+                result = processor.handleInputRows(key, key_rows, timer_values)
+                if result is not None:
+                    emit(result)  # a generator's body runs here
+            except Exception as e:
+                _note(e, processor, "handleInputRows", key)
+                raise
         if timers is not None and fire_upto_ms is not None:
             # As Spark: timers expired when the batch started, in time order; each is deleted
             # after its handler ran (a handler sees it in listTimers, and re-registering the
@@ -523,12 +531,21 @@ def _drive(processor: StatefulProcessor, store: StateStore, timers: TimerService
                 store.set_current_key(key)
                 if ts not in timers.list():
                     continue  # deleted by an earlier handler of this batch
-                result = processor.handleExpiredTimer(key, timer_values, ExpiredTimerInfo(ts))
-                if result is not None:
-                    emit(result)
+                try:
+                    result = processor.handleExpiredTimer(key, timer_values, ExpiredTimerInfo(ts))
+                    if result is not None:
+                        emit(result)
+                except Exception as e:
+                    _note(e, processor, f"handleExpiredTimer (timer {ts})", key)
+                    raise
                 timers.delete(ts)
     finally:
         processor.close()
+
+
+def _note(error: Exception, processor: StatefulProcessor, method: str, key: tuple) -> None:
+    """Say on the user's exception where it was raised (shown under its message)."""
+    error.add_note(f"raised by {type(processor).__name__}.{method} for key {key!r}")
 
 
 def _row_groups(rows: pa.Table, key_groups: list[int], store: StateStore) -> Iterator[tuple[tuple, int, Any]]:

@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -46,6 +47,7 @@ from catalog.compactor import CompactorProcess
 from catalog.output_table import OutputTable
 from catalog.task_view import CheckpointView
 from spark_integration.compat import declare, spark_struct
+from spark_integration.errors import user_error
 from spark_integration.location import StateLocation
 from spark_integration.tasks import (
     HEARTBEAT,
@@ -68,6 +70,7 @@ from statestore.errors import (
     QueryMismatchError,
     SchemaMismatchError,
     TaskReportError,
+    WorkerEnvironmentError,
 )
 from statestore.faults import kill_if_asked
 from statestore.keygroups import check_key_type
@@ -196,6 +199,7 @@ class StatefulRunner:
         self.initial_state = initial_state
         self.store_config = store_config
         self.api = api
+        self.failure: BaseException | None = None  # what the last failed batch raised
         self.timezone = spark.conf.get("spark.sql.session.timeZone") or "UTC"
         self.beacon = beacon  # what is due next, for the ticks source (None: no timers)
         self.watermark_delay_ms = watermark_delay_ms
@@ -215,6 +219,18 @@ class StatefulRunner:
     # ------------------------------------------------------------------ the batch function
 
     def __call__(self, batch_df: DataFrame, batch_id: int) -> None:
+        try:
+            self._batch(batch_df, batch_id)
+        except Exception as e:
+            # A processor's own exception, carried by its task's failure, is what the query
+            # failed of (``StatefulQuery.exception``), Spark's error chained as its cause.
+            original = user_error(e)
+            self.failure = e if original is None else original
+            if original is None:
+                raise
+            raise original from e
+
+    def _batch(self, batch_df: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
         info = self.table.current_checkpoint()
         adopted = self._check_same_query(info)
@@ -550,7 +566,10 @@ def _watermark_of(df: DataFrame) -> tuple[str, int] | None:
 def _warm_workers(spark: SparkSession, location: StateLocation, view: CheckpointView, layout: StateLayout) -> None:
     """Start a Python worker per executor core (up to the query's parallelism), with the
     store's modules imported and the state table opened once: a cold worker spends seconds
-    importing pyarrow, polars and the Iceberg client, which the first batch would otherwise wait for."""
+    importing pyarrow, polars and the Iceberg client, which the first batch would otherwise
+    wait for. Also the check that the workers can import the library at all: a worker that
+    runs another interpreter than the driver (``PYSPARK_PYTHON`` unset) fails here, with a
+    message that says so, instead of in the first batch with a ``ModuleNotFoundError``."""
     workers = max(1, min(spark.sparkContext.defaultParallelism, location.parallelism))
 
     def warm(batches):
@@ -564,8 +583,27 @@ def _warm_workers(spark: SparkSession, location: StateLocation, view: Checkpoint
     try:
         spark.sparkContext.setLocalProperty("spark.job.description", "icestate: warm Python workers")
         spark.range(0, workers, 1, workers).mapInArrow(warm, "pid long").collect()
-    except Exception as e:  # only an optimization: the first batch starts workers itself
-        log.info("warming Python workers failed: %s", e)
+    except Exception as e:
+        missing = _import_failure(str(e))
+        if missing is not None:
+            python = getattr(spark.sparkContext, "pythonExec", None) or os.environ.get("PYSPARK_PYTHON") or "python3"
+            raise WorkerEnvironmentError(
+                f"Spark's Python workers cannot import icestate ({missing}): they run {python!r}, this driver runs "
+                f"{sys.executable!r}. Set PYSPARK_PYTHON={sys.executable} before the SparkSession starts (on a "
+                "cluster: an interpreter with icestate and its dependencies on every executor)"
+            ) from None
+        log.warning("warming Python workers failed (the first batch starts them): %s", e)
+    finally:
+        spark.sparkContext.setLocalProperty("spark.job.description", None)
+
+
+def _import_failure(text: str) -> str | None:
+    """The import error in a failed Python worker's traceback, if that is why it failed."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith(("ModuleNotFoundError:", "ImportError:")):
+            return line
+    return None
 
 
 def start_stateful_query(
@@ -605,7 +643,8 @@ def start_stateful_query(
             column per value state.
         warm_workers: while the query starts, run a small job that starts Python workers on
             the executors, imports the store's modules in them and opens the state table, so
-            the first batch's tasks find warm workers (Spark reuses them).
+            the first batch's tasks find warm workers (Spark reuses them); a worker that cannot
+            import the library fails the start with ``WorkerEnvironmentError``.
         api: for a ``StatefulProcessor``, the API it is written for: ``"row"`` (Spark's
             ``transformWithState``: ``Row``s in, ``Row``s out) or ``"pandas"`` (Spark's
             ``transformWithStateInPandas``: a key's rows as a pandas DataFrame, DataFrames out).
@@ -681,9 +720,11 @@ def start_stateful_query(
         watermark_delay_ms=None if watermark is None or watermark[0] != event_time_column else watermark[1],
     )
     if warm_workers:
-        view = runner.table.checkpoint_view()
-        threading.Thread(target=_warm_workers, args=(spark, location, view, layout), name="icestate-warm-workers",
-                         daemon=True).start()
+        try:
+            _warm_workers(spark, location, runner.table.checkpoint_view(), layout)
+        except BaseException:
+            runner.close()
+            raise
     # With timers, the ticks source runs a batch without input when one is due, as Spark does.
     source = df if runner.beacon is None else ticks_frame(df, runner.beacon)
     writer = source.writeStream.foreachBatch(runner).option("checkpointLocation", checkpoint_location)
@@ -692,10 +733,52 @@ def start_stateful_query(
     if trigger:
         writer = writer.trigger(**trigger)
     query = writer.start()
+    query.__class__ = _stateful_query_class(type(query))
+    query._icestate_runner = runner
     _RUNNERS[query.id] = runner
     threading.Thread(target=_close_when_terminated, args=(query, runner), name="icestate-query-watch",
                      daemon=True).start()
     return query
+
+
+_QUERY_CLASSES: dict[type, type] = {}
+
+
+def _stateful_query_class(base: type) -> type:
+    """Spark's query class (classic or Connect) whose failure is the processor's own exception:
+    ``exception()`` returns it and ``awaitTermination()`` raises it, Spark's error (the
+    ``StreamingQueryException`` wrapping the task's failure) chained as its cause."""
+    if base not in _QUERY_CLASSES:
+        def exception(self):
+            spark_error = base.exception(self)
+            return spark_error if spark_error is None else _user_failure(self, spark_error)
+
+        def awaitTermination(self, timeout=None):
+            try:
+                return base.awaitTermination(self, timeout)
+            except Exception as spark_error:
+                failure = _user_failure(self, spark_error)
+                if failure is spark_error:
+                    raise
+                raise failure from spark_error
+
+        _QUERY_CLASSES[base] = type(f"Stateful{base.__name__}", (base,), {
+            "exception": exception, "awaitTermination": awaitTermination,
+            "__doc__": "A streaming query of start_stateful_query (Spark's, with the processor's own failure).",
+        })
+    return _QUERY_CLASSES[base]
+
+
+def _user_failure(query: Any, spark_error: BaseException) -> BaseException:
+    runner = getattr(query, "_icestate_runner", None)
+    failure = None if runner is None else runner.failure
+    if failure is None:
+        failure = user_error(spark_error)  # a runner in another process (Spark Connect)
+    if failure is None:
+        return spark_error
+    if failure.__cause__ is None:
+        failure.__cause__ = spark_error
+    return failure
 
 
 def _close_when_terminated(query: StreamingQuery, runner: StatefulRunner) -> None:

@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 from pyspark.accumulators import AccumulatorParam
 
 from catalog.task_view import CheckpointView, TaskStateTable, locations_of
+from spark_integration.errors import processor_error
 from spark_integration.timers import TimerService
 from statestore.config import StoreConfig
 from statestore.faults import fail_if_first_attempt
@@ -285,7 +286,10 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
 
     # A Spark-API processor allocates per row and per key, up to the flush's seal.
     with _no_cyclic_gc() if plan.compat else contextlib.nullcontext():
-        output = _process(plan, ts, data, kgs, initial)
+        try:
+            output = _process(plan, ts, data, kgs, initial)
+        except Exception as e:
+            raise processor_error(e, plan.batch_id, task) from e
         processed = time.perf_counter()
         segments = store.flush(plan.checkpoint_id)
     ts.pending = (plan.checkpoint_id, token)

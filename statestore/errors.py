@@ -84,6 +84,16 @@ class StateVariableDeletedError(StateStoreError, RuntimeError):
     Spark's "state is not initialized"); a handle obtained after the delete works."""
 
 
+class WorkerEnvironmentError(StateStoreError, RuntimeError):
+    """Spark's Python workers cannot import the library (another interpreter than the
+    driver's, without icestate or its dependencies): found when a query starts."""
+
+
+class ProcessorError(StateStoreError, RuntimeError):
+    """A processor's code raised in a task; its message starts with the processor's own
+    exception (``spark_integration.errors`` carries the exception itself to the driver)."""
+
+
 class TimersDisabledError(StateStoreError):
     """Timers were used by a query started without a time mode (ProcessingTime or EventTime)."""
 

@@ -121,6 +121,18 @@ class ProfileProcessor(StatefulProcessor):
         pass
 
 
+class FailingProcessor(CountProcessor):
+    """A count that raises the user's own exception for one key."""
+
+    def __init__(self, bad_key: str):
+        self.bad_key = bad_key
+
+    def handleInputRows(self, key, rows, timerValues):
+        if key[0] == self.bad_key:
+            raise KeyError(f"no profile for {key[0]}")
+        yield from super().handleInputRows(key, rows, timerValues)
+
+
 class InitialCountProcessor(CountProcessor):
     """A count seeded from an initial state (key, n)."""
 

@@ -25,6 +25,7 @@ from tests.integration.streaming_helpers import (
     ROCKSDB,
     BadOutputProcessor,
     CountProcessor,
+    FailingProcessor,
     InitialCountProcessor,
     ProfileProcessor,
     TtlCountProcessor,
@@ -434,9 +435,31 @@ def test_output_not_matching_the_schema_fails_the_batch_and_keeps_state(spark, t
     cp = str(tmp_path / "cp")
     run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=loc, checkpoint=cp)
     write_batches(input_dir, batches)
-    with pytest.raises(Exception, match="count"):
+    with pytest.raises(TypeError, match=r"^processor output: column 'count' does not match") as failed:
         run_to_end(spark, str(input_dir), BadOutputProcessor(), "key string, count long", location=loc,
                    checkpoint=cp)
+    # The processor's own error, Spark's wrapping of the task's failure chained as its cause.
+    assert type(failed.value.__cause__).__name__ == "StreamingQueryException"
     assert state_counts(loc) == counts(batches[:1])
     run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=loc, checkpoint=cp)
     assert state_counts(loc) == counts(batches)
+
+
+def test_a_processor_exception_surfaces_as_itself_with_where_it_was_raised(spark, tmp_path, where):
+    batches = key_batches(2, 12, 4)
+    loc, cp = where(), str(tmp_path / "cp")
+    input_dir = write_batches(tmp_path / "in", batches)
+    with pytest.raises(KeyError, match="no profile for k0001") as failed:
+        run_to_end(spark, input_dir, FailingProcessor("k0001"), "key string, count long", location=loc,
+                   checkpoint=cp)
+    notes = failed.value.__notes__
+    assert notes[0] == "raised by FailingProcessor.handleInputRows for key ('k0001',)"
+    assert type(failed.value.__cause__).__name__ == "StreamingQueryException"
+    assert "(in batch 0, task" in str(failed.value.__cause__)
+    with pytest.raises(KeyError):
+        raise failed.value
+    table = IcebergStateTable.open_existing(warehouse=loc.warehouse, table_name=loc.table)
+    try:
+        assert table.current_checkpoint() is None  # nothing committed
+    finally:
+        table.close()

@@ -1,0 +1,65 @@
+"""Setup traps, found when a query starts, not in its first batch: Python workers that run
+another interpreter than the driver (``PYSPARK_PYTHON`` unset, the usual trap with a
+virtual environment) cannot import the library, and the start says so.
+
+The driver runs in a subprocess of its own: a worker interpreter is fixed when a
+SparkContext starts, and the test session's workers are right.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import venv
+from pathlib import Path
+
+import pytest
+
+from tests.integration.process_helpers import stop_session, tail
+
+DRIVER = textwrap.dedent('''
+    import sys
+    from pyspark.sql import SparkSession
+    from spark_integration import StateLocation, start_stateful_query
+    from statestore.errors import WorkerEnvironmentError
+    from tests.integration.streaming_helpers import CountProcessor
+
+    work = sys.argv[1]
+    spark = (SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false")
+             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+             .getOrCreate())
+    df = spark.readStream.schema("key string, v long").parquet(work + "/in")
+    try:
+        start_stateful_query(df, ["key"], CountProcessor(), "key string, count long",
+                             location=StateLocation(table="t", warehouse=work + "/wh", parallelism=1),
+                             checkpoint_location=work + "/cp", compaction=None)
+    except WorkerEnvironmentError as e:
+        print("REFUSED:", e)
+        sys.exit(0)
+    print("STARTED")
+    sys.exit(3)
+''')
+
+
+@pytest.mark.timeout(300)
+def test_workers_without_the_library_fail_the_start_with_what_to_do(tmp_path: Path):
+    bare = tmp_path / "bare"
+    venv.create(bare, with_pip=False)  # an interpreter without pyarrow, polars or icestate
+    (tmp_path / "in").mkdir()
+    log = tmp_path / "driver.log"
+    env = {**os.environ, "PYSPARK_PYTHON": str(bare / "bin" / "python"), "PYSPARK_DRIVER_PYTHON": sys.executable,
+           "PYTHONPATH": os.getcwd()}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=240)
+        finally:
+            stop_session(proc)
+    text = tail(log, 20000)
+    assert code == 0, text
+    refused = next(line for line in text.splitlines() if line.startswith("REFUSED:"))
+    assert "Spark's Python workers cannot import icestate (ModuleNotFoundError: No module named" in refused
+    assert str(bare / "bin" / "python") in refused and f"Set PYSPARK_PYTHON={sys.executable}" in refused
