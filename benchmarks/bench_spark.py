@@ -11,9 +11,10 @@ own SparkSession so that sessions and configurations cannot leak:
 - ``spark-count-hdfs``: the same on Spark's default HDFS-backed state store;
 - ``spark-tws-rows``: ``transformWithState`` with a row-based StatefulProcessor (one ValueState);
 - ``spark-tws-pandas``: ``transformWithStateInPandas`` with the same logic on pandas frames;
-- ``ours-compat`` and ``ours-vectorized``: ``spark_integration.start_stateful_query`` with the
-  row processor above run unchanged, and with ``RunningAggregate("count")``; reported as not
-  available while ``spark_integration.start_stateful_query`` cannot be imported.
+- ``ours-compat``, ``ours-pandas`` and ``ours-vectorized``: ``spark_integration.start_stateful_query``
+  with the row processor above run unchanged, with the pandas processor above run unchanged
+  (``api="pandas"``), and with ``RunningAggregate("count")``; reported as not available while
+  ``spark_integration.start_stateful_query`` cannot be imported.
 
 The transformWithState peers make one JVM round trip per key and state call, so they run on a
 smaller data set with the same events per key per batch (``--tws-main`` also runs the row-based
@@ -21,6 +22,17 @@ one on the main data set, about 8 minutes); ratios are only taken between runs o
 data set. Every run's output is checked against the input: per batch the number of
 emitted rows, the sum of the emitted counts and the sum of key-id x count, plus the final count
 of a sample of keys.
+
+Processing-time sessions (``benchmarks.streaming.sessions``; issue 13), on the small data set:
+the same row processor counts a key's events and moves the key's one processing-time timer to
+the batch's time + ``--session-gap-ms`` (1 ms: every session closes in the first later batch
+without its key, the last ones after the input, in a batch without input); the timer emits
+(key, count). ``spark-tws-sessions`` runs it on Spark's ``transformWithState`` (RocksDB), which
+in processing time runs a no-data batch at every trigger forever (even under availableNow) and
+is stopped once every session closed; ``ours-sessions`` on ours (``time_mode="ProcessingTime"``),
+whose availableNow query ends by itself. Measured: time from the query start to the last
+session close, events/s over it, batches and those without input; both runs' closes are
+checked against the closes computed from the input, as a multiset and batch by batch.
 
 Restart and rescale, on a state of ``restart_keys`` keys (2M by default) built by the RocksDB
 ``groupBy().count()`` query: the first batch after a restart of the stopped query against its
@@ -42,7 +54,10 @@ moved by other work.
 Prints tables, writes ``benchmarks/results/spark_bench.json`` and a plot beside it (about 12
 minutes on a quiet 2-core machine). Run: ``.venv/bin/python -m benchmarks.bench_spark``;
 ``--quick`` for a smoke run of every code path (about 4 minutes, ``spark_bench_quick.*``);
-``--report-from FILE.json`` to print the tables and redraw the plot of an earlier run.
+``--report-from FILE.json`` to print the tables and redraw the plot of an earlier run;
+``--workloads sessions`` (or ``throughput``, ``restart``, comma-separated) runs some of the three
+scenarios, ``--only`` some of the implementations (of the throughput and sessions scenarios),
+e.g. ``--workloads throughput,sessions --only spark-tws-pandas,ours-pandas,spark-tws-sessions,ours-sessions``.
 
 The parts live in ``benchmarks.streaming`` (implementations, data, worker, runner, the two
 scenarios, report); this module is the command line.
@@ -62,12 +77,13 @@ import typer
 from benchmarks.harness import console, write_results
 from benchmarks.streaming.data import make_restart_data, make_stream_data
 from benchmarks.streaming.ours import ours_unavailable_reason
-from benchmarks.streaming.registry import IMPLS
+from benchmarks.streaming.registry import IMPLS, SESSION_IMPLS
 from benchmarks.streaming.remote import RemoteState
 from benchmarks.streaming.report import finish
 from benchmarks.streaming.restart import derive_restart, ours_restart_and_rescale, spark_restart_and_rescale
 from benchmarks.streaming.runner import Runner
 from benchmarks.streaming.session import spark_machine_info
+from benchmarks.streaming.sessions import derive_sessions, run_sessions
 from benchmarks.streaming.throughput import derive, run_throughput
 from benchmarks.streaming.worker import run_job
 
@@ -82,7 +98,10 @@ def main(
     restart_keys: int = typer.Option(2_000_000, help="keys of the restart / rescale state"),
     rescale_to: int = typer.Option(8, help="parallelism after the rescale"),
     only: str = typer.Option("", help="comma-separated implementations to run (default: all)"),
+    workloads: str = typer.Option("throughput,sessions,restart",
+                                  help="comma-separated scenarios to run: throughput, sessions, restart"),
     skip_restart: bool = typer.Option(False, help="skip the restart / rescale scenario"),
+    session_gap_ms: int = typer.Option(1, help="session gap of the processing-time sessions scenario"),
     tws_main: bool = typer.Option(False, help="also run transformWithState (rows) on the main data set (~8 min)"),
     ours_restart_impl: str = typer.Option("ours-vectorized", help="which of ours runs the restart scenario"),
     driver_memory: str = typer.Option("3g", help="spark.driver.memory of each Spark process"),
@@ -105,16 +124,23 @@ def main(
         results = json.loads(report_from.read_text())
         derive(results["throughput"])
         derive_restart(results)
+        derive_sessions(results.get("sessions"))
         report_from.write_text(json.dumps(results, indent=2, default=str))
         finish(results, report_from.with_suffix(".png"))
         return
     if quick:  # the small data set only, no reruns, short waits: a smoke run of every code path
         events, keys, batches, small_events, small_keys, restart_keys = 100_000, 10_000, 5, 20_000, 2_000, 100_000
         reruns, quiet_wait = 0, min(quiet_wait, 20)
-    impls = [n.strip() for n in only.split(",") if n.strip()] or list(IMPLS)
-    unknown = set(impls) - set(IMPLS)
+    scenarios = {w.strip() for w in workloads.split(",") if w.strip()} - ({"restart"} if skip_restart else set())
+    if scenarios - {"throughput", "sessions", "restart"}:
+        raise typer.BadParameter(f"unknown workloads {sorted(scenarios - {'throughput', 'sessions', 'restart'})}")
+    chosen = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = set(chosen) - set(IMPLS) - set(SESSION_IMPLS)
     if unknown:
-        raise typer.BadParameter(f"unknown implementations {sorted(unknown)}; known: {list(IMPLS)}")
+        raise typer.BadParameter(f"unknown implementations {sorted(unknown)}; known: {[*IMPLS, *SESSION_IMPLS]}")
+    impls = ([n for n in chosen if n in IMPLS] if chosen else list(IMPLS)) if "throughput" in scenarios else []
+    session_impls = ([n for n in chosen if n in SESSION_IMPLS] if chosen else list(SESSION_IMPLS)) \
+        if "sessions" in scenarios else []
     root = Path(tempfile.mkdtemp(prefix="bench_spark_")) if workdir is None else workdir
     root.mkdir(parents=True, exist_ok=True)
     remote = RemoteState.start(root, s3_latency_ms) if any(IMPLS[n].remote for n in impls) else None
@@ -125,7 +151,9 @@ def main(
     t_start = time.perf_counter()
     try:
         console.log(f"writing input under {root}")
-        datasets = {} if quick else {"main": make_stream_data(root, "main", events, keys, batches, seed=1)}
+        need_main = not quick and any(not IMPLS[n].per_key_jvm_calls or (tws_main and n == "spark-tws-rows")
+                                      for n in impls)
+        datasets = {"main": make_stream_data(root, "main", events, keys, batches, seed=1)} if need_main else {}
         datasets["small"] = make_stream_data(root, "small", small_events, small_keys, batches, seed=2)
         runner = Runner(root, driver_memory, timeout, quiet_wait)
         results: dict = {
@@ -135,16 +163,20 @@ def main(
                                 "runs": "every implementation; the transformWithState peers run on this one only"},
                       "restart": {"keys": restart_keys}},
             "ours_available": ours_reason is None, "ours_unavailable_reason": ours_reason,
+            "workloads": sorted(scenarios),
             "throughput": run_throughput(runner, impls, datasets, ours_reason, reruns, tws_main),
         }
-        if not skip_restart:
+        if session_impls:
+            results["sessions"] = run_sessions(runner, session_impls, datasets["small"], ours_reason, reruns,
+                                               session_gap_ms)
+        if "restart" in scenarios:
             batch_events = events // batches
             rd = make_restart_data(root, restart_keys, build=4 if not quick else 2, steady=3 if not quick else 2,
                                    after=2, batch_events=batch_events, seed=3)
             results["sizes"]["restart"] |= {"insert_batches": rd.build, "update_batches": rd.steady,
                                             "events_per_update_batch": batch_events}
             results["restart"] = {"spark": spark_restart_and_rescale(runner, rd, rescale_to)
-                                  if "spark-count-rocksdb" in impls else None,
+                                  if not chosen or "spark-count-rocksdb" in chosen else None,
                                   "ours": ours_restart_and_rescale(runner, rd, rescale_to, ours_restart_impl,
                                                                    ours_reason)}
         results["finished"] = datetime.now(UTC).isoformat()

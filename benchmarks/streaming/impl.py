@@ -26,6 +26,7 @@ class RunContext:
     table: str
     parallelism: int
     sink: Callable[[Any, int], None]
+    gap_ms: int = 1  # the session gap of the processing-time sessions workload
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Our implementations of the keyed running count, through ``spark_integration``: the row
-processor of the ``spark-tws-rows`` peer run unchanged, and the vectorized ``RunningAggregate``.
+processor of the ``spark-tws-rows`` peer run unchanged, the pandas processor of the
+``spark-tws-pandas`` peer run unchanged (``api="pandas"``), and the vectorized ``RunningAggregate``.
 ``spark_integration`` is imported when a query starts, so the Spark peers run without it."""
 
 from __future__ import annotations
@@ -9,16 +10,17 @@ import os
 from typing import Any
 
 from benchmarks.streaming.impl import OUTPUT_SCHEMA, Impl, RunContext
-from benchmarks.streaming.processors import CountProcessor
+from benchmarks.streaming.processors import CountProcessor, PandasCountProcessor, SessionCountProcessor
 
 # The catalog properties of the remote variants (``-s3``): the bench process starts moto's S3
 # server behind our latency proxy and publishes where it is here, for the job processes.
 S3_CATALOG_ENV = "ICESTATE_BENCH_S3_CATALOG"
 
 
-def _start_ours(source: Any, ctx: RunContext, processor: Any, remote: bool = False) -> Any:
+def _start_ours(source: Any, ctx: RunContext, processor: Any, remote: bool = False, **options: Any) -> Any:
     """Ours, against the contract of ``spark_integration.start_stateful_query``; with ``remote``
-    the state lives on S3 (the SQLite catalog stays in the run's warehouse directory)."""
+    the state lives on S3 (the SQLite catalog stays in the run's warehouse directory);
+    ``options`` go to ``start_stateful_query`` (``api``, ``time_mode``)."""
     import spark_integration
 
     where: dict[str, Any] = {"warehouse": ctx.warehouse}
@@ -31,11 +33,15 @@ def _start_ours(source: Any, ctx: RunContext, processor: Any, remote: bool = Fal
                                                **where)
     return spark_integration.start_stateful_query(
         source, keys=["key"], processor=processor, output_schema=OUTPUT_SCHEMA, location=location,
-        checkpoint_location=ctx.checkpoint, trigger={"availableNow": True}, foreach_batch=ctx.sink)
+        checkpoint_location=ctx.checkpoint, trigger={"availableNow": True}, foreach_batch=ctx.sink, **options)
 
 
 def _ours_compat(source: Any, ctx: RunContext) -> Any:
     return _start_ours(source, ctx, CountProcessor())
+
+
+def _ours_pandas(source: Any, ctx: RunContext) -> Any:
+    return _start_ours(source, ctx, PandasCountProcessor(), api="pandas")
 
 
 def _ours_vectorized(source: Any, ctx: RunContext) -> Any:
@@ -56,11 +62,22 @@ def _ours_vectorized_s3(source: Any, ctx: RunContext) -> Any:
 
 OURS = (
     Impl("ours-compat", "ours, Spark-compatible processor API", _ours_compat, None, ours=True),
+    Impl("ours-pandas", "ours, Spark's pandas processor (api='pandas')", _ours_pandas, None, ours=True),
     Impl("ours-vectorized", "ours, vectorized RunningAggregate", _ours_vectorized, None, ours=True),
     Impl("ours-compat-s3", "ours, Spark-compatible API, state on S3 (proxy latency)", _ours_compat_s3, None,
          ours=True, remote=True),
     Impl("ours-vectorized-s3", "ours, vectorized, state on S3 (proxy latency)", _ours_vectorized_s3, None,
          ours=True, remote=True),
+)
+
+
+def _ours_sessions(source: Any, ctx: RunContext) -> Any:
+    return _start_ours(source, ctx, SessionCountProcessor(ctx.gap_ms), time_mode="ProcessingTime")
+
+
+# The sessions workload (``benchmarks.streaming.sessions``).
+OURS_SESSIONS = (
+    Impl("ours-sessions", "ours, the same processor, ProcessingTime timers", _ours_sessions, None, ours=True),
 )
 
 

@@ -1,6 +1,8 @@
-"""The keyed running count as Spark ``StatefulProcessor`` classes, module-level so that the
-``spark-tws-rows`` peer and ``ours-compat`` run the very same class. Spark's Python workers
-unpickle them by reference: this module imports nothing of the project.
+"""The benchmark's Spark ``StatefulProcessor`` classes (the keyed running count, row and pandas;
+the processing-time sessions), module-level so that each Spark peer and ours run the very same
+class (``spark-tws-rows`` and ``ours-compat``, ``spark-tws-pandas`` and ``ours-pandas``,
+``spark-tws-sessions`` and ``ours-sessions``). Spark's Python workers unpickle them by
+reference: this module imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -46,6 +48,37 @@ class PandasCountProcessor(StatefulProcessor):
         total = (int(current[0]) if current else 0) + n
         self.count.update((total,))
         yield pd.DataFrame({"key": [key[0]], "count": [total]})
+
+    def close(self) -> None:
+        pass
+
+
+class SessionCountProcessor(StatefulProcessor):
+    """Sessions in processing time for ``transformWithState`` (``timeMode="ProcessingTime"``):
+    counts a key's events in a ValueState and keeps one timer per key, ``gap_ms`` after the
+    processing time of the key's last batch with input (the previous timer is deleted); the
+    timer emits (key, the session's event count) and clears the state."""
+
+    def __init__(self, gap_ms: int = 1) -> None:
+        self.gap_ms = gap_ms
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+        self.count = handle.getValueState("count", COUNT_STATE_SCHEMA)
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:
+        n = sum(1 for _ in rows)
+        current = self.count.get()
+        self.count.update(((current[0] if current else 0) + n,))
+        for timer in self.handle.listTimers():
+            self.handle.deleteTimer(timer)
+        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + self.gap_ms)
+        return iter([])
+
+    def handleExpiredTimer(self, key: Any, timerValues: Any, expiredTimerInfo: Any) -> Any:
+        total = self.count.get()[0]
+        self.count.clear()
+        yield Row(key=key[0], count=total)
 
     def close(self) -> None:
         pass

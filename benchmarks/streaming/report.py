@@ -1,16 +1,20 @@
-"""The report of a streaming benchmark run: the throughput and restart tables, and the plot.
+"""The report of a streaming benchmark run: the throughput, sessions and restart tables, and the plot.
 Reads only the results dict, so that ``--report-from`` redraws an earlier run's report.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.table import Table
 
 from benchmarks.harness import console, pyplot, ratio, save_figure
 from benchmarks.streaming.peers import SPARK_PEERS
+
+PEER_COLUMNS = {"spark-count-rocksdb": "vs RocksDB count", "spark-count-hdfs": "vs HDFS count",
+                "spark-tws-rows": "vs transformWithState", "spark-tws-pandas": "vs transformWithStateInPandas"}
 
 
 def _fmt(v: float | None, spec: str = ",.0f", suffix: str = "") -> str:
@@ -22,13 +26,13 @@ def _report_throughput(rows: list[dict]) -> None:
                     "same data set, events/s overall / steady / per CPU-second. Other cores: CPU that other processes "
                     "used during the run")
     for col in ("implementation", "data set", "wall s", "events/s", "steady ev/s", "events/CPU-s", "1st batch s",
-                "vs RocksDB count", "vs HDFS count", "vs transformWithState", "other cores", "output"):
+                *(PEER_COLUMNS[p] for p in SPARK_PEERS), "other cores", "output"):
         t.add_column(col, justify="left" if col in ("implementation", "data set", "output") else "right")
     reasons: set[str] = set()
     for r in rows:
         size = f"{r['dataset']} {r['events'] / 1e6:g}M/{r['keys'] / 1e3:g}k/{r['batches']}"
         if r["status"] != "ok":
-            t.add_row(r["impl"], size, "", "", "", "", "", "", "", "", "", r["status"])
+            t.add_row(r["impl"], size, *[""] * (7 + len(SPARK_PEERS)), r["status"])
             reasons.add(f"{r['impl']}: {r['status']}: {r['reason']}")
             continue
         ratios = [r["ratios"].get(p) for p in SPARK_PEERS]
@@ -38,7 +42,45 @@ def _report_throughput(rows: list[dict]) -> None:
                   _fmt(r["events_per_cpu_s"]), _fmt(r["first_batch_s"], ".2f"), *cells,
                   _fmt(r["machine"].get("other_cores"), ".2f"),
                   "verified" if r["verified"]["ok"] else f"[red]WRONG[/red] {r['verified']['problems'][:2]}")
-    t.caption = "\n".join(sorted(reasons)) or None
+    lines = []  # ours over the Spark peer that runs the very same processor
+    for o, p in (("ours-pandas", "spark-tws-pandas"), ("ours-compat", "spark-tws-rows")):
+        for r in rows:
+            q = r.get("ratios", {}).get(p) if r["impl"] == o and r["status"] == "ok" else None
+            if q:
+                lines.append(f"{o} / {p} on {r['dataset']}: {q['overall']:.1f}x events/s, "
+                             f"{_fmt(q['steady'], '.1f')}x steady, {_fmt(q['per_cpu_s'], '.1f')}x per CPU-second"
+                             + (" (issue 13's target: at least 10x)" if o == "ours-pandas" else ""))
+    t.caption = "\n".join([*lines, *sorted(reasons)]) or None
+    console.print(t)
+
+
+def _report_sessions(sessions: dict | None) -> None:
+    if not sessions:
+        return
+    t = Table(title=f"processing-time sessions, gap {sessions['gap_ms']} ms ({sessions['dataset']}: "
+                    f"{sessions['events']:,} events, {sessions['keys']:,} keys, {sessions['input_batches']} files; "
+                    f"{sessions['expected']['closes']:,} session closes expected). Time: query start to the last "
+                    "session close")
+    for col in ("implementation", "to last close s", "events/s", "events/CPU-s", "batches", "without input",
+                "run after the last close", "ended by itself", "closes", "other cores", "output"):
+        t.add_column(col, justify="left" if col in ("implementation", "output") else "right")
+    reasons = []
+    for r in sessions["rows"]:
+        if r["status"] != "ok":
+            t.add_row(r["impl"], *[""] * 9, r["status"])
+            reasons.append(f"{r['impl']}: {r['status']}: {r['reason']}")
+            continue
+        t.add_row(r["impl"], f"{r['last_close_s']:.1f}", _fmt(r["events_per_s"]), _fmt(r.get("events_per_cpu_s")),
+                  str(r["batches"]), str(r["batches_without_input"]), str(r["batches_after_last_close"]),
+                  "yes" if r["ended_by_itself"] else "no (stopped)", f"{r['closes']:,}",
+                  _fmt(r["machine"].get("other_cores"), ".2f"),
+                  "verified" if r["verified"]["ok"] else f"[red]WRONG[/red] {r['verified']['problems'][:2]}")
+    q = sessions.get("ours_vs_spark")
+    if q:
+        reasons.insert(0, f"ours / Spark: {_fmt(q['events_per_s'], '.1f')}x events/s, "
+                          f"{_fmt(q['events_per_cpu_s'], '.1f')}x per CPU-second; same multiset of closes: "
+                          f"{'yes' if q['same_closes'] else '[red]NO[/red]'}")
+    t.caption = "\n".join(reasons) or None
     console.print(t)
 
 
@@ -102,7 +144,13 @@ def _report_restart(spark: dict | None, ours: dict | None) -> None:
 def _plot(results: dict, path: Path) -> None:
     rows = [r for r in results["throughput"] if r["status"] == "ok"]
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
-    fig, axes = pyplot().subplots(1, len(datasets) + 1, figsize=(6 * (len(datasets) + 1), 4.5))
+    sessions = [r for r in (results.get("sessions") or {}).get("rows", []) if r["status"] == "ok"]
+    restart = bool(results.get("restart"))
+    panels = len(datasets) + bool(sessions) + restart
+    if not panels:
+        return
+    fig, axes = pyplot().subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    axes = list(axes[0])
     for ax, ds in zip(axes, datasets, strict=False):
         sub = [r for r in rows if r["dataset"] == ds]
         x = np.arange(len(sub))
@@ -116,7 +164,25 @@ def _plot(results: dict, path: Path) -> None:
         ax.set_ylabel("thousand events/s" + (" (log scale)" if log else ""))
         ax.set_title(f"{ds}: {sub[0]['events']:,} events, {sub[0]['keys']:,} keys, {sub[0]['batches']} batches")
         ax.legend(fontsize=8)
-    ax = axes[-1]
+    if sessions:
+        ax = axes[len(datasets)]
+        info = results["sessions"]
+        x = np.arange(len(sessions))
+        ax.bar(x, [r["events_per_s"] / 1e3 for r in sessions], 0.5,
+               color=["C2" if r["impl"].startswith("ours") else "C3" for r in sessions])
+        for i, r in enumerate(sessions):
+            ax.annotate(f"{r['last_close_s']:.1f} s, {r['batches']} batches\n({r['batches_without_input']} without "
+                        "input)", (i, r["events_per_s"] / 1e3), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(x, [r["impl"] for r in sessions])
+        ax.set_ylabel("thousand events/s (query start to last session close)")
+        ax.set_title(f"processing-time sessions, gap {info['gap_ms']} ms: {info['events']:,} events, "
+                     f"{info['keys']:,} keys", fontsize=10)
+    if restart:
+        _plot_restart(axes[-1], results)
+    save_figure(fig, path, dpi=110)
+
+
+def _plot_restart(ax: Any, results: dict) -> None:
     spark = results.get("restart", {}).get("spark") or {}
     bars = {"steady batch": spark.get("build", {}).get("steady_batch_s_median"),
             "fresh query 1st batch": spark.get("fresh_query_first_batch_s"),
@@ -136,13 +202,13 @@ def _plot(results: dict, path: Path) -> None:
     ax.tick_params(axis="x", rotation=25)
     for label in ax.get_xticklabels():
         label.set_ha("right")
-    save_figure(fig, path, dpi=110)
 
 
 def finish(results: dict, plot_path: Path) -> None:
     """Draw the plot to ``plot_path`` and print the tables."""
     _plot(results, plot_path)
     _report_throughput(results["throughput"])
+    _report_sessions(results.get("sessions"))
     restart = results.get("restart", {})
     _report_restart(restart.get("spark"), restart.get("ours"))
 

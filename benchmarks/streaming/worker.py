@@ -1,8 +1,9 @@
 """One job of the streaming benchmark, in a fresh Python process with its own SparkSession, so
 that sessions and configurations cannot leak between implementations.
 
-A job is a JSON file written by ``runner.Runner``: a stream run (``kind: stream``) or Spark's
-offline repartition (``kind: repartition``). Its result, or ``{"error": ...}``, goes to the
+A job is a JSON file written by ``runner.Runner``: a stream run (``kind: stream``), a run of the
+processing-time sessions workload (``kind: sessions``) or Spark's offline repartition
+(``kind: repartition``). Its result, or ``{"error": ...}``, goes to the
 file named by the job's ``result``. Run: ``python -m benchmarks.streaming.worker JOB.json``.
 """
 
@@ -14,11 +15,13 @@ import time
 import traceback
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from benchmarks.streaming.cpu import CpuMeter
 from benchmarks.streaming.impl import SOURCE_SCHEMA, RunContext
-from benchmarks.streaming.registry import IMPLS
+from benchmarks.streaming.registry import IMPLS, SESSION_IMPLS
 from benchmarks.streaming.session import ROCKSDB, spark_session
+from benchmarks.streaming.sessions import SessionSink, digest
 from benchmarks.streaming.sink import ChecksumSink
 
 
@@ -37,8 +40,7 @@ def _epoch(timestamp: str) -> float:
     return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
 
 
-def _run_stream(job: dict) -> dict:
-    impl = IMPLS[job["impl"]]
+def _session_and_import(job: dict, impl: Any) -> tuple[Any, float, float | None]:
     t0 = time.perf_counter()
     spark = spark_session(job, impl.provider)
     session_s = time.perf_counter() - t0
@@ -50,6 +52,12 @@ def _run_stream(job: dict) -> dict:
         import spark_integration.query
         import spark_integration.vectorized  # noqa: F401
         import_s = time.perf_counter() - t0
+    return spark, session_s, import_s
+
+
+def _run_stream(job: dict) -> dict:
+    impl = IMPLS[job["impl"]]
+    spark, session_s, import_s = _session_and_import(job, impl)
     source = spark.readStream.schema(SOURCE_SCHEMA).option("maxFilesPerTrigger", 1).parquet(job["source"])
     sink = ChecksumSink(job["sample_keys"])
     ctx = RunContext(job["checkpoint"], job["warehouse"], job["table"], job["parallelism"], sink)
@@ -68,6 +76,57 @@ def _run_stream(job: dict) -> dict:
     return {"session_s": session_s, "import_s": import_s, "wall_s": wall_s, "batches": batches, "sink": sink.batches,
             "cpu": cpu,
             "start_to_first_batch_end_s": first_end - start_epoch if first_end else None}
+
+
+def _run_sessions(job: dict) -> dict:
+    """The sessions workload: run until the sink has every expected session close; ours must
+    then end by itself (availableNow), Spark's never does in processing time and is stopped."""
+    impl = SESSION_IMPLS[job["impl"]]
+    spark, session_s, import_s = _session_and_import(job, impl)
+    # Spark's query runs a no-data batch at every trigger until stopped: keep every batch's progress.
+    spark.conf.set("spark.sql.streaming.numRecentProgressUpdates", "100000")
+    source = spark.readStream.schema(SOURCE_SCHEMA).option("maxFilesPerTrigger", 1).parquet(job["source"])
+    sink = SessionSink()
+    ctx = RunContext(job["checkpoint"], job["warehouse"], job["table"], job["parallelism"], sink, job["gap_ms"])
+    meter = CpuMeter()
+    t0 = time.perf_counter()
+    sink.t0 = t0
+    query = impl.start(source, ctx)
+    deadline = t0 + job["poll_timeout_s"]
+    while query.isActive and len(sink.pairs) < job["expected_closes"] and time.perf_counter() < deadline:
+        time.sleep(0.02)
+    if impl.ours and query.isActive:
+        query.awaitTermination(60)  # ours ends by itself once no timer is left
+    elif query.isActive and sink.batches:
+        # Spark's runs on: its progress of the batch of the last closes comes after the sink call.
+        last_id, wait_until = sink.batches[-1]["batch_id"], time.perf_counter() + 10
+        while query.isActive and time.perf_counter() < wait_until and not any(
+                p.batchId >= last_id for p in query.recentProgress):
+            time.sleep(0.02)
+    ended_by_itself = not query.isActive
+    if not ended_by_itself:
+        query.stop()
+    wall_s = time.perf_counter() - t0
+    cpu = meter.stop()
+    if query.exception() is not None:
+        raise RuntimeError(str(query.exception()))
+    batches = [_batch_record(json.loads(p.json)) for p in query.recentProgress]
+    extra = None
+    if impl.ours:
+        from spark_integration import runner_of
+
+        reports = [r for r in runner_of(query).reports if not r.skipped]
+        extra = {"batches": len(reports),
+                 "without_input": sum(1 for r in reports if sum(t["rows_in"] for t in r.tasks.values()) == 0),
+                 "tasks_ms": sum(r.tasks_ms for r in reports), "commit_ms": sum(r.commit_ms for r in reports),
+                 "plan_ms": sum(r.plan_ms for r in reports), "callback_ms": sum(r.callback_ms for r in reports)}
+    spark.stop()
+    closing = [b for b in sink.batches if b["rows"]]
+    return {"session_s": session_s, "import_s": import_s, "wall_s": wall_s, "ended_by_itself": ended_by_itself,
+            "last_close_s": closing[-1]["at_s"] if closing else None,
+            "last_close_batch_id": closing[-1]["batch_id"] if closing else None,
+            "closes": len(sink.pairs), "closes_digest": digest(sink.pairs),
+            "batches": batches, "sink": sink.batches, "ours_reports": extra, "cpu": cpu}
 
 
 def _run_repartition(job: dict) -> dict:
@@ -89,7 +148,8 @@ def run_job(job_path: Path) -> None:
     """Run the job in ``job_path`` and write its result (an error is a result too)."""
     job = json.loads(job_path.read_text())
     try:
-        result = _run_repartition(job) if job["kind"] == "repartition" else _run_stream(job)
+        run = {"repartition": _run_repartition, "sessions": _run_sessions}.get(job["kind"], _run_stream)
+        result = run(job)
     except Exception as exc:
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {str(exc)[:3000]}"}
