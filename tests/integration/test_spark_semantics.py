@@ -20,8 +20,10 @@ import pytest
 from catalog import IcebergStateTable, connect
 from spark_integration import StateLocation, runner_of, start_stateful_query
 from tests.integration import tws_processors as P
+from tests.integration.conftest import SPARK_CONF
 from tests.integration.streaming_helpers import PROVIDER_CONF, ROCKSDB, stream, write_batches
 
+SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 EVENTS = pa.schema([("key", pa.string()), ("v", pa.int64()), ("ts", pa.timestamp("us", tz="UTC"))])
 EVENTS_DDL = "key string, v long, ts timestamp"
 
@@ -54,6 +56,9 @@ def run_spark(spark, df, processor, output_schema: str, checkpoint: str, *, time
     each batch; ``until`` stops a query that would not end by itself."""
     run = Run()
     spark.conf.set(PROVIDER_CONF, ROCKSDB)
+    # Spark's operator runs a Python worker and a RocksDB store per shuffle partition and batch:
+    # one partition keeps its runs short (the number is fixed in the query's checkpoint).
+    spark.conf.set(SHUFFLE_PARTITIONS, "1")
     try:
         grouped = df.groupBy("key")
         seed = None if initial is None else initial.groupBy("key")
@@ -64,6 +69,7 @@ def run_spark(spark, df, processor, output_schema: str, checkpoint: str, *, time
         _wait(query, run, until, timeout_s)
     finally:
         spark.conf.unset(PROVIDER_CONF)
+        spark.conf.set(SHUFFLE_PARTITIONS, SPARK_CONF[SHUFFLE_PARTITIONS])
     return run
 
 
