@@ -531,6 +531,7 @@ def _drive(processor: StatefulProcessor, store: StateStore, timers: TimerService
                 store.set_current_key(key)
                 if ts not in timers.list():
                     continue  # deleted by an earlier handler of this batch
+                timers.fired += 1
                 try:
                     result = processor.handleExpiredTimer(key, timer_values, ExpiredTimerInfo(ts))
                     if result is not None:

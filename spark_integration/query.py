@@ -24,6 +24,7 @@ batch sees the same times (and the same TTL expiries) as its first run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -95,6 +96,7 @@ class BatchReport:
     tasks_ms: float = 0.0     # the Spark job that runs the tasks
     callback_ms: float = 0.0  # the user's foreach_batch
     commit_ms: float = 0.0    # output table, callback and state checkpoint
+    state: dict | None = None  # the state figures (StatefulRunner.state_figures)
 
 
 def _to_arrow_schema(schema: Any, what: str) -> pa.Schema:
@@ -201,7 +203,7 @@ class StatefulRunner:
         self.api = api
         self.failure: BaseException | None = None  # what the last failed batch raised
         self.timezone = spark.conf.get("spark.sql.session.timeZone") or "UTC"
-        self.beacon = beacon  # what is due next, for the ticks source (None: no timers)
+        self.beacon = beacon  # what is due next and the state figures, for the ticks source
         self.watermark_delay_ms = watermark_delay_ms
         self.run_id = uuid.uuid4().hex
         self.query_id: str | None = None  # Spark's persistent query id, read at the first batch
@@ -313,12 +315,14 @@ class StatefulRunner:
             called = time.perf_counter()
             self.foreach_batch(self._output_frame(uris), batch_id)
             report.callback_ms = (time.perf_counter() - called) * 1000
+        state_commit = time.perf_counter()
         self.table.commit_checkpoint(plan.checkpoint_id, segments, parallelism=self.location.parallelism,
                                      batch_id=batch_id, properties=self._properties(plan, report))
+        state_commit_ms = (time.perf_counter() - state_commit) * 1000
         for task, stats in report.tasks.items():
             self.task_tokens[task] = (plan.checkpoint_id, stats["token"])
-        if self.beacon is not None:
-            write_beacon(self.beacon, self._beacon(plan, report))
+        report.state = self.state_figures(plan, report, state_commit_ms)
+        write_beacon(self.beacon, dataclasses.replace(self._beacon(plan, report), state=report.state))
         kill_if_asked("state_committed", batch_id)
         if self.compactor is not None:
             self.compactor.checkpoint_committed(self.table)
@@ -475,13 +479,33 @@ class StatefulRunner:
         events = _max_event_ms(report)
         if events is not None:
             props[stored_keys.QUERY_MAX_EVENT_TIME_MS] = str(events)
-        if self.beacon is not None:
+        if self.time_mode != "none":
             beacon = self._beacon(plan, report)
             if beacon.next_timer_ms is not None:
                 props[stored_keys.QUERY_NEXT_TIMER_MS] = str(beacon.next_timer_ms)
             if beacon.next_watermark_ms >= 0:
                 props[stored_keys.QUERY_NEXT_WATERMARK_MS] = str(beacon.next_watermark_ms)
         return props
+
+    def state_figures(self, plan: BatchPlan, report: BatchReport, commit_ms: float) -> dict:
+        """The batch's state figures, named as Spark's state operator progress where there is
+        one: what the ticks source shows in the query's progress, and ``BatchReport.state``."""
+        tasks = report.tasks.values()
+
+        def total(name: str) -> int:
+            return int(sum(t.get(name) or 0 for t in tasks))
+
+        segments = self.table.checkpoint_view().segments  # the committed checkpoint's, in memory
+        return {
+            "batchId": plan.batch_id, "checkpointId": plan.checkpoint_id, "numTasks": len(report.tasks),
+            "numRowsUpdated": total("state_rows_updated"), "numRowsRemoved": total("state_rows_removed"),
+            "numEntriesTotal": int(sum(s.record_count for s in segments)),
+            "stateBytes": int(sum(s.size_bytes for s in segments)), "numSegmentsTotal": len(segments),
+            "segmentsWritten": report.segments, "segmentBytesWritten": total("segment_bytes"),
+            "commitTimeMs": round(commit_ms), "numRowsDroppedByWatermark": total("rows_late"),
+            "fileCacheHits": total("file_cache_hits"), "fileCacheMisses": total("file_cache_misses"),
+            "timersFired": total("timers_fired"), "numRegisteredTimers": total("timers"),
+        }
 
     def _beacon(self, plan: BatchPlan, report: BatchReport) -> Beacon:
         """What the state committed by this batch needs next (``spark_integration.ticks``)."""
@@ -716,7 +740,7 @@ def start_stateful_query(
         location=location, checkpoint_location=checkpoint_location, foreach_batch=foreach_batch, output=output,
         time_mode=mode, event_time_column=event_time_column, initial_state=initial_state,
         store_config=store_config or StoreConfig(), compaction=compaction,
-        beacon=None if mode == "none" else beacon_path(checkpoint_location, location.identity), api=api,
+        beacon=beacon_path(checkpoint_location, location.identity), api=api,
         watermark_delay_ms=None if watermark is None or watermark[0] != event_time_column else watermark[1],
     )
     if warm_workers:
@@ -725,8 +749,9 @@ def start_stateful_query(
         except BaseException:
             runner.close()
             raise
-    # With timers, the ticks source runs a batch without input when one is due, as Spark does.
-    source = df if runner.beacon is None else ticks_frame(df, runner.beacon)
+    # The ticks source runs a batch without input when a timer is due, as Spark does, and shows
+    # the state figures in the query's progress.
+    source = ticks_frame(df, runner.beacon)
     writer = source.writeStream.foreachBatch(runner).option("checkpointLocation", checkpoint_location)
     if query_name:
         writer = writer.queryName(query_name)

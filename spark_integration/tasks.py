@@ -274,6 +274,7 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
     ts.clock.now_ms = plan.processing_time_ms
     token = uuid.uuid4().hex
     before = store.stats()
+    fired_before = ts.timers.fired if ts.timers is not None else 0
 
     if HEARTBEAT in rows.column_names:
         rows = rows.filter(pc.invert(rows.column(HEARTBEAT)))
@@ -307,6 +308,9 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
         **{name: after[name] - before[name] for name in FILE_CACHE_STATS},
         "segments": len(segments), "segment_bytes": sum(s.size_bytes for s in segments),
         "timers": ts.timers.count() if ts.timers is not None else 0,
+        "timers_fired": ts.timers.fired - fired_before if ts.timers is not None else 0,
+        "state_rows_updated": after["entries_flushed_updated"] - before["entries_flushed_updated"],
+        "state_rows_removed": after["entries_flushed_removed"] - before["entries_flushed_removed"],
         "next_timer_ms": ts.timers.next_expiry() if ts.timers is not None else None,
         "elapsed_ms": _ms(started), "open_ms": _ms(started, opened), "process_ms": _ms(opened, processed),
         "flush_ms": _ms(processed, flushed), "output_ms": _ms(flushed),

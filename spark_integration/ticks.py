@@ -57,10 +57,11 @@ class Beacon:
     next_timer_ms: int | None = None     # the earliest registered timer of every task
     watermark_ms: int = -1               # the watermark of the batch that committed it
     next_watermark_ms: int = -1          # the watermark Spark gives the next batch
+    state: dict | None = None            # the batch's state figures (``StatefulRunner.state_figures``)
 
     def due(self, now_ms: int) -> bool:
         """Whether a batch run now would fire a timer."""
-        if self.next_timer_ms is None:
+        if self.next_timer_ms is None or self.time_mode == "none":
             return False
         if self.time_mode == "processingtime":
             return self.next_timer_ms <= now_ms
@@ -119,6 +120,15 @@ class _Reader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if beacon is not None and beacon.checkpoint_id > start["checkpoint"] and beacon.due(int(time.time() * 1000)):
             return {"ticks": start["ticks"] + 1, "checkpoint": beacon.checkpoint_id}
         return start
+
+    def reportLatestOffset(self) -> dict:
+        """What Spark shows as this source's ``latestOffset`` in the query's progress: the
+        offset, and under ``icestate`` the state figures of the last committed batch (Spark
+        asks when it plans a batch, so a batch's progress holds its predecessor's figures)."""
+        beacon = self._current()
+        if beacon is None:
+            return {"ticks": None}
+        return {"checkpoint": beacon.checkpoint_id, "icestate": beacon.state or {}}
 
     def prepareForTriggerAvailableNow(self) -> None:
         # Ticks are due work, not data arriving: an availableNow run ends when none is due.

@@ -42,6 +42,7 @@ class TimerService:
         self._state = store.get_state(TIMERS_STATE)
         self._by_key: dict[tuple, set[int]] | None = None
         self._queue: list[tuple[int, tuple]] = []
+        self.fired = 0  # timers whose handler ran (counted by the runner of the handlers)
 
     def _index(self) -> dict[tuple, set[int]]:
         if self._by_key is None:

@@ -34,7 +34,7 @@ from statestore.errors import (
 )
 from statestore.faults import crash_point
 from statestore.keygroups import assign_key_group, assign_key_groups, compute_key_group_range_for_task
-from statestore.layout import CHECKPOINT_ID, KEY_GROUP, SEQ, STATE
+from statestore.layout import CHECKPOINT_ID, KEY_GROUP, OP, OP_DELETE, SEQ, STATE
 from statestore.memtable import KG, MEMTABLE_CHECKPOINT_ID, Memtable
 from statestore.read_path import StateReader
 from statestore.resolve import ORD, entry_columns
@@ -60,6 +60,7 @@ class StateStore:
         self.key_group_range = compute_key_group_range_for_task(self.layout.max_parallelism, parallelism, task_index)
         self.config = config or StoreConfig()
         self._memtable = Memtable()
+        self._flushed = {"entries_flushed_updated": 0, "entries_flushed_removed": 0}
         # The read path; the handles hold it and call it directly.
         self.reader = StateReader(table, self._memtable, self.key_group_range, self.config, self.seal)
         self._handles: dict[str, KeyedState] = {}
@@ -207,6 +208,7 @@ class StateStore:
         self.seal()
         crash_point(faults.FLUSH_STARTED)
         entries = self._memtable_as_entries(checkpoint_id)
+        self._count_flushed(entries)
         # Writes after this flush get ords at or above the watermark and stay in the memtable
         # when the checkpoint completes.
         self._outstanding[checkpoint_id] = self._memtable.watermark()
@@ -282,7 +284,18 @@ class StateStore:
     def stats(self) -> dict[str, int]:
         figures = self.reader.stats()
         figures["memtable_entries"] = self._memtable.entry_count()
+        figures.update(self._flushed)
         return figures
+
+    def _count_flushed(self, entries: pa.Table | None) -> None:
+        """Add a flush's entries to the counters: puts and list appends (state rows updated)
+        and tombstones (state rows removed)."""
+        if entries is None or not entries.num_rows:
+            return
+        ops = entries.column(OP).to_numpy()
+        removed = int(np.count_nonzero(ops == OP_DELETE))
+        self._flushed["entries_flushed_updated"] += len(ops) - removed
+        self._flushed["entries_flushed_removed"] += removed
 
     # ---------------------------------------------------------------- internals
 

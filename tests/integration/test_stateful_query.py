@@ -6,7 +6,9 @@ processor class runs on both and must emit the same rows.
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import polars as pl
 import pyarrow as pa
 import pytest
 from pyspark.sql import functions as F
+from pyspark.sql.streaming import StreamingQueryListener
 
 from catalog import IcebergStateTable, connect
 from catalog.defaults import default_catalog
@@ -463,3 +466,56 @@ def test_a_processor_exception_surfaces_as_itself_with_where_it_was_raised(spark
         assert table.current_checkpoint() is None  # nothing committed
     finally:
         table.close()
+
+
+class ProgressListener(StreamingQueryListener):
+    """Every progress event of every query, as a listener of Spark's gets them."""
+
+    def __init__(self) -> None:
+        self.progress: list = []
+
+    def onQueryStarted(self, event) -> None:
+        pass
+
+    def onQueryProgress(self, event) -> None:
+        self.progress.append(event.progress)
+
+    def onQueryIdle(self, event) -> None:
+        pass
+
+    def onQueryTerminated(self, event) -> None:
+        pass
+
+
+def test_state_figures_reach_a_streaming_query_listener(spark, tmp_path, where):
+    """The state figures of the last committed batch are in every progress event, under the
+    ticks source's ``latestOffset``; they agree with the runner's reports."""
+    batches = key_batches(4, 30, 7)
+    listener = ProgressListener()
+    spark.streams.addListener(listener)
+    try:
+        runner = run_to_end(spark, write_batches(tmp_path / "in", batches), CountProcessor(), "key string, count long",
+                            location=where(), checkpoint=str(tmp_path / "cp"), foreach_batch=lambda df, b: df.count())
+        deadline = time.monotonic() + 30
+        while len(listener.progress) < len(batches) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the listener bus delivers asynchronously
+    finally:
+        spark.streams.removeListener(listener)
+    seen = {}
+    for progress in listener.progress:
+        for source in progress.sources:
+            try:
+                offset = json.loads(source.latestOffset)
+            except (TypeError, ValueError):
+                continue  # the file source's: None
+            if isinstance(offset, dict) and offset.get("icestate"):
+                seen[offset["icestate"]["batchId"]] = (progress.batchId, offset["icestate"])
+    states = {r.batch_id: r.state for r in runner.reports if not r.skipped}
+    # Spark asks a source when it plans a batch: batch n's progress holds batch n-1's figures.
+    assert {b: p for b, (p, _) in seen.items()} == {b: b + 1 for b in range(len(batches) - 1)}
+    assert {b: figures for b, (_, figures) in seen.items()} == {b: states[b] for b in seen}
+    first = states[0]
+    assert first["numRowsUpdated"] == len(set(batches[0]["key"].to_pylist()))
+    assert first["numEntriesTotal"] == first["numRowsUpdated"] and first["stateBytes"] > 0
+    assert first["segmentsWritten"] >= 1 and first["commitTimeMs"] >= 0 and first["numTasks"] == 2
+    assert states[3]["numEntriesTotal"] == sum(s["numRowsUpdated"] for s in states.values())
