@@ -46,7 +46,7 @@ from pyspark.sql.types import StructType
 from catalog.compaction import CompactionPolicy
 from catalog.compactor import CompactorProcess
 from catalog.output_table import OutputTable
-from catalog.task_view import CheckpointView
+from catalog.task_view import CheckpointView, locations_of
 from spark_integration.compat import declare, spark_struct
 from spark_integration.errors import user_error
 from spark_integration.location import StateLocation
@@ -114,9 +114,23 @@ def _struct_of(schema: pa.Schema) -> StructType:
     return from_arrow_schema(schema)
 
 
+def is_connect(spark: Any) -> bool:
+    """Whether ``spark`` is a Spark Connect session (no JVM on this side)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
 def _read_checkpoint_file(spark: SparkSession, checkpoint_location: str, name: str) -> str:
-    """A file of Spark's streaming checkpoint, read through Spark's own Hadoop filesystem (so
-    any scheme Spark can use works: file, hdfs, s3a, abfss, dbfs...)."""
+    """A file of Spark's streaming checkpoint: on the driver's local disk read directly; else
+    through Spark's own Hadoop filesystem (so any scheme Spark can use works: hdfs, s3a,
+    abfss, dbfs...), with the JVM of a classic session or a text read under Spark Connect."""
+    location = checkpoint_location.rstrip("/")
+    local = location[len("file:"):] if location.startswith("file:") else location
+    if location.startswith("file:") or "://" not in location:
+        with open(f"{local}/{name}", encoding="utf-8") as f:
+            return f.read()
+    if is_connect(spark):
+        rows = spark.read.option("lineSep", "\n").text(f"{location}/{name}").collect()
+        return "\n".join(r[0] for r in rows)
     jvm = spark._jvm
     path = jvm.org.apache.hadoop.fs.Path(f"{checkpoint_location.rstrip('/')}/{name}")
     fs = path.getFileSystem(spark._jsc.hadoopConfiguration())
@@ -185,7 +199,8 @@ class StatefulRunner:
                  foreach_batch: Callable[[DataFrame, int], None] | None, output: OutputTable | None,
                  time_mode: str, event_time_column: str | None, initial_state: DataFrame | None,
                  store_config: StoreConfig, compaction: CompactionPolicy | None = None,
-                 beacon: str | None = None, watermark_delay_ms: int | None = None, api: str = "row"):
+                 beacon: str | None = None, watermark_delay_ms: int | None = None, api: str = "row",
+                 output_table: str | None = None):
         self.spark = spark
         self.keys = keys
         self.processor = processor
@@ -196,6 +211,7 @@ class StatefulRunner:
         self.checkpoint_location = checkpoint_location
         self.foreach_batch = foreach_batch
         self.output = output
+        self.output_table = output_table  # its identifier, to reopen it (``_revive``)
         self.time_mode = time_mode
         self.event_time_column = event_time_column
         self.initial_state = initial_state
@@ -207,16 +223,40 @@ class StatefulRunner:
         self.watermark_delay_ms = watermark_delay_ms
         self.run_id = uuid.uuid4().hex
         self.query_id: str | None = None  # Spark's persistent query id, read at the first batch
+        self.connect = is_connect(spark)
         self.table = location.open(layout)
         self.task_tokens: dict[int, tuple[int, str]] = {}
         # Routing, built once (a runner's parallelism and columns never change).
         self._part_values = partition_values(location.parallelism)
         self._beats_frame: DataFrame | None = None
         self._projections: dict[tuple, tuple[list, Any]] = {}
-        self._reports = spark.sparkContext.accumulator([], ReportParam())
+        # Reports of tasks whose output rows are the callback's DataFrame: an accumulator, which
+        # only a classic session has (under Spark Connect outputs go through files instead).
+        self._reports = None if self.connect else spark.sparkContext.accumulator([], ReportParam())
         self.reports: list[BatchReport] = []
         # Compaction beside the stream, in a process of its own started when a unit needs it.
+        self.compaction = compaction
         self.compactor = None if compaction is None else CompactorProcess(location.ref, compaction)
+
+    def __getstate__(self) -> dict:
+        """What Spark Connect ships to the server's Python process that runs the batches: the
+        plain values; the session, the open tables, the compactor and the routing columns are
+        made again there (``_revive``), from the batch's own session."""
+        state = dict(self.__dict__)
+        for name in ("spark", "table", "output", "compactor", "_reports", "_beats_frame"):
+            state[name] = None
+        state["_projections"] = {}
+        return state
+
+    def _revive(self, spark: SparkSession) -> None:
+        """Reopen what ``__getstate__`` left behind (a runner unpickled by Spark Connect)."""
+        self.spark = spark
+        if self.table is None:
+            self.table = self.location.open(self.layout)
+            if self.output_table is not None:
+                self.output = OutputTable.open(self.location.ref.catalog(), self.output_table, self.output_schema)
+            if self.compaction is not None:
+                self.compactor = CompactorProcess(self.location.ref, self.compaction)
 
     # ------------------------------------------------------------------ the batch function
 
@@ -234,6 +274,7 @@ class StatefulRunner:
 
     def _batch(self, batch_df: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
+        self._revive(batch_df.sparkSession)
         info = self.table.current_checkpoint()
         adopted = self._check_same_query(info)
         if not adopted and info is not None and info.batch_id is not None and batch_id <= info.batch_id:
@@ -309,7 +350,8 @@ class StatefulRunner:
         commit_started = time.perf_counter()
         # A replay of a batch whose outputs are already committed wrote spare copies: they serve
         # the callback, then go.
-        spare = self.output is not None and not self.output.commit(batch_id, uris, self.query_id)
+        # Without an output table the files only serve the callback (Spark Connect), then go.
+        spare = self.output is None or not self.output.commit(batch_id, uris, self.query_id)
         kill_if_asked("outputs_committed", batch_id)
         if self.foreach_batch is not None and not plan.inline_outputs:
             called = time.perf_counter()
@@ -326,7 +368,7 @@ class StatefulRunner:
         kill_if_asked("state_committed", batch_id)
         if self.compactor is not None:
             self.compactor.checkpoint_committed(self.table)
-        if spare:
+        if spare and uris:
             self._delete_files(uris)
         report.commit_ms = (time.perf_counter() - commit_started) * 1000
 
@@ -371,7 +413,9 @@ class StatefulRunner:
         # Outputs go to the output table as data files; when only the callback reads them, they
         # are the rows of the tasks' DataFrame that the callback gets.
         output_dir = self.output.data_location if self.output is not None else None
-        inline = self.output is None and self.foreach_batch is not None
+        inline = self.output is None and self.foreach_batch is not None and self._reports is not None
+        if self.output is None and self.foreach_batch is not None and not inline:
+            output_dir = self._scratch_dir()  # the callback's rows as files, deleted after it
         return BatchPlan(
             run_id=self.run_id, table=self.location.identity, parallelism=self.location.parallelism,
             view=self.table.checkpoint_view(), layout=self.layout, processor=self.processor,
@@ -381,7 +425,7 @@ class StatefulRunner:
             task_tokens=dict(self.task_tokens), processing_time_ms=processing_time, watermark_ms=watermark,
             late_watermark_ms=late_watermark,
             time_mode=self.time_mode, event_time_column=self.event_time_column, output_dir=output_dir,
-            output_io={} if self.output is None else self.output.io_properties,
+            output_io=self.table.checkpoint_view().io if self.output is None else self.output.io_properties,
             store_config=self.store_config, inline_outputs=inline, api=self.api, timezone=self.timezone,
         )
 
@@ -462,7 +506,8 @@ class StatefulRunner:
             return self.spark.createDataFrame([], struct)
         if all(u.startswith("file:") or "://" not in u for u in uris):
             return self.spark.read.schema(struct).parquet(*uris)
-        io, schema = self.output.io_properties, self.output_schema
+        io = self.output.io_properties if self.output is not None else self.table.checkpoint_view().io
+        schema = self.output_schema
 
         def read(batches):
             from spark_integration.tasks import read_output_files
@@ -520,7 +565,17 @@ class StatefulRunner:
                       next_watermark_ms=next_watermark)
 
     def _delete_files(self, uris: Sequence[str]) -> None:
-        self.output.delete_files(list(uris))
+        if self.output is not None:
+            self.output.delete_files(list(uris))
+            return
+        where = locations_of(uris[0], self.table.checkpoint_view().io)
+        for uri in uris:
+            with contextlib.suppress(FileNotFoundError):
+                where.filesystem.delete_file(where.to_path(uri))
+
+    def _scratch_dir(self) -> str:
+        """Where the tasks write the callback's rows when they cannot be its DataFrame."""
+        return f"{self.table.checkpoint_view().location.rstrip('/')}/scratch/outputs/{self.run_id}"
 
     def close(self) -> None:
         """Release the state table and output table, and stop the compactor (after the
@@ -594,7 +649,9 @@ def _warm_workers(spark: SparkSession, location: StateLocation, view: Checkpoint
     wait for. Also the check that the workers can import the library at all: a worker that
     runs another interpreter than the driver (``PYSPARK_PYTHON`` unset) fails here, with a
     message that says so, instead of in the first batch with a ``ModuleNotFoundError``."""
-    workers = max(1, min(spark.sparkContext.defaultParallelism, location.parallelism))
+    connect = is_connect(spark)
+    cores = location.parallelism if connect else spark.sparkContext.defaultParallelism
+    workers = max(1, min(cores, location.parallelism))
 
     def warm(batches):
         from spark_integration.tasks import warm_worker
@@ -605,12 +662,14 @@ def _warm_workers(spark: SparkSession, location: StateLocation, view: Checkpoint
         yield pa.RecordBatch.from_pydict({"pid": [os.getpid()]}, schema=pa.schema([("pid", pa.int64())]))
 
     try:
-        spark.sparkContext.setLocalProperty("spark.job.description", "icestate: warm Python workers")
+        if not connect:
+            spark.sparkContext.setLocalProperty("spark.job.description", "icestate: warm Python workers")
         spark.range(0, workers, 1, workers).mapInArrow(warm, "pid long").collect()
     except Exception as e:
         missing = _import_failure(str(e))
         if missing is not None:
-            python = getattr(spark.sparkContext, "pythonExec", None) or os.environ.get("PYSPARK_PYTHON") or "python3"
+            python = (None if connect else getattr(spark.sparkContext, "pythonExec", None)) or os.environ.get(
+                "PYSPARK_PYTHON") or "python3"
             raise WorkerEnvironmentError(
                 f"Spark's Python workers cannot import icestate ({missing}): they run {python!r}, this driver runs "
                 f"{sys.executable!r}. Set PYSPARK_PYTHON={sys.executable} before the SparkSession starts (on a "
@@ -618,7 +677,8 @@ def _warm_workers(spark: SparkSession, location: StateLocation, view: Checkpoint
             ) from None
         log.warning("warming Python workers failed (the first batch starts them): %s", e)
     finally:
-        spark.sparkContext.setLocalProperty("spark.job.description", None)
+        if not connect:
+            spark.sparkContext.setLocalProperty("spark.job.description", None)
 
 
 def _import_failure(text: str) -> str | None:
@@ -740,7 +800,7 @@ def start_stateful_query(
         location=location, checkpoint_location=checkpoint_location, foreach_batch=foreach_batch, output=output,
         time_mode=mode, event_time_column=event_time_column, initial_state=initial_state,
         store_config=store_config or StoreConfig(), compaction=compaction,
-        beacon=beacon_path(checkpoint_location, location.identity), api=api,
+        beacon=beacon_path(checkpoint_location, location.identity), api=api, output_table=output_table,
         watermark_delay_ms=None if watermark is None or watermark[0] != event_time_column else watermark[1],
     )
     if warm_workers:

@@ -1,0 +1,112 @@
+"""A driver under Spark Connect (``test_spark_connect``): a local Connect server
+(``remote("local[2]")``), no JVM on this side. Runs stateful queries and prints what it saw as
+one JSON line. Arguments: the work directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyspark.sql import SparkSession
+from pyspark.sql.streaming import StreamingQueryListener
+
+from spark_integration import StateLocation, register, start_stateful_query
+from tests.integration import tws_processors as P
+from tests.integration.streaming_helpers import CountProcessor, FailingProcessor
+
+
+class Listener(StreamingQueryListener):
+    def __init__(self) -> None:
+        self.figures: dict[int, dict] = {}
+
+    def onQueryStarted(self, event) -> None:
+        pass
+
+    def onQueryProgress(self, event) -> None:
+        for source in event.progress.sources:
+            try:
+                offset = json.loads(source.latestOffset)
+            except (TypeError, ValueError):
+                continue
+            if isinstance(offset, dict) and offset.get("icestate"):
+                self.figures[offset["icestate"]["batchId"]] = offset["icestate"]
+
+    def onQueryIdle(self, event) -> None:
+        pass
+
+    def onQueryTerminated(self, event) -> None:
+        pass
+
+
+def files(directory: str, spec: list[str]) -> str:
+    os.makedirs(directory, exist_ok=True)
+    for i, s in enumerate(spec):
+        pq.write_table(pa.table({"key": list(s), "v": pa.array(range(len(s)), pa.int64())}),
+                       f"{directory}/part-{i:04d}.parquet")
+    return directory
+
+
+def main(work: str) -> None:
+    spark = SparkSession.builder.remote("local[2]").config("spark.sql.shuffle.partitions", "2").getOrCreate()
+    out: dict = {"session": type(spark).__module__}
+    listener = Listener()
+    spark.streams.addListener(listener)
+
+    def stream(directory: str):
+        return spark.readStream.schema("key string, v long").option("maxFilesPerTrigger", 1).parquet(directory)
+
+    # Timers, batches without input, the callback's DataFrame.
+    seen = f"{work}/sessions.jsonl"
+
+    def record(df, batch_id):  # runs in the server's Python process: writes what it saw
+        with open(seen, "a") as f:
+            f.write(json.dumps([batch_id, sorted(list(r) for r in df.collect())]) + "\n")
+
+    sessions = StateLocation(table="sessions", warehouse=f"{work}/wh", parallelism=2)
+    query = start_stateful_query(stream(files(f"{work}/in-s", ["aab", "bc", "c"])), ["key"], P.SessionProcessor(1),
+                                 P.SESSION_OUTPUT, location=sessions, checkpoint_location=f"{work}/cp-s",
+                                 trigger={"availableNow": True}, time_mode="ProcessingTime", foreach_batch=record,
+                                 compaction=None)
+    query.awaitTermination(240)
+    out["sessions_error"] = repr(query.exception())
+    with open(seen) as f:
+        out["sessions"] = [json.loads(line) for line in f]
+    out["scratch_left"] = [
+        name for _, _, names in os.walk(f"{work}/wh") for name in names if "scratch" in _]
+
+    # Counts, then the state read back through the data source, and the figures a listener got.
+    counts = StateLocation(table="counts", warehouse=f"{work}/wh", parallelism=2)
+    query = start_stateful_query(stream(files(f"{work}/in-c", ["aab", "bca", "d"])), ["key"], CountProcessor(),
+                                 "key string, count long", location=counts, checkpoint_location=f"{work}/cp-c",
+                                 trigger={"availableNow": True}, output_table="out.counts", compaction=None)
+    query.awaitTermination(240)
+    out["counts_error"] = repr(query.exception())
+    register(spark)
+    state = spark.read.format("icestate").option("warehouse", counts.warehouse).option("table", "counts") \
+        .option("state", "count").load()
+    out["state"] = sorted((r["key"], r["v_count"]["n"]) for r in state.collect())
+    deadline = time.monotonic() + 30
+    while len(listener.figures) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    out["figures"] = listener.figures
+
+    # A processor's exception, as itself.
+    query = start_stateful_query(stream(f"{work}/in-c"), ["key"], FailingProcessor("b"), "key string, count long",
+                                 location=StateLocation(table="failing", warehouse=f"{work}/wh", parallelism=2),
+                                 checkpoint_location=f"{work}/cp-f", trigger={"availableNow": True}, compaction=None)
+    try:
+        query.awaitTermination(240)
+        out["failure"] = None
+    except Exception as e:
+        out["failure"] = [type(e).__name__, str(e), list(getattr(e, "__notes__", [])), type(e.__cause__).__name__]
+    spark.streams.removeListener(listener)
+    print("RESULT " + json.dumps(out), flush=True)
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
