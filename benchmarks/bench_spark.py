@@ -102,6 +102,8 @@ def main(
                                   help="comma-separated scenarios to run: throughput, sessions, restart"),
     skip_restart: bool = typer.Option(False, help="skip the restart / rescale scenario"),
     session_gap_ms: int = typer.Option(1, help="session gap of the processing-time sessions scenario"),
+    datasets_: str = typer.Option("main,small", "--datasets",
+                                  help="throughput data sets to run on (comma-separated: main, small)"),
     tws_main: bool = typer.Option(False, help="also run transformWithState (rows) on the main data set (~8 min)"),
     ours_restart_impl: str = typer.Option("ours-vectorized", help="which of ours runs the restart scenario"),
     driver_memory: str = typer.Option("3g", help="spark.driver.memory of each Spark process"),
@@ -151,8 +153,9 @@ def main(
     t_start = time.perf_counter()
     try:
         console.log(f"writing input under {root}")
-        need_main = not quick and any(not IMPLS[n].per_key_jvm_calls or (tws_main and n == "spark-tws-rows")
-                                      for n in impls)
+        on = {d.strip() for d in datasets_.split(",")} - ({"main"} if quick else set())
+        need_main = "main" in on and any(not IMPLS[n].per_key_jvm_calls or (tws_main and n == "spark-tws-rows")
+                                         for n in impls)
         datasets = {"main": make_stream_data(root, "main", events, keys, batches, seed=1)} if need_main else {}
         datasets["small"] = make_stream_data(root, "small", small_events, small_keys, batches, seed=2)
         runner = Runner(root, driver_memory, timeout, quiet_wait)
@@ -164,7 +167,8 @@ def main(
                       "restart": {"keys": restart_keys}},
             "ours_available": ours_reason is None, "ours_unavailable_reason": ours_reason,
             "workloads": sorted(scenarios),
-            "throughput": run_throughput(runner, impls, datasets, ours_reason, reruns, tws_main),
+            "throughput": run_throughput(runner, impls, {k: d for k, d in datasets.items() if k in on}, ours_reason,
+                                         reruns, tws_main),
         }
         if session_impls:
             results["sessions"] = run_sessions(runner, session_impls, datasets["small"], ours_reason, reruns,

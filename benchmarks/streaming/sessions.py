@@ -143,7 +143,7 @@ def run_sessions(runner: Runner, names: list[str], data: DataSet, ours_reason: s
                                         + (f" (rerun {attempt})" if attempt else "")))
             if "error" in runs[-1] or runs[-1]["machine"].get("other_cores", 0) <= 0.3:
                 break
-        best = min(runs, key=lambda r: r.get("machine", {}).get("other_cores", 0))
+        best = min(runs, key=lambda r: ("error" in r, r.get("machine", {}).get("other_cores", 0)))
         best["attempts"] = len(runs)
         if "error" in best:
             out["rows"].append({**entry, "status": "failed", "reason": best["error"]})

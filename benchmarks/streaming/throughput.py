@@ -43,7 +43,8 @@ def _least_disturbed_run(runner: Runner, name: str, data: DataSet, reruns: int) 
                                     f"{len(data.files)} batches" + (f" (rerun {attempt})" if attempt else "")))
         if "error" in runs[-1] or runs[-1]["machine"].get("other_cores", 0) <= 0.3:
             break
-    best = min(runs, key=lambda r: r.get("machine", {}).get("other_cores", 0))
+    # The least disturbed of the runs that did not fail (a failed or timed-out run has no figures).
+    best = min(runs, key=lambda r: ("error" in r, r.get("machine", {}).get("other_cores", 0)))
     best["attempts"] = len(runs)
     return best
 

@@ -297,3 +297,25 @@ def test_pending_timers_fire_after_a_restart_and_a_rescale_as_spark(spark, tmp_p
         [("a", 2, False), ("b", 1, False), ("c", 1, False)],
         [("a", 2, True), ("b", 2, False), ("c", 1, True), ("d", 1, False)]]
     compare(runs["spark"], runs["ours"])
+
+
+# ---------------------------------------------------------------------------- TTL
+
+@pytest.mark.parametrize("ttl_ms", [1, 3_600_000])
+def test_ttl_as_spark(spark, tmp_path, location, ttl_ms):
+    """A value written with a TTL of 1 ms has expired by the next batch (its time is later);
+    one of an hour lives on. Spark's operator in ProcessingTime mode never ends its
+    availableNow run: it is stopped once the three batches with input emitted."""
+    input_dir = write_batches(tmp_path / "in", key_rows(["aab", "ab", "bc"]))
+
+    def three(run: Run) -> bool:
+        return len(run.emitted()) == 3
+
+    theirs = run_spark(spark, stream(spark, input_dir), P.TtlProcessor(ttl_ms), P.TTL_OUTPUT,
+                       str(tmp_path / "cp-spark"), time_mode="ProcessingTime", until=three)
+    ours, _ = run_ours(spark, stream(spark, input_dir), P.TtlProcessor(ttl_ms), P.TTL_OUTPUT,
+                       str(tmp_path / "cp-ours"), location(), time_mode="ProcessingTime")
+    expected = {1: [[("a", 2), ("b", 1)], [("a", 1), ("b", 1)], [("b", 1), ("c", 1)]],
+                3_600_000: [[("a", 2), ("b", 1)], [("a", 3), ("b", 2)], [("b", 3), ("c", 1)]]}
+    assert theirs.emitted() == expected[ttl_ms]
+    compare(theirs, ours)
