@@ -174,6 +174,7 @@ def _plot(results: dict, path: Path) -> None:
             ax.annotate(f"{r['last_close_s']:.1f} s, {r['batches']} batches\n({r['batches_without_input']} without "
                         "input)", (i, r["events_per_s"] / 1e3), ha="center", va="bottom", fontsize=8)
         ax.set_xticks(x, [r["impl"] for r in sessions])
+        ax.margins(y=0.2)
         ax.set_ylabel("thousand events/s (query start to last session close)")
         ax.set_title(f"processing-time sessions, gap {info['gap_ms']} ms: {info['events']:,} events, "
                      f"{info['keys']:,} keys", fontsize=10)
