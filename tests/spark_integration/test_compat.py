@@ -686,3 +686,19 @@ def test_a_handle_obtained_before_delete_if_exists_raises_one_obtained_after_wor
     assert (after.exists(), after.get()) == (False, None)
     after.update((7,))
     assert after.get() == (7,)
+
+
+def test_frames_to_arrow_matches_columns_by_name_or_position_and_keeps_the_frames_order():
+    import pandas as pd
+
+    from spark_integration.compat import frames_to_arrow
+
+    schema = pa.schema([("k", pa.string()), ("n", pa.int64())])
+    frames = [pd.DataFrame({"k": ["a"], "n": [1]}), pd.DataFrame({"n": [2], "k": ["b"]}),
+              pd.DataFrame([["c", 3]]), pd.DataFrame({"k": ["d", "e"], "n": [4, 5], "extra": [0, 0]})]
+    assert frames_to_arrow(frames, schema).to_pylist() == [
+        {"k": "a", "n": 1}, {"k": "b", "n": 2}, {"k": "c", "n": 3}, {"k": "d", "n": 4}, {"k": "e", "n": 5}]
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['n'\]"):
+        frames_to_arrow([pd.DataFrame({"k": ["a"]})], schema)
+    with pytest.raises(TypeError, match="must yield pandas.DataFrames, got tuple"):
+        frames_to_arrow([("a", 1)], schema)
