@@ -700,5 +700,5 @@ def test_frames_to_arrow_matches_columns_by_name_or_position_and_keeps_the_frame
         {"k": "a", "n": 1}, {"k": "b", "n": 2}, {"k": "c", "n": 3}, {"k": "d", "n": 4}, {"k": "e", "n": 5}]
     with pytest.raises(ValueError, match=r"lacks column\(s\) \['n'\]"):
         frames_to_arrow([pd.DataFrame({"k": ["a"]})], schema)
-    with pytest.raises(TypeError, match="must yield pandas.DataFrames, got tuple"):
+    with pytest.raises(TypeError, match=r"must yield pandas\.DataFrames, got tuple"):
         frames_to_arrow([("a", 1)], schema)
