@@ -124,9 +124,11 @@ def _read_checkpoint_file(spark: SparkSession, checkpoint_location: str, name: s
     through Spark's own Hadoop filesystem (so any scheme Spark can use works: hdfs, s3a,
     abfss, dbfs...), with the JVM of a classic session or a text read under Spark Connect."""
     location = checkpoint_location.rstrip("/")
-    local = location[len("file:"):] if location.startswith("file:") else location
-    if location.startswith("file:") or "://" not in location:
-        with open(f"{local}/{name}", encoding="utf-8") as f:
+    local = f"{location[len('file:'):] if location.startswith('file:') else location}/{name}"
+    # A path without a scheme is on Spark's default filesystem (HDFS on some clusters): read
+    # directly only when it is on this host's disk.
+    if location.startswith("file:") or ("://" not in location and os.path.exists(local)):
+        with open(local, encoding="utf-8") as f:
             return f.read()
     if is_connect(spark):
         rows = spark.read.option("lineSep", "\n").text(f"{location}/{name}").collect()
