@@ -149,6 +149,6 @@ class GarbageCollector:
         try:
             self._locations.filesystem.delete_file(self._locations.to_path(uri))
         except FileNotFoundError:
-            pass  # deleted by an earlier, interrupted collection: nothing left to do
+            return  # deleted by an earlier, interrupted collection: nothing left to do
         except OSError as e:
             logger.warning("could not delete %s of state table %s (%s); the next sweep retries", uri, self._name, e)

@@ -359,14 +359,15 @@ class StatefulRunner:
             called = time.perf_counter()
             self.foreach_batch(self._output_frame(uris), batch_id)
             report.callback_ms = (time.perf_counter() - called) * 1000
+        beacon = self._beacon(plan, report)  # what the new state needs next: summary and beacon file
         state_commit = time.perf_counter()
         self.table.commit_checkpoint(plan.checkpoint_id, segments, parallelism=self.location.parallelism,
-                                     batch_id=batch_id, properties=self._properties(plan, report))
+                                     batch_id=batch_id, properties=self._properties(plan, report, beacon))
         state_commit_ms = (time.perf_counter() - state_commit) * 1000
         for task, stats in report.tasks.items():
             self.task_tokens[task] = (plan.checkpoint_id, stats["token"])
         report.state = self.state_figures(plan, report, state_commit_ms)
-        write_beacon(self.beacon, dataclasses.replace(self._beacon(plan, report), state=report.state))
+        write_beacon(self.beacon, dataclasses.replace(beacon, state=report.state))
         kill_if_asked("state_committed", batch_id)
         if self.compactor is not None:
             self.compactor.checkpoint_committed(self.table)
@@ -519,7 +520,7 @@ class StatefulRunner:
         names = self.spark.createDataFrame([(u,) for u in uris], "uri string").repartition(len(uris))
         return names.mapInArrow(read, struct)
 
-    def _properties(self, plan: BatchPlan, report: BatchReport) -> dict[str, str]:
+    def _properties(self, plan: BatchPlan, report: BatchReport, beacon: Beacon) -> dict[str, str]:
         props = {stored_keys.QUERY_RUN_ID: self.run_id, stored_keys.QUERY_ID: self.query_id}
         if plan.watermark_ms >= 0:
             props[stored_keys.QUERY_WATERMARK_MS] = str(plan.watermark_ms)
@@ -527,7 +528,6 @@ class StatefulRunner:
         if events is not None:
             props[stored_keys.QUERY_MAX_EVENT_TIME_MS] = str(events)
         if self.time_mode != "none":
-            beacon = self._beacon(plan, report)
             if beacon.next_timer_ms is not None:
                 props[stored_keys.QUERY_NEXT_TIMER_MS] = str(beacon.next_timer_ms)
             if beacon.next_watermark_ms >= 0:
