@@ -1,6 +1,6 @@
-"""A driver under Spark Connect (``test_spark_connect``): a local Connect server
-(``remote("local[2]")``), no JVM on this side. Runs stateful queries and prints what it saw as
-one JSON line. Arguments: the work directory."""
+"""A driver under Spark Connect (``test_spark_connect``): a Connect client, no JVM on this side.
+Runs stateful queries and prints what it saw as one JSON line. Arguments: the work directory
+(shared with the server, which runs on this host) and the server's ``sc://`` address."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def files(directory: str, spec: list[str]) -> str:
     return directory
 
 
-def main(work: str) -> None:
-    spark = SparkSession.builder.remote("local[2]").config("spark.sql.shuffle.partitions", "2").getOrCreate()
+def main(work: str, url: str) -> None:
+    spark = SparkSession.builder.remote(url).config("spark.sql.shuffle.partitions", "2").getOrCreate()
     out: dict = {"session": type(spark).__module__}
     listener = Listener()
     spark.streams.addListener(listener)
@@ -109,4 +109,4 @@ def main(work: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -1,40 +1,53 @@
 """Spark Connect: the runner, the ticks source, the data source and the state figures under a
-Spark Connect session (``remote("local[2]")``: a local Connect server, no JVM on the client),
-as under a classic one.
+Spark Connect session, as under a classic one.
 
-The driver runs in a subprocess of its own (``connect_driver.py``): a process holds either a
-classic session (the test session's) or a Connect client, and the server's Python processes
-(the batch function, the ticks source) are the same as on a real Connect deployment.
+As on a real deployment, the server and the client are processes of their own: the server
+(``connect_server.py``, a local-mode Spark with the Connect plugin) listens on a free loopback
+port and runs the batch function and the ticks source in its Python workers; the driver
+(``connect_driver.py``) is a Connect client with no JVM.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.process_helpers import stop_session, tail
+from tests.integration.process_helpers import free_port, stop_session, tail, wait_for_port
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(720)
 def test_stateful_queries_under_spark_connect(tmp_path: Path):
-    log = tmp_path / "driver.log"
+    port = free_port()
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
-           "PYTHONPATH": os.getcwd()}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.integration.connect_driver", str(tmp_path / "work")],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+           "PYTHONPATH": os.getcwd(), "SPARK_CONNECT_AUTHENTICATE_TOKEN": secrets.token_hex(16)}
+    for name in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "SPARK_LOCAL_REMOTE"):
+        env.pop(name, None)
+    server_log, log = tmp_path / "server.log", tmp_path / "driver.log"
+    with open(server_log, "w") as server_out, open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-m", "tests.integration.connect_server", str(port)],
+                                  stdout=server_out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            code = proc.wait(timeout=540)
+            assert wait_for_port(port, server, timeout_s=180), tail(server_log)
+            # "localhost", not 127.0.0.1: the client sends its token over gRPC's local credentials
+            # only to a host of that name (any other host means TLS).
+            proc = subprocess.Popen([sys.executable, "-m", "tests.integration.connect_driver", str(tmp_path / "work"),
+                                     f"sc://localhost:{port}"],
+                                    stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                code = proc.wait(timeout=540)
+            finally:
+                stop_session(proc)
         finally:
-            stop_session(proc)
+            stop_session(server)
     text = tail(log, 30000)
     results = [line for line in text.splitlines() if line.startswith("RESULT ")]
-    assert code == 0 and results, text
+    assert code == 0 and results, text + tail(server_log)
     got = json.loads(results[-1][len("RESULT "):])
     assert got["session"].startswith("pyspark.sql.connect")
     # Timers fire in the next batch and, after the input, in a batch without input (3).

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from statestore.faults import FAIL_FIRST_ATTEMPT_ENV, KILL_ENV
-from tests.integration.process_helpers import stop_session, tail
+from tests.integration.process_helpers import free_port, stop_session, tail
 
 pytestmark = [
     pytest.mark.spark,
@@ -50,12 +49,6 @@ ROWS_PER_FILE = 300
 KEYS = 37
 PARALLELISM = 4
 START_TIMEOUT_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spark_home() -> Path:
@@ -105,13 +98,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     for name in (KILL_ENV, FAIL_FIRST_ATTEMPT_ENV):  # no fault injection (another module's session sets one)
         env.pop(name, None)
     spark_class = str(home / "bin" / "spark-class")
-    port, ui_port = _free_port(), _free_port()
+    port, ui_port = free_port(), free_port()
     master_url, ui_url = f"spark://127.0.0.1:{port}", f"http://127.0.0.1:{ui_port}"
     commands = [("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
                             "--webui-port", str(ui_port)], {})]
     for i in range(WORKERS):
         commands.append((f"worker{i}", ["org.apache.spark.deploy.worker.Worker", master_url, "--host", "127.0.0.1",
-                                        "--cores", "1", "--memory", "1g", "--webui-port", str(_free_port())],
+                                        "--cores", "1", "--memory", "1g", "--webui-port", str(free_port())],
                          {"SPARK_WORKER_DIR": str(root / f"work{i}")}))
     # The workers run in a mount namespace of their own where ``driver_only`` is an empty
     # tmpfs: their executors cannot read what the driver keeps there (its SQLite catalog, its
