@@ -21,7 +21,8 @@ it is an orphan by name (``retention.orphans``); a missing file is already delet
 failed delete or a lost expiry race is logged and retried by a later commit, never raised:
 the checkpoint is already committed. Only ``main``'s writer sweeps orphans (a fork's
 leftovers of crashed commits stay until the fork is removed). Metadata files of other
-writers are never touched.
+writers are never touched. The sweep also takes a Spark query's callback files under
+``scratch/outputs/`` once older than the grace period (a crashed driver's leftovers).
 
 Thread safety: none. One collector per opened table, used by the branch's one writer.
 """
@@ -43,7 +44,7 @@ from catalog.manifests import ManifestCache
 from catalog.naming import Locations, merged_away_manifests
 from catalog.retention import orphans, plan_retention, unreferenced_files, unreferenced_operator_files
 from statestore.faults import FILES_DELETED, SNAPSHOTS_EXPIRED, crash_point
-from statestore.paths import COMPACTION_GRACE_SECONDS, DATA_DIR, OPERATOR_DIR
+from statestore.paths import COMPACTION_GRACE_SECONDS, DATA_DIR, OPERATOR_DIR, SCRATCH_OUTPUTS_DIR, parse_output_name
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,16 @@ class GarbageCollector:
             self._table.metadata, self._table.metadata_location, self._cache,
             operator_files=self._list_files(f"{location}/{DATA_DIR}/{OPERATOR_DIR}"),
             settled=lambda uri: data[uri] is not None and data[uri] < young,
-        )
+        ) + self._stale_scratch(young)
+
+    def _stale_scratch(self, older_than: float) -> list[str]:
+        """A Spark query's output files for its callback (``SCRATCH_OUTPUTS_DIR``) that a
+        crashed driver left: a callback deletes its batch's files right after it ran."""
+        root = f"{self._table.location().rstrip('/')}/{SCRATCH_OUTPUTS_DIR}"
+        selector = pafs.FileSelector(self._locations.to_path(root), allow_not_found=True, recursive=True)
+        return [self._locations.to_uri(i.path) for i in self._locations.filesystem.get_file_info(selector)
+                if i.type == pafs.FileType.File and parse_output_name(i.path) is not None
+                and i.mtime is not None and i.mtime.timestamp() < older_than]
 
     def _list_files(self, directory_uri: str) -> list[str]:
         return list(self._list_file_infos(directory_uri))

@@ -61,7 +61,7 @@ from spark_integration.tasks import (
     run_partition,
     segment_of,
 )
-from spark_integration.ticks import Beacon, beacon_path, ticks_frame, write_beacon
+from spark_integration.ticks import Beacon, beacon_path, sweep_beacons, ticks_frame, write_beacon
 from spark_integration.timers import normalize_time_mode, timers_descriptor
 from spark_integration.vectorized import VectorizedProcessor
 from statestore import stored_keys
@@ -76,6 +76,7 @@ from statestore.errors import (
 from statestore.faults import kill_if_asked
 from statestore.keygroups import check_key_type
 from statestore.layout import StateLayout
+from statestore.paths import SCRATCH_OUTPUTS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -577,7 +578,7 @@ class StatefulRunner:
 
     def _scratch_dir(self) -> str:
         """Where the tasks write the callback's rows when they cannot be its DataFrame."""
-        return f"{self.table.checkpoint_view().location.rstrip('/')}/scratch/outputs/{self.run_id}"
+        return f"{self.table.checkpoint_view().location.rstrip('/')}/{SCRATCH_OUTPUTS_DIR}/{self.run_id}"
 
     def close(self) -> None:
         """Release the state table and output table, and stop the compactor (after the
@@ -813,6 +814,7 @@ def start_stateful_query(
             raise
     # The ticks source runs a batch without input when a timer is due, as Spark does, and shows
     # the state figures in the query's progress.
+    sweep_beacons(keep=runner.beacon)
     source = ticks_frame(df, runner.beacon)
     writer = source.writeStream.foreachBatch(runner).option("checkpointLocation", checkpoint_location)
     if query_name:

@@ -43,6 +43,7 @@ from spark_integration.timers import TimerService
 from statestore.config import StoreConfig
 from statestore.faults import fail_if_first_attempt
 from statestore.layout import StateLayout
+from statestore.paths import output_file_name
 from statestore.store import StateStore
 from statestore.table import SegmentFile
 
@@ -432,7 +433,7 @@ def _write_output(plan: BatchPlan, task: int, token: str, output: pa.Table | Non
     where = locations_of(plan.output_dir, plan.output_io)
     root = where.to_path(plan.output_dir.rstrip("/"))
     where.filesystem.create_dir(root, recursive=True)
-    name = f"batch-{plan.batch_id:012d}-task-{task:05d}-{token[:12]}.parquet"
+    name = output_file_name(plan.batch_id, task, token)
     pq.write_table(output, f"{root}/{name}", filesystem=where.filesystem, compression="zstd")
     return [{"uri": f"{plan.output_dir.rstrip('/')}/{name}", "rows": output.num_rows}]
 

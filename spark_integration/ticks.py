@@ -24,7 +24,8 @@ The runner tells the source what is due through a *beacon*: a small JSON file on
 host (both run there, under a classic or a Connect session), rewritten after every committed
 batch, named by the query's checkpoint location and state table, so a restarted query finds
 the last run's. The same figures are stored in the checkpoint's snapshot summary. Without a
-beacon (a query restarted on another host) nothing ticks until the first batch with input.
+beacon (a query restarted on another host, or after a week: a query's start deletes the
+beacons untouched for ``BEACON_MAX_AGE_S``) nothing ticks until the first batch with input.
 
 This module stays light: the source runs in a Python process that Spark starts on the driver
 for the query's lifetime, and imports nothing of the store.
@@ -46,6 +47,7 @@ from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 
 FORMAT = "icestate_ticks"
 OPTION_BEACON = "beacon"
+BEACON_MAX_AGE_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -98,16 +100,19 @@ class _Reader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def __init__(self, beacon: str):
         self.beacon = beacon
-        self._mtime: int | None = None
+        self._version: tuple[int, int, int] | None = None
         self._cached: Beacon | None = None
 
     def _current(self) -> Beacon | None:
         try:
-            mtime = os.stat(self.beacon).st_mtime_ns
+            st = os.stat(self.beacon)
         except OSError:
             return None
-        if mtime != self._mtime:
-            self._cached, self._mtime = read_beacon(self.beacon), mtime
+        # Each write renames a new file into place: a new inode, even when two writes fall in
+        # one tick of the filesystem's clock (mtimes are only that fine).
+        version = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if version != self._version:
+            self._cached, self._version = read_beacon(self.beacon), version
         return self._cached
 
     def initialOffset(self) -> dict:
@@ -174,6 +179,19 @@ def ticks_frame(df: Any, beacon: str) -> Any:
     return df.unionByName(ticks)
 
 
-def forget_beacon(path: str) -> None:
+def sweep_beacons(keep: str, max_age_s: float = BEACON_MAX_AGE_S) -> int:
+    """Delete the beacons of queries that committed nothing for ``max_age_s`` (stopped or
+    moved to another host; such a query, restarted, fires its due timers at its first batch
+    with input, as Spark's does after any restart), except ``keep``. Returns how many went."""
+    directory = os.path.dirname(keep)
+    cutoff = time.time() - max_age_s
+    gone = 0
     with contextlib.suppress(OSError):
-        os.remove(path)
+        for entry in os.scandir(directory):
+            if entry.path == keep or not entry.name.endswith((".json", ".tmp")):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat().st_mtime < cutoff:
+                    os.remove(entry.path)
+                    gone += 1
+    return gone

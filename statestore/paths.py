@@ -12,6 +12,12 @@ an output that no snapshot references once that many checkpoints passed, and old
 ``COMPACTION_GRACE_SECONDS`` (far beyond the time between a compaction's last validity
 check and its commit, even for a compactor paused mid-way), can never commit: garbage
 collection may take it (``parse_compaction_name``).
+
+A Spark query's output file is ``batch-<batch id>-task-<task>-<token>.parquet``, in the output
+table's data directory or, when only the query's callback reads it and no accumulator can carry
+it (Spark Connect), under ``<table location>/scratch/outputs/<run id>/`` of the state table,
+deleted once the callback ran; one older than ``COMPACTION_GRACE_SECONDS`` there is a crashed
+driver's leftover (``parse_output_name``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ OPERATOR_DIR = "operator"  # under DATA_DIR (or a fork's directory): operator st
 _OPERATOR = re.compile(r"^op-cp(\d{12})-t(\d{5})-([0-9a-f]{12})\.parquet$")
 COMPACTION_GRACE_CHECKPOINTS = 16
 COMPACTION_GRACE_SECONDS = 3600.0
+SCRATCH_OUTPUTS_DIR = "scratch/outputs"
+_OUTPUT = re.compile(r"^batch-(\d{12})-task-(\d{5})-([0-9a-f]{12})\.parquet$")
 _COMPACTION = re.compile(r"^cmp-cp(\d{12})-p(\d{5})-([0-9a-f]{12})\.parquet$")
 _SEGMENT = re.compile(r"^seg-cp(\d{12})-t(\d{5})-p(\d{5})-([0-9a-f]{12})\.parquet$")
 
@@ -73,6 +81,17 @@ def parse_compaction_name(path: str) -> tuple[int, int] | None:
     """(base checkpoint id, partition) of a compaction output path, or None for other files."""
     m = _COMPACTION.match(path.rsplit("/", 1)[-1])
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def output_file_name(batch_id: int, task_index: int, token: str) -> str:
+    """The name of a task's output file of a Spark micro-batch (``token``: the task's run token)."""
+    return f"batch-{batch_id:012d}-task-{task_index:05d}-{token[:12]}.parquet"
+
+
+def parse_output_name(path: str) -> tuple[int, int] | None:
+    """(batch id, task) of an output file's name, or None for any other file."""
+    m = _OUTPUT.match(path.rsplit("/", 1)[-1])
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
 
 
 def _base(fs: pafs.FileSystem) -> pafs.FileSystem:

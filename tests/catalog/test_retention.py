@@ -5,12 +5,14 @@ deleted. Retention as every StateTable promises it is in tests/contract/test_ret
 from __future__ import annotations
 
 import os
+import time
 
 from pyiceberg.table import TableProperties
 
 from catalog import properties as props
 from catalog.naming import checkpoint_of_commit_file, commit_uuid
 from statestore.keygroups import KeyGroupRange
+from statestore.paths import COMPACTION_GRACE_SECONDS, SCRATCH_OUTPUTS_DIR, output_file_name
 from tests.catalog.catalog_helpers import (
     MAX_PARALLELISM,
     commit_next,
@@ -80,6 +82,26 @@ def test_collect_garbage_sweeps_orphans_now(open_table):
     table.collect_garbage()
     assert file_exists(in_flight.path) and not file_exists(leftover.path)
     assert all(file_exists(s.path) for s in table.segments(ALL))
+
+
+def test_sweep_takes_a_crashed_drivers_callback_files(open_table):
+    """A Spark query's callback files under scratch/outputs/ that no callback deleted (the
+    driver crashed between the batch's tasks and its callback) go once older than the grace
+    period; younger ones (a batch in flight) and files of other names stay."""
+    table = open_table()
+    commit_next(table)
+    run = os.path.join(table.iceberg_table.location().removeprefix("file://"), SCRATCH_OUTPUTS_DIR, "0" * 32)
+    os.makedirs(run)
+    old, young, foreign = (os.path.join(run, name) for name in (
+        output_file_name(3, 1, "a" * 32), output_file_name(4, 1, "b" * 32), "notes.parquet"))
+    for path in (old, young, foreign):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    stale = time.time() - COMPACTION_GRACE_SECONDS - 60
+    os.utime(old, (stale, stale))
+    os.utime(foreign, (stale, stale))
+    table.collect_garbage()
+    assert not file_exists(old) and file_exists(young) and file_exists(foreign)
 
 
 def test_foreign_files_are_never_swept(open_table):

@@ -1,0 +1,86 @@
+"""The ticks source's parts without Spark: when a batch without input is due, the beacon file
+(its name, atomic replacement, damaged files, the sweep of stale ones) and the offsets the
+source reports. The source inside Spark's queries is in tests/integration/test_spark_semantics.py."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from spark_integration.ticks import (
+    BEACON_MAX_AGE_S,
+    Beacon,
+    _Reader,
+    beacon_path,
+    read_beacon,
+    sweep_beacons,
+    write_beacon,
+)
+
+
+def test_processing_time_is_due_when_the_earliest_timer_has_passed():
+    beacon = Beacon(checkpoint_id=3, time_mode="processingtime", next_timer_ms=1000)
+    assert not beacon.due(999) and beacon.due(1000) and beacon.due(5000)
+    assert not Beacon(checkpoint_id=3, time_mode="processingtime").due(10**15)  # no timer
+    assert not Beacon(checkpoint_id=3, time_mode="none", next_timer_ms=0).due(10**15)
+
+
+def test_event_time_is_due_when_the_next_watermark_passes_the_earliest_timer():
+    # The next batch's watermark must move (Spark runs no batch for a watermark that stays),
+    # and reach the timer.
+    assert Beacon(3, "eventtime", next_timer_ms=500, watermark_ms=100, next_watermark_ms=500).due(0)
+    assert not Beacon(3, "eventtime", next_timer_ms=501, watermark_ms=100, next_watermark_ms=500).due(0)
+    assert not Beacon(3, "eventtime", next_timer_ms=50, watermark_ms=100, next_watermark_ms=100).due(10**15)
+
+
+def test_beacon_names_are_per_query_and_table_and_hold_no_secret(tmp_path):
+    a = beacon_path("/cp/a", ("sqlite", "wh", "ns", "t"))
+    assert a == beacon_path("/cp/a", ("sqlite", "wh", "ns", "t"))
+    assert a != beacon_path("/cp/b", ("sqlite", "wh", "ns", "t"))
+    assert a != beacon_path("/cp/a", ("sqlite", "wh", "ns", "u"))
+    assert "cp" not in os.path.basename(a) and "wh" not in os.path.basename(a)
+
+
+def test_beacon_round_trip_and_damaged_files_read_as_none(tmp_path):
+    path = str(tmp_path / "b" / "x.json")
+    assert read_beacon(path) is None
+    beacon = Beacon(7, "eventtime", next_timer_ms=5, watermark_ms=1, next_watermark_ms=6, state={"numRowsUpdated": 2})
+    write_beacon(path, beacon)
+    assert read_beacon(path) == beacon
+    assert os.listdir(tmp_path / "b") == ["x.json"]  # the temporary file was renamed into place
+    with open(path, "w") as f:
+        f.write('{"checkpoint_id": 7, "time_m')  # a torn write (another host's filesystem)
+    assert read_beacon(path) is None
+    with open(path, "w") as f:
+        f.write('{"checkpoint_id": 7, "unknown": 1}')
+    assert read_beacon(path) is None
+
+
+def test_sweep_deletes_beacons_untouched_for_a_week_but_never_the_querys_own(tmp_path):
+    own, fresh, stale, leftover, other = (str(tmp_path / n) for n in (
+        "own.json", "fresh.json", "stale.json", "stale.json.123.tmp", "notes.txt"))
+    for path in (own, fresh, stale, leftover, other):
+        with open(path, "w") as f:
+            f.write("{}")
+    old = time.time() - BEACON_MAX_AGE_S - 60
+    for path in (own, stale, leftover, other):
+        os.utime(path, (old, old))
+    assert sweep_beacons(keep=own) == 2
+    assert sorted(os.listdir(tmp_path)) == ["fresh.json", "notes.txt", "own.json"]
+    assert sweep_beacons(keep=str(tmp_path / "missing-dir" / "x.json")) == 0
+
+
+def test_the_source_ticks_once_per_committed_checkpoint_with_something_due(tmp_path):
+    path = str(tmp_path / "q.json")
+    reader = _Reader(path)
+    start = reader.initialOffset()
+    assert reader.latestOffset(start, None) == start  # no beacon yet: no batch
+    assert reader.reportLatestOffset() == {"ticks": None}
+    write_beacon(path, Beacon(4, "processingtime", next_timer_ms=0, state={"numEntriesTotal": 9}))
+    first = reader.latestOffset(start, None)
+    assert first == {"ticks": 1, "checkpoint": 4}
+    assert reader.latestOffset(first, None) == first  # the batch it ran has not committed yet
+    assert reader.reportLatestOffset() == {"checkpoint": 4, "icestate": {"numEntriesTotal": 9}}
+    write_beacon(path, Beacon(5, "processingtime", next_timer_ms=int(time.time() * 1000) + 3_600_000))
+    assert reader.latestOffset(first, None) == first  # committed, next timer an hour away
+    assert reader.partitions(start, first) == []
