@@ -24,6 +24,7 @@ with the secrets of the command line and of the pyiceberg configuration scrubbed
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -338,6 +339,37 @@ def fork(
         info = t.fork(name, checkpoint, savepoint=savepoint)
     console.print(f"fork [bold]{name}[/bold] at checkpoint {info.checkpoint_id}: run a query with "
                   f"StateLocation(..., branch={name!r})")
+
+
+@_command()
+def recover(
+    table: TableName,
+    warehouse: TableWarehouse = None,
+    catalog: CatalogName = None,
+    properties: CatalogProperties = None,
+    namespace: Namespace = "state",
+    location: Annotated[str | None, typer.Option(
+        show_default=False,
+        help="The table's directory or URI, the one holding its metadata/ directory. Default: where the catalog "
+             "puts a table of this name.")] = None,
+) -> None:
+    """Register a state table the catalog lost, at the newest metadata of its location.
+
+    For a catalog that lost its entry (the warehouse's catalog.db deleted or restored from an
+    old copy, a table dropped without purge) while the table's files are still in place. The
+    state is as of the newest checkpoint written there; nothing is copied or changed.
+
+    Example: icestate recover --table demo_user_activity
+    """
+    from catalog.recovery import recover as register_again
+    from statestore.stored_keys import LAST_CHECKPOINT_ID
+
+    ref = _table_ref(warehouse, catalog, properties, namespace, table, "main")
+    with contextlib.closing(ref.catalog()) as cat:
+        registered = register_again(cat, (namespace, table), location)
+        last = registered.properties.get(LAST_CHECKPOINT_ID, "0")
+    console.print(f"state table [bold]{namespace}.{table}[/bold] registered again at "
+                  f"{registered.metadata_location} (newest checkpoint {last})")
 
 
 @_command()

@@ -14,10 +14,12 @@ import json
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, TableAlreadyExistsError
+from pyiceberg.io import load_file_io
 from pyiceberg.table import Table, TableProperties, Transaction
 from pyiceberg.transforms import TruncateTransform
 
 from catalog import properties as props
+from catalog.recovery import TableLocationInUseError, check_location_free
 from catalog.schema import (
     check_compatible,
     default_partition_width,
@@ -51,6 +53,10 @@ def load_or_create(catalog: Catalog, identifier: tuple[str, str], layout: StateL
                 return _create(catalog, identifier, layout, width)
             except TableAlreadyExistsError:
                 continue  # another process created it first: open theirs
+            except TableLocationInUseError:
+                if not _in_catalog(catalog, identifier):
+                    raise
+                continue  # another process created it between our lookup and our check
         try:
             return _bring_up_to_date(table, layout, width)
         except CommitFailedException:
@@ -59,6 +65,14 @@ def load_or_create(catalog: Catalog, identifier: tuple[str, str], layout: StateL
         f"state table {'.'.join(identifier)} changed under every one of {OPEN_ATTEMPTS_MAX} attempts to open it: "
         "another process keeps committing to it; retry later"
     )
+
+
+def _in_catalog(catalog: Catalog, identifier: tuple[str, str]) -> bool:
+    try:
+        catalog.load_table(identifier)
+    except NoSuchTableError:
+        return False
+    return True
 
 
 def _create(catalog: Catalog, identifier: tuple[str, str], layout: StateLayout, width: int | None) -> Table:
@@ -74,6 +88,10 @@ def _create(catalog: Catalog, identifier: tuple[str, str], layout: StateLayout, 
         identifier, schema=schema, partition_spec=partition_spec(schema, width),
         sort_order=sort_order(schema), properties=properties,
     )
+    # A location that holds a table's metadata is a table whose catalog entry was lost: a new
+    # table there would take its files for its own leftovers.
+    location = tx.table_metadata.location
+    check_location_free(identifier, location, load_file_io(catalog.properties, location))
     # Ids are assigned by the transaction; the name mapping must use the table's own.
     tx.set_properties({TableProperties.DEFAULT_NAME_MAPPING: _name_mapping(tx)})
     tx.commit_transaction()  # returns a StagedTable, which cannot be scanned: load the real one

@@ -21,7 +21,8 @@ it is an orphan by name (``retention.orphans``); a missing file is already delet
 failed delete or a lost expiry race is logged and retried by a later commit, never raised:
 the checkpoint is already committed. Only ``main``'s writer sweeps orphans (a fork's
 leftovers of crashed commits stay until the fork is removed). Metadata files of other
-writers are never touched. The sweep also takes a Spark query's callback files under
+writers are never touched. The sweep deletes nothing while the metadata directory holds a metadata.json of
+another table (``recovery.foreign_metadata``). It also takes a Spark query's callback files under
 ``scratch/outputs/`` once older than the grace period (a crashed driver's leftovers).
 
 Thread safety: none. One collector per opened table, used by the branch's one writer.
@@ -41,7 +42,8 @@ from pyiceberg.table.snapshots import Snapshot
 
 from catalog.fileio import METADATA_FILES, delete_later, wait_for_deletes
 from catalog.manifests import ManifestCache
-from catalog.naming import Locations, merged_away_manifests
+from catalog.naming import METADATA_DIR, Locations, merged_away_manifests, metadata_json_version
+from catalog.recovery import foreign_metadata
 from catalog.retention import orphans, plan_retention, unreferenced_files, unreferenced_operator_files
 from statestore.faults import FILES_DELETED, SNAPSHOTS_EXPIRED, crash_point
 from statestore.paths import COMPACTION_GRACE_SECONDS, DATA_DIR, OPERATOR_DIR, SCRATCH_OUTPUTS_DIR, parse_output_name
@@ -52,7 +54,6 @@ logger = logging.getLogger(__name__)
 # (a full listing of the table's data, costly on object stores) runs at the first commit
 # after open and then once per this many commits, not at every checkpoint.
 ORPHAN_SWEEP_INTERVAL_COMMITS = 100
-METADATA_DIR = "metadata"
 
 
 class GarbageCollector:
@@ -126,10 +127,21 @@ class GarbageCollector:
 
     def _orphans(self) -> list[str]:
         location = self._table.location().rstrip("/")
+        metadata_files = self._list_files(f"{location}/{METADATA_DIR}")
+        metadata = self._table.metadata
+        logged = {e.metadata_file for e in metadata.metadata_log} | {self._table.metadata_location}
+        foreign, unreadable = foreign_metadata(self._table, [
+            p for p in metadata_files if p not in logged and metadata_json_version(p) >= 0])
+        if foreign:
+            # Another table's files share this location (a table created over one whose catalog
+            # entry was lost): nothing here can be told apart from that table's.
+            logger.error("state table %s shares its location %s with another table (%s): the orphan sweep deletes "
+                         "nothing there; see `icestate recover`", self._name, location, foreign[0])
+            return []
         data = self._list_file_infos(f"{location}/{DATA_DIR}")
         young = time.time() - COMPACTION_GRACE_SECONDS
         return orphans(
-            list(data), self._list_files(f"{location}/{METADATA_DIR}"),
+            list(data), [p for p in metadata_files if p not in unreadable],
             self._table.metadata, self._table.metadata_location, self._cache,
             operator_files=self._list_files(f"{location}/{DATA_DIR}/{OPERATOR_DIR}"),
             settled=lambda uri: data[uri] is not None and data[uri] < young,

@@ -34,6 +34,14 @@ _FORK_COMMIT_TAG = 0x73546146
 _CHECKPOINT_BITS = 48
 _RANDOM_BITS = 48
 _UUID = re.compile(r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
+_METADATA_JSON = re.compile(r"^(\d+)-[^/]*\.metadata\.json$")
+METADATA_DIR = "metadata"
+
+
+def metadata_json_version(path: str) -> int:
+    """The version of an Iceberg ``<version>-<uuid>.metadata.json`` file, -1 for any other name."""
+    m = _METADATA_JSON.match(path.rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else -1
 
 
 def commit_uuid(checkpoint_id: int, fork: bool = False) -> uuid.UUID:

@@ -33,7 +33,6 @@ Metadata files of other writers are never touched.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -42,7 +41,7 @@ from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 
 from catalog.manifests import ManifestCache
-from catalog.naming import checkpoint_of_commit_file
+from catalog.naming import checkpoint_of_commit_file, metadata_json_version
 from statestore import stored_keys
 from statestore.paths import (
     COMPACTION_GRACE_CHECKPOINTS,
@@ -50,8 +49,6 @@ from statestore.paths import (
     parse_operator_name,
     parse_segment_name,
 )
-
-_METADATA_JSON = re.compile(r"^(\d+)-[^/]*\.metadata\.json$")
 
 
 def checkpoint_id_of(snapshot: Snapshot) -> int | None:
@@ -189,11 +186,6 @@ def _stale_metadata_json(paths: Iterable[str], metadata: TableMetadata, metadata
     Only versions below the current one: a writer racing us writes a higher version, and
     an older one can no longer win the catalog's compare-and-swap.
     """
-    current = _metadata_version(metadata_location)
+    current = metadata_json_version(metadata_location)
     logged = {e.metadata_file for e in metadata.metadata_log} | {metadata_location}
-    return [p for p in paths if p not in logged and -1 < _metadata_version(p) < current]
-
-
-def _metadata_version(path: str) -> int:
-    m = _METADATA_JSON.match(path.rsplit("/", 1)[-1])
-    return int(m.group(1)) if m else -1
+    return [p for p in paths if p not in logged and -1 < metadata_json_version(p) < current]

@@ -124,9 +124,9 @@ def test_stale_metadata_json_is_swept(open_table):
     table = open_table()
     commit_next(table)
     metadata_dir = os.path.dirname(table.iceberg_table.metadata_location.removeprefix("file://"))
-    stale = os.path.join(metadata_dir, "00000-0a1b2c3d-lost-race.metadata.json")
-    with open(stale, "wb") as f:
-        f.write(b"{}")
+    stale = os.path.join(metadata_dir, "00000-0a1b2c3d-lost-race.metadata.json")  # our own lost race
+    with open(table.iceberg_table.metadata_location.removeprefix("file://"), "rb") as current, open(stale, "wb") as f:
+        f.write(current.read())
     table.collect_garbage()
     assert not file_exists(stale)
     assert table.iceberg_table.properties[TableProperties.METADATA_DELETE_AFTER_COMMIT_ENABLED] == "true"

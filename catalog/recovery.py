@@ -1,0 +1,146 @@
+"""A state table whose catalog entry is lost: refuse to shadow it, and register it again.
+
+The catalog holds one thing of a table: the location of its current metadata.json. If that
+entry goes (the embedded catalog's ``catalog.db`` deleted or truncated, a catalog restored
+from an old backup, a table dropped without purge), every file of the table is still in its
+location. Creating a table of the same name would put a new, empty table over them: its
+checkpoints would start again at 1, and its orphan sweep would take the old table's files as
+leftovers of its own. So:
+
+* creating a table refuses a location that holds Iceberg metadata (``check_location_free``);
+* ``recover`` registers the location's newest metadata.json in the catalog again (``icestate
+  recover``), after checking that it parses, is a state table, and is the newest version;
+* the orphan sweep (``catalog.gc``) deletes nothing while the metadata directory holds a
+  metadata.json of another table (``foreign_metadata``).
+
+Every lookup lists one directory (``<location>/metadata``); ``recover`` reads one or two
+metadata.json files. None of this runs on the checkpoint path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import NoSuchTableError
+from pyiceberg.io import FileIO, load_file_io
+from pyiceberg.schema import Schema
+from pyiceberg.table import Table
+
+from catalog.naming import METADATA_DIR, Locations, metadata_json_version
+from statestore import stored_keys
+from statestore.errors import StateStoreError
+
+logger = logging.getLogger(__name__)
+
+
+class TableLocationInUseError(StateStoreError):
+    """A table was to be created where another table's metadata already is."""
+
+
+class RecoveryError(StateStoreError):
+    """``recover`` found nothing it could register."""
+
+
+@dataclass(frozen=True)
+class MetadataFile:
+    uri: str
+    version: int
+
+
+def metadata_files(location: str, io: FileIO | None) -> list[MetadataFile]:
+    """The ``<version>-<uuid>.metadata.json`` files of ``location``, newest version first."""
+    where = Locations.of(location, io)
+    selector = pafs.FileSelector(where.to_path(f"{location.rstrip('/')}/{METADATA_DIR}"), allow_not_found=True)
+    found = [MetadataFile(where.to_uri(i.path), metadata_json_version(i.path))
+             for i in where.filesystem.get_file_info(selector) if i.type == pafs.FileType.File]
+    return sorted((f for f in found if f.version >= 0), key=lambda f: (-f.version, f.uri))
+
+
+def check_location_free(identifier: tuple[str, ...], location: str, io: FileIO | None) -> None:
+    """Raise ``TableLocationInUseError`` when ``location`` holds a table's metadata."""
+    found = metadata_files(location, io)
+    if found:
+        name = ".".join(identifier)
+        raise TableLocationInUseError(
+            f"state table {name} is not in the catalog, but its location {location} holds the metadata of a table "
+            f"({len(found)} metadata.json files, the newest {found[0].uri.rsplit('/', 1)[-1]}): the catalog lost "
+            f"its entry, and a new table there would overwrite its state. Register it again with `icestate recover "
+            f"--table {identifier[-1]}` (and the same --warehouse/--catalog options), or use another table name"
+        )
+
+
+def default_location(catalog: Catalog, identifier: tuple[str, str]) -> str:
+    """Where ``catalog`` puts a new table ``identifier`` (staged, nothing written)."""
+    return catalog.create_table_transaction(identifier, schema=Schema()).table_metadata.location
+
+
+def _read_json(io: FileIO, uri: str) -> dict:
+    with io.new_input(uri).open() as f:
+        return json.loads(f.read())
+
+
+def foreign_metadata(table: Table, metadata_uris: list[str]) -> tuple[list[str], list[str]]:
+    """Of ``metadata_uris`` (metadata.json files in ``table``'s metadata directory that its
+    metadata log does not list): those of another table (another ``table-uuid``), and those
+    that cannot be read (a torn write of a crashed commit, or anything else: nothing is known
+    of them, so they are neither taken for another table's nor deleted)."""
+    ours = str(table.metadata.table_uuid)
+    foreign, unreadable = [], []
+    for uri in metadata_uris:
+        try:
+            theirs = _read_json(table.io, uri).get("table-uuid")
+        except (OSError, ValueError, UnicodeDecodeError, AttributeError) as e:
+            logger.warning("metadata file %s of state table %s cannot be read (%s): kept", uri,
+                           ".".join(table.name()), e)
+            unreadable.append(uri)
+            continue
+        if str(theirs) != ours:
+            foreign.append(uri)
+    return foreign, unreadable
+
+
+def recover(catalog: Catalog, identifier: tuple[str, str], location: str | None = None) -> Table:
+    """Register the state table at ``location`` (default: where ``catalog`` puts a table of
+    that name) in ``catalog`` under ``identifier``, at its newest metadata.json.
+
+    Refuses when the catalog already has the table, when the location has no metadata, when
+    the newest metadata.json cannot be read or is not a state table's, and when two files
+    share the newest version (a lost commit race: say which with ``location``'s listing).
+    """
+    name = ".".join(identifier)
+    try:
+        existing = catalog.load_table(identifier)
+    except NoSuchTableError:
+        existing = None
+    if existing is not None:
+        raise RecoveryError(f"state table {name} is in the catalog (at {existing.metadata_location}): nothing to "
+                            "recover")
+    catalog.create_namespace_if_not_exists(identifier[0])  # a lost catalog lost its namespaces too
+    location = location or default_location(catalog, identifier)
+    io = load_file_io(catalog.properties, location)  # the catalog's storage settings
+    found = metadata_files(location, io)
+    if not found:
+        raise RecoveryError(f"there is no Iceberg metadata under {location}/{METADATA_DIR}: nothing to recover "
+                            "there (give the table's location with --location)")
+    newest = [f for f in found if f.version == found[0].version]
+    if len(newest) > 1:
+        raise RecoveryError(
+            f"{len(newest)} metadata files of {location} share the newest version {found[0].version} "
+            f"({', '.join(f.uri.rsplit('/', 1)[-1] for f in newest)}): a commit race left both; register the one "
+            "whose snapshots are newest with the catalog's register_table")
+    try:
+        document = _read_json(io, newest[0].uri)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise RecoveryError(f"the newest metadata file {newest[0].uri} cannot be read ({e}); move it aside and "
+                            "recover again to register the version before it") from e
+    properties = document.get("properties") or {}
+    if stored_keys.LAST_CHECKPOINT_ID not in properties:
+        raise RecoveryError(f"{newest[0].uri} is the metadata of an Iceberg table that is not a state table "
+                            f"(no {stored_keys.LAST_CHECKPOINT_ID} property): not registered")
+    table = catalog.register_table(identifier, newest[0].uri)
+    logger.info("state table %s registered again at %s", name, newest[0].uri)
+    return table
