@@ -78,6 +78,7 @@ from statestore.errors import CheckpointNotFoundError, StateClosedError
 from statestore.faults import COMMIT_DONE, crash_point
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import KEY_GROUP, StateLayout
+from statestore.names import check_branch_name, check_namespace, check_table_name
 from statestore.operator_state import OperatorStateFile
 from statestore.paths import (
     BRANCHES_DIR,
@@ -152,7 +153,8 @@ class IcebergStateTable:
             CheckpointNotFoundError: ``checkpoint_id`` is not retained, or no such savepoint.
             ValueError: no such branch.
         """
-        _check_open_args(layout, table_name, retain_checkpoints, partition_width)
+        _check_open_args(layout, namespace, table_name, retain_checkpoints, partition_width)
+        check_branch_name(branch)
         _check_at(checkpoint_id, savepoint)
         catalog, owns = _catalog_for(warehouse, catalog)
         owns = owns or close_catalog
@@ -179,7 +181,8 @@ class IcebergStateTable:
         (``catalog.schema.recorded_layout``), so reducing and aggregating states can be read
         but not folded into. Raises ValueError when there is no such table.
         """
-        _check_open_args(None, table_name, retain_checkpoints, None)
+        _check_open_args(None, namespace, table_name, retain_checkpoints, None)
+        check_branch_name(branch)
         _check_at(checkpoint_id, savepoint)
         catalog, owns = _catalog_for(warehouse, catalog)
         owns = owns or close_catalog
@@ -610,11 +613,12 @@ def _check_at(checkpoint_id: int | None, savepoint: str | None) -> None:
         raise ValueError("give checkpoint_id= or savepoint=, not both")
 
 
-def _check_open_args(layout: StateLayout | None, table_name: str, retain: int, width: int | None) -> None:
+def _check_open_args(layout: StateLayout | None, namespace: str, table_name: str, retain: int,
+                     width: int | None) -> None:
     if layout is not None and not isinstance(layout, StateLayout):
         raise TypeError(f"layout must be a StateLayout, got {type(layout).__name__}")
-    if not isinstance(table_name, str) or not table_name:
-        raise ValueError(f"table_name must be a non-empty string, got {table_name!r}")
+    check_namespace(namespace)
+    check_table_name(table_name)
     if not is_int(retain) or retain < 1:
         raise ValueError(f"retain_checkpoints must be an int >= 1, got {retain!r}")
     if width is not None and (not is_int(width) or not 1 <= width <= layout.max_parallelism):

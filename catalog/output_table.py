@@ -17,6 +17,7 @@ from pyiceberg.table import Table
 
 from catalog.task_view import io_properties
 from statestore.errors import QueryMismatchError, SchemaMismatchError
+from statestore.names import InvalidNameError, check_namespace, check_table_name
 from statestore.stored_keys import OUTPUT_BATCH_ID, OUTPUT_QUERY_ID
 
 
@@ -100,9 +101,11 @@ class OutputTable:
 
 
 def _opened(catalog: Catalog, identifier: str, schema: pa.Schema) -> Table:
-    if "." not in identifier:
-        raise ValueError(f"output table {identifier!r} must be 'namespace.name'")
-    namespace = identifier.rsplit(".", 1)[0]
+    parts = identifier.split(".") if isinstance(identifier, str) else []
+    if len(parts) != 2:
+        raise InvalidNameError(f"output table {identifier!r} must be 'namespace.name', e.g. results.sessions")
+    namespace = check_namespace(parts[0])
+    check_table_name(parts[1])
     catalog.create_namespace_if_not_exists(namespace)
     try:
         table = catalog.load_table(identifier)

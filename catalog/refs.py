@@ -21,8 +21,6 @@ references safe; callers refresh the table first where they read references.
 
 from __future__ import annotations
 
-import re
-
 from pyiceberg.table import Table
 from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot
@@ -31,8 +29,7 @@ from pyiceberg.table.update.snapshot import ManageSnapshots
 from catalog.retention import checkpoints_on_line
 from statestore import stored_keys
 from statestore.errors import CheckpointNotFoundError
-
-_REF_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+from statestore.names import check_ref_name
 
 
 def _name(table: Table) -> str:
@@ -59,8 +56,7 @@ def check_branch(table: Table, branch: str) -> None:
 
 def check_new_ref(table: Table, name: str, what: str) -> None:
     """Raise ValueError unless ``name`` is a valid name no reference of ``table`` has yet."""
-    if not isinstance(name, str) or not _REF_NAME.match(name) or name == MAIN_BRANCH:
-        raise ValueError(f"{what} name {name!r} must be 1-100 letters, digits, '_', '.' or '-' (not 'main')")
+    check_ref_name(name, what)
     ref = table.metadata.refs.get(name)
     if ref is not None:
         kind = "savepoint" if ref.snapshot_ref_type == SnapshotRefType.TAG else "fork"

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from catalog.defaults import DEFAULT_NAMESPACE, check_warehouse, default_catalog
 from statestore.errors import CatalogUnavailableError
+from statestore.names import check_branch_name, check_namespace, check_table_name
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
@@ -73,10 +74,9 @@ class TableRef:
     branch: str = MAIN_BRANCH
 
     def __post_init__(self) -> None:
-        for name in ("table", "namespace", "branch"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"a state table's {name} must be a non-empty string, got {value!r}")
+        check_table_name(self.table)
+        check_namespace(self.namespace)
+        check_branch_name(self.branch)
         if (self.warehouse is None) == (self.catalog_name is None):
             raise ValueError(
                 f"state table {self.table!r} needs exactly one of warehouse= (a local directory for the embedded "

@@ -45,6 +45,7 @@ from statestore.errors import (
     StateVariableDeletedError,
     TimersDisabledError,
 )
+from statestore.names import check_state_name
 from statestore.store import StateStore
 
 
@@ -78,20 +79,6 @@ def _ttl(ttl_ms: int | None, name: str) -> TtlConfig | None:
         raise ValueError(f"state {name!r}: ttlDurationMs must be a positive int of milliseconds (0: no TTL), "
                          f"got {ttl_ms!r}")
     return TtlConfig(ttl_ms)
-
-
-def check_state_name(name: Any) -> None:
-    """Spark's rules for a state variable's name (its state store's column family): not empty,
-    no leading or trailing space, not ``default``, not starting with ``$`` (Spark's own);
-    anything else goes (dashes, spaces, dots, unicode...). Checked when the query starts,
-    where Spark fails the first batch's tasks."""
-    if not isinstance(name, str):
-        raise TypeError(f"a state name must be a string, got {type(name).__name__} ({name!r})")
-    if not name or name.strip() != name or name == "default":
-        raise ValueError(f"state name {name!r} is invalid: it must not be empty, have leading or trailing spaces, "
-                         "or be the reserved 'default' (Spark's rule)")
-    if name.startswith("$"):
-        raise ValueError(f"state name {name!r} is invalid: names starting with '$' are reserved (Spark's rule)")
 
 
 class DeclaringHandle:

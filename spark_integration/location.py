@@ -48,8 +48,6 @@ class StateLocation:
     branch: str = "main"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.table, str) or not self.table:
-            raise ValueError(f"StateLocation.table must be a non-empty table name, got {self.table!r}")
         ref = TableRef(table=self.table, namespace=self.namespace, warehouse=self.warehouse,
                        catalog_name=self.catalog_name, catalog_properties=self.catalog_properties, branch=self.branch)
         check_max_parallelism(self.max_parallelism)

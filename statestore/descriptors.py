@@ -50,7 +50,7 @@ class TtlConfig:
 # A state name that is used as is in its column names; any other name (Spark accepts
 # "ttl-state", "my state", "a.b", unicode...) gets a column stem of its safe characters and
 # a digest of the name (``column_stem``).
-_PLAIN_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
+_PLAIN_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,62}")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]+")
 
 
@@ -59,7 +59,7 @@ def column_stem(name: str) -> str:
     from its name: the name itself when it is a plain identifier (letters, digits and
     underscores, a letter first, at most 63), else its safe characters and 8 hex digits of
     its SHA-256 (distinct names, distinct columns)."""
-    if _PLAIN_NAME.match(name):
+    if _PLAIN_NAME.fullmatch(name):
         return name
     safe = _UNSAFE.sub("_", name).strip("_")[:40] or "s"
     if not safe[0].isalpha():

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -37,10 +36,10 @@ from statestore.errors import (
     StateDescriptorMismatchError,
     StateNotDeclaredError,
 )
+from statestore.names import check_operator_state_name
 
 STATE_COLUMN = "state"
 INDEX_COLUMN = "idx"
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")
 
 
 class Redistribution(enum.Enum):
@@ -58,8 +57,7 @@ class OperatorStateDescriptor:
     mode: Redistribution = Redistribution.SPLIT
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise ValueError(f"operator state name {self.name!r} must be an identifier (letters, digits, '_')")
+        check_operator_state_name(self.name)
         if not isinstance(self.value_type, pa.DataType):
             raise TypeError(f"operator state {self.name!r}: value_type must be a pyarrow DataType")
         if not isinstance(self.mode, Redistribution):

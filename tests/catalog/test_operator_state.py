@@ -137,7 +137,7 @@ def test_bad_operator_state_is_refused_before_anything_is_written(open_table):
         store.get_list_state(OperatorStateDescriptor("offsets", pa.int64()))
     with pytest.raises(ValueError, match="twice"):
         OperatorStateStore(table, [SEEN, SEEN])
-    with pytest.raises(ValueError, match="identifier"):
+    with pytest.raises(ValueError, match=r"operator state name .bad name. is invalid"):
         OperatorStateDescriptor("bad name", pa.int64())
     cp = table.next_checkpoint_id()
     f = store.flush(cp)

@@ -96,9 +96,9 @@ def test_arguments_are_validated(tmp_path: Path, monkeypatch):
         TableRef("op")
     with pytest.raises(ValueError, match="exactly one of warehouse="):
         TableRef("op", warehouse=str(tmp_path), catalog_name="x")
-    with pytest.raises(ValueError, match="table must be a non-empty string"):
+    with pytest.raises(ValueError, match="table name '' is invalid"):
         TableRef("", warehouse=str(tmp_path))
-    with pytest.raises(ValueError, match="branch must be a non-empty string"):
+    with pytest.raises(ValueError, match="fork name '' is invalid"):
         TableRef("op", warehouse=str(tmp_path), branch="")
     with pytest.raises(ValueError, match="URI"):
         TableRef("op", warehouse="s3://bucket/wh")
