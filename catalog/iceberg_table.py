@@ -260,14 +260,19 @@ class IcebergStateTable:
         """The operator state of the opened checkpoint: one file per task of the job that
         committed it (none when it committed no operator state)."""
         self._check_open()
-        snapshot = self._snapshot
-        while snapshot is not None and checkpoint_id_of(snapshot) is None:  # a compaction: its parent's
-            parent = snapshot.parent_snapshot_id
-            snapshot = None if parent is None else self._table.metadata.snapshot_by_id(parent)
+        snapshot = self._checkpoint_snapshot()
         if snapshot is None:
             return []
         return [OperatorStateFile(**{**f, "path": self._locations.to_path(f["path"])})
                 for f in operator_files_of(snapshot)]
+
+    def _checkpoint_snapshot(self) -> Snapshot | None:
+        """The snapshot of the opened checkpoint (past the compactions committed on top of it)."""
+        snapshot = self._snapshot
+        while snapshot is not None and checkpoint_id_of(snapshot) is None:  # a compaction: its parent's
+            parent = snapshot.parent_snapshot_id
+            snapshot = None if parent is None else self._table.metadata.snapshot_by_id(parent)
+        return snapshot
 
     def segments(self, key_groups: KeyGroupRange) -> list[SegmentFile]:
         """Segments of the opened checkpoint overlapping ``key_groups``, oldest checkpoint first."""
@@ -402,7 +407,8 @@ class IcebergStateTable:
         operator_state: Sequence[OperatorStateFile] = (),
     ) -> CheckpointInfo:
         """Commit ``segments`` of every task as checkpoint ``checkpoint_id`` in one snapshot,
-        with ``operator_state``: one file per task (``OperatorStateStore.flush``), or none.
+        with ``operator_state``: one file per task (``OperatorStateStore.flush``), or none to
+        keep the opened checkpoint's operator state as it is.
 
         Raises:
             ValueError: bad arguments, or ``checkpoint_id`` not above every committed id.
@@ -416,6 +422,14 @@ class IcebergStateTable:
         self._committer.check_args(checkpoint_id, segments, parallelism, batch_id, properties, self._index)
         data_files, stored = self._committer.data_files(segments, checkpoint_id)
         summary = self._committer.summary(checkpoint_id, parallelism, batch_id, properties, operator_state)
+        if not operator_state:
+            # A checkpoint without operator state keeps the opened one's (the same files, listed
+            # again): operator state changes only when a job writes it.
+            previous = self._checkpoint_snapshot()
+            listed = None if previous is None else stored_keys.get(
+                previous.summary.additional_properties if previous.summary else {}, stored_keys.SUMMARY_OPERATOR_STATE)
+            if listed:
+                summary[stored_keys.SUMMARY_OPERATOR_STATE] = listed
         committed = self._committer.commit(checkpoint_id, data_files, summary, opened=self._snapshot,
                                            expected_head=self._expected_head, stored=stored)
         self._advance_to(committed.snapshot, data_files)

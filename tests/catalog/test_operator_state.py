@@ -100,9 +100,34 @@ def test_operator_state_follows_restores_and_the_keyed_state_of_the_same_snapsho
     assert stores_at(table, 1, [SEEN])[0].get_list_state(SEEN).get() == ["x", "y", "z"]
     table.restore(first)
     assert stores_at(table, 1, [SEEN])[0].get_list_state(SEEN).get() == ["x"]
-    # a checkpoint without operator state (a keyed-only job) has none
+    # a checkpoint without operator state keeps the opened checkpoint's
     commit_next(table)
-    assert table.operator_state_files() == []
+    assert stores_at(table, 1, [SEEN])[0].get_list_state(SEEN).get() == ["x"]
+
+
+def test_operator_state_survives_checkpoints_committed_without_it(open_table):
+    """Issue 14, defect 9: checkpoints that pass no operator state (a batch of a job that writes
+    it only now and then, a rescale) list the previous files again, so retention keeps them and
+    every later restore, at any parallelism, sees them."""
+    table = open_table(retain_checkpoints=2)
+    two = stores_at(table, 2, [KAFKA])
+    two[0].get_list_state(KAFKA).update([offset(0, 100), offset(1, 110)])
+    two[1].get_list_state(KAFKA).update([offset(2, 120), offset(3, 130)])
+    first = commit_operator_state(table, two)
+    files = [f.path for f in table.operator_state_files()]
+    for parallelism in (2, 2, 4, 4):  # far past retention, and a rescale
+        commit_next(table, [[1], [9]] if parallelism == 2 else [[1], [5], [9], [13]])
+    table.wait_for_deletes()
+    assert first not in [c.checkpoint_id for c in table.list_checkpoints()]  # expired long ago
+    assert all(os.path.exists(p) for p in files)
+    four = stores_at(table, 4, [KAFKA])
+    assert [s.get_list_state(KAFKA).get() for s in four] == [[offset(p, 100 + 10 * p)] for p in range(4)]
+    reopened = IcebergStateTable.open_existing(warehouse=os.path.dirname(os.path.dirname(
+        table.location.removeprefix("file://"))), table_name="op")
+    try:
+        assert [f.path for f in reopened.operator_state_files()] == files
+    finally:
+        reopened.close()
 
 
 def test_expired_and_orphaned_operator_state_files_are_deleted(open_table):
