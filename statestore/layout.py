@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from statestore.conversions import castable, type_family
 from statestore.descriptors import StateDescriptor, StateKind
 from statestore.errors import SchemaMismatchError
 from statestore.keygroups import DEFAULT_MAX_PARALLELISM, check_key_type, check_max_parallelism
@@ -132,11 +133,22 @@ class StateLayout:
                 raise ValueError(f"key column {f.name!r} has {col.null_count} null value(s): keys must not be null")
             if col.type != f.type:
                 check_key_type(f.name, col.type)
+                if not castable(col.type, f.type):  # as the per-key API: no int keys for a string column
+                    raise SchemaMismatchError(f"key column {f.name!r} has type {col.type}, the state expects "
+                                              f"{f.type}: convert the keys explicitly")
                 try:
                     col = col.cast(f.type)
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
                     raise SchemaMismatchError(
                         f"key column {f.name!r} has type {col.type}, the state expects {f.type}: {e}"
+                    ) from e
+            if type_family(f.type) == "string":
+                try:
+                    col.validate(full=True)
+                except pa.ArrowInvalid as e:
+                    raise SchemaMismatchError(
+                        f"key column {f.name!r} holds a string that is not valid UTF-8 ({e}); a Spark "
+                        "CAST(binary AS STRING) can make one: clean or filter those keys, or key by the binary"
                     ) from e
             cols.append(col)
         return pa.Table.from_arrays(cols, schema=self.key_schema)

@@ -27,6 +27,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from statestore.conversions import castable, check_no_truncation
 from statestore.descriptors import StateDescriptor, StateKind, TtlUpdateType
 from statestore.errors import SchemaMismatchError
 from statestore.layout import EXPIRE_AT_MS, OP, OP_APPEND, OP_DELETE, OP_PUT
@@ -55,40 +56,21 @@ def _hashable(value: Any) -> Any:
     return value
 
 
-def _type_family(t: pa.DataType) -> str:
-    if pa.types.is_integer(t):
-        return "integer"
-    if pa.types.is_floating(t) or pa.types.is_decimal(t):
-        return "number"
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
-        return "string"
-    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t) \
-            or pa.types.is_fixed_size_binary(t):
-        return "binary"
-    if pa.types.is_dictionary(t):
-        return _type_family(t.value_type)
-    return str(t.id)
-
-
-def _castable(source: pa.DataType, target: pa.DataType) -> bool:
-    """Arrow casts that keep meaning: widening within a family (int32 -> int64, string ->
-    large_string, nested types field by field). Parsing strings into numbers or
-    formatting numbers as strings is a schema mismatch, not a conversion."""
-    fs, ft = _type_family(source), _type_family(target)
-    return fs == ft or (fs == "integer" and ft == "number") or pa.types.is_null(source)
-
-
 def _arrow(values: Any, dtype: pa.DataType, what: str) -> pa.Array:
     """Values as an Arrow array of exactly ``dtype``; SchemaMismatchError otherwise."""
     try:
         if isinstance(values, pa.ChunkedArray):
             values = values.combine_chunks()
+        if not isinstance(values, pa.Array):
+            check_no_truncation(values, pa.list_(dtype))
         arr = values if isinstance(values, pa.Array) else pa.array(values, type=dtype)
         if arr.type != dtype:
-            if not _castable(arr.type, dtype):
+            if not castable(arr.type, dtype):
                 raise TypeError(f"an array of {arr.type} cannot stand for {dtype}")
-            arr = arr.cast(dtype)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError) as e:
+            arr = arr.cast(dtype)  # safe: refuses truncation and overflow
+        arr.validate(full=True)  # invalid UTF-8 in strings, which no checkpoint could store
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError,
+            OverflowError) as e:
         raise SchemaMismatchError(f"{what} do not match the declared type {dtype}: {e}") from e
     if arr.null_count:
         raise ValueError(f"{what} contain {arr.null_count} null(s); state values must not be null (use clear)")
@@ -134,8 +116,10 @@ def _check_value(value: Any, dtype: pa.DataType, what: str) -> None:
     if _fits_checker(dtype)(value):
         return
     try:
+        check_no_truncation(value, dtype)
         pa.scalar(value, type=dtype)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError) as e:
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError,
+            OverflowError) as e:
         raise SchemaMismatchError(f"{what} {value!r} does not match the declared type {dtype}: {e}") from e
 
 
