@@ -12,7 +12,15 @@ snapshot plans (pyiceberg's file list):
   DuckDB's projections and filters pushed into the scan.
 
 Both give the same view: the columns of every file by name, in order of first appearance,
-types widened where files differ (``read_parquet(..., union_by_name = true)``). Entries are
+types widened where files differ (``read_parquet(..., union_by_name = true)``).
+
+A connection made here is *confined* once its views exist (``confine``): DuckDB's external
+access is off and its configuration locked, so a query can read the registered views and
+tables and nothing else: no file by path (``read_parquet``, ``read_text``, ``glob``), no
+``COPY ... TO`` (which could overwrite a committed segment), no ``ATTACH``, no extension, and
+no setting that undoes it. Its entries view then reads local files as a dataset too (a view
+by path would need file access at query time). A connection passed in is left as it is:
+whoever made it decides what it may do. Entries are
 raw: every put, append and tombstone of every segment. ``connect`` adds one table per state
 variable with its live state: the same files read by the one entry reader
 (``statestore.entries``, through the table's filesystem) and resolved by
@@ -65,7 +73,7 @@ def connect(
     """
     con = connection if connection is not None else new_connection()
     files = _data_files(table.iceberg_table, _snapshot_of(table, checkpoint_id))
-    _create_entries_view(con, table.iceberg_table, files, ENTRIES_VIEW)
+    _create_entries_view(con, table.iceberg_table, files, ENTRIES_VIEW, by_path=connection is not None)
     now = int(time.time() * 1000) if now_ms is None else now_ms
     layout = table.layout
     keys = layout.key_names
@@ -77,6 +85,8 @@ def connect(
         live = resolve(entries.select(entry_columns(desc, keys)), desc, keys, now).rename(desc.display_columns())
         con.execute(f"DROP VIEW IF EXISTS {_ident(STATE_TABLE_PREFIX + desc.name)}")
         con.register(STATE_TABLE_PREFIX + desc.name, live.to_arrow())
+    if connection is None:
+        confine(con)
     return con
 
 
@@ -104,7 +114,9 @@ def entries_view(
     elif checkpoint_id is not None:
         raise TypeError("checkpoint_id needs an IcebergStateTable; pass snapshot_id for a plain Iceberg table")
     con = connection if connection is not None else new_connection()
-    _create_entries_view(con, iceberg, _data_files(iceberg, snapshot_id), view_name)
+    _create_entries_view(con, iceberg, _data_files(iceberg, snapshot_id), view_name, by_path=connection is not None)
+    if connection is None:
+        confine(con)
     return con.table(view_name)
 
 
@@ -113,9 +125,19 @@ def new_connection() -> duckdb.DuckDBPyConnection:
     return duckdb.connect(config=DUCKDB_CONFIG)
 
 
-def _create_entries_view(con: duckdb.DuckDBPyConnection, iceberg: Table, files: list[DataFile], name: str) -> None:
+def confine(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
+    """Turn off ``con``'s access to anything but what is registered in it, for good (module
+    docstring)."""
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+    return con
+
+
+def _create_entries_view(con: duckdb.DuckDBPyConnection, iceberg: Table, files: list[DataFile], name: str,
+                         by_path: bool = True) -> None:
     """(Re)create view ``name`` over the entries of ``files`` (module docstring: local files by
-    path, others as a pyarrow dataset over the table's filesystem)."""
+    path when ``by_path``, others and a confined connection's as a pyarrow dataset over the
+    table's filesystem)."""
     locations = Locations.of(iceberg.location(), iceberg.io)
     con.execute(f"DROP VIEW IF EXISTS {_ident(name)}")
     if not files:
@@ -123,7 +145,7 @@ def _create_entries_view(con: duckdb.DuckDBPyConnection, iceberg: Table, files: 
         con.register(name, schema_to_pyarrow(iceberg.schema(), include_field_ids=False).empty_table())
         return
     paths = [locations.to_path(f.file_path) for f in files]
-    if is_local_filesystem(locations.filesystem):
+    if by_path and is_local_filesystem(locations.filesystem):
         source = f"read_parquet({_sql_list(paths)}, union_by_name = true)"
         con.execute(f"CREATE OR REPLACE VIEW {_ident(name)} AS SELECT * FROM {source}")
     else:

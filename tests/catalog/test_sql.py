@@ -15,9 +15,12 @@ from catalog.sql import new_connection
 from statestore import ListStateDescriptor, MapStateDescriptor, StateStore, StoreConfig, TtlConfig
 from statestore.descriptors import ValueStateDescriptor
 from statestore.errors import CheckpointNotFoundError
+from statestore.keygroups import KeyGroupRange
 from statestore.layout import StateLayout
 from tests.catalog.catalog_helpers import DESCRIPTORS, KEY_SCHEMA, MAX_PARALLELISM, commit_next
 from tests.catalog.conftest import Place
+
+ALL_GROUPS = KeyGroupRange.of(0, MAX_PARALLELISM - 1)
 
 
 @pytest.fixture
@@ -181,3 +184,51 @@ def test_filters_on_s3_read_through_the_table_filesystem(place):
 def test_no_extension_is_ever_downloaded():
     con = new_connection()
     assert con.execute("SELECT current_setting('autoinstall_known_extensions')").fetchall() == [(False,)]
+
+
+def test_inspection_is_read_only_and_confined_to_the_table(place: Place, tmp_path):
+    """Issue 14, defect 3: `icestate sql` (and a connection of ``connect``) reads the table's
+    views and nothing else: no file by path, no COPY over a committed segment, no ATTACH, no
+    extension, no setting that lifts it. Each refusal is one line; the table is unchanged."""
+    import hashlib
+    import os
+
+    from tests.catalog.test_cli import invoke
+
+    table = place.open()
+    commit_next(table, [[0, 3], [9]])
+    segment = table.segments(ALL_GROUPS)[0].path
+    read = table.filesystem.open_input_file(segment).read
+    before = hashlib.sha256(read()).hexdigest()
+    local = segment if place.kind == "local" else str(tmp_path / "x.parquet")
+    hostile = [
+        f"COPY (SELECT * FROM entries) TO '{local}' (FORMAT parquet)",
+        f"SELECT * FROM read_parquet('{local}')",
+        "SELECT * FROM read_text('/etc/passwd')",
+        "SELECT * FROM read_csv('/etc/hostname')",
+        "SELECT * FROM glob('/etc/*')",
+        f"ATTACH '{tmp_path / 'other.db'}'",
+        "SET enable_external_access = true",
+        "INSTALL httpfs",
+        "LOAD httpfs",
+    ]
+    table.close()
+    args = [*place.cli_args(), "--table", "op"]
+    for query in hostile:
+        result = invoke("sql", *args, query)
+        assert result.exit_code == 1, (query, result.output)
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert "Traceback" not in result.output and len(errors) == 1, result.output
+        assert "disabled" in result.output or "Cannot change configuration" in result.output, result.output
+    assert not os.path.exists(tmp_path / "other.db")
+    reopened = place.open()
+    assert hashlib.sha256(reopened.filesystem.open_input_file(segment).read()).hexdigest() == before
+    ok = invoke("sql", *args, "SELECT count(*) AS n FROM entries")
+    assert ok.exit_code == 0 and "3" in ok.output, ok.output
+    con = connect(reopened)
+    assert con.execute("SELECT count(*) FROM state_count").fetchall() == [(3,)]
+    with pytest.raises(duckdb.PermissionException):
+        con.execute("SELECT * FROM read_text('/etc/passwd')")
+    mine = duckdb.connect()
+    connect(reopened, mine)  # a connection passed in stays as its owner made it
+    assert mine.execute("SELECT count(*) FROM glob('/etc/host*')").fetchall()[0][0] >= 1
