@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -121,6 +122,31 @@ class CheckpointCommitter:
         seen: set[str] = set()
         for s in segments:
             self._check_segment(s, checkpoint_id, seen, committed_paths)
+        self._check_one_owner(segments, parallelism)
+
+    def _check_one_owner(self, segments: Sequence[SegmentFile], parallelism: int) -> None:
+        """Each key group has one owner in a checkpoint: a task writes at most one segment per
+        partition, tasks are below ``parallelism``, and no two segments share a key group
+        (two stores that both believed they ran one task would otherwise both commit, and
+        their entries of a key tie)."""
+        owners: dict[tuple[int, int], str] = {}
+        for s in segments:
+            _, task, partition = parse_segment_name(s.path)
+            if task >= parallelism:
+                raise ValueError(f"segment {s.path} was written by task {task}, but the checkpoint has "
+                                 f"parallelism {parallelism} (tasks 0..{parallelism - 1})")
+            if (task, partition) in owners:
+                raise ValueError(
+                    f"task {task} wrote two segments of partition {partition} for one checkpoint of state table "
+                    f"{self._name} ({owners[task, partition]} and {s.path}): two stores ran as the same task; "
+                    "commit the segments of one of them")
+            owners[task, partition] = s.path
+        ordered = sorted(segments, key=lambda s: (s.key_group_min, s.key_group_max))
+        for a, b in itertools.pairwise(ordered):
+            if b.key_group_min <= a.key_group_max:
+                raise ValueError(
+                    f"segments {a.path} and {b.path} both hold key groups [{b.key_group_min}, "
+                    f"{min(a.key_group_max, b.key_group_max)}]: a key group belongs to one task per checkpoint")
 
     def _check_segment(self, s: SegmentFile, checkpoint_id: int, seen: set[str],
                        committed_paths: Container[str]) -> None:

@@ -39,6 +39,7 @@ Thread safety: used by the store's task thread only, like the store.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -48,7 +49,7 @@ import pyarrow as pa
 
 from statestore.cache import CachedKeyGroup, KeyGroupCache
 from statestore.config import StoreConfig
-from statestore.descriptors import StateDescriptor
+from statestore.descriptors import StateDescriptor, StateKind
 from statestore.entries import read_entries, variable_entry_schema
 from statestore.file_cache import FileCache, FileCacheCounters, file_cache_for
 from statestore.keygroups import KeyGroupRange
@@ -57,6 +58,8 @@ from statestore.memtable import KG, Memtable
 from statestore.resolve import ORD, entry_columns, live_rows, merge, resolve, view_columns
 from statestore.segment import SegmentReader
 from statestore.table import StateTable
+
+log = logging.getLogger(__name__)
 
 _NO_ENTRIES: dict = {}
 
@@ -263,7 +266,18 @@ class StateReader:
         if on_extra is not None:
             left = left.hstack(on_extra)
             on += on_extra.columns
-        return left.join(view, on=on, how="left", maintain_order="left")
+        out = left.join(view, on=on, how="left", maintain_order="left")
+        kind = self.layout.descriptor(name).kind
+        one_row_per_key = kind not in (StateKind.LIST, StateKind.MAP) or on_extra is not None
+        if out.height != left.height and one_row_per_key:
+            # Two newest entries of one key tie: only a table whose checkpoint took segments
+            # of two stores for one task can hold that (commits refuse it now). One row per
+            # key all the same, the last of the view's order, and say so.
+            log.warning("state %r holds entries of one key that tie on (checkpoint, seq): the table was "
+                        "written by two stores for one task; each key's last one is read", name)
+            out = left.join(view.unique(subset=on, keep="last", maintain_order=True), on=on, how="left",
+                            maintain_order="left")
+        return out
 
     # ---------------------------------------------------------------- per-key reads
 

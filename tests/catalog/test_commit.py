@@ -100,7 +100,7 @@ def test_segment_of_another_schema_or_footer_commits_nothing(open_table, damage)
     metadata_location = table.iceberg_table.metadata_location
     before = table.segments(ALL)
     good = write_segment(table, 2, 0, [1, 2])
-    bad = write_segment(table, 2, 1, [1])
+    bad = write_segment(table, 2, 1, [3])
     damage(bad.path)
     with pytest.raises(CorruptSegmentError, match=os.path.basename(bad.path)):
         table.commit_checkpoint(2, [good, bad], parallelism=2)
@@ -157,3 +157,45 @@ def test_a_segment_reported_with_its_footer_commits_the_entry_read_from_the_file
     for name in ("record_count", "file_size_in_bytes", "lower_bounds", "upper_bounds", "null_value_counts",
                  "value_counts", "column_sizes", "split_offsets"):
         assert getattr(committed, name) == getattr(from_file, name), name
+
+
+def _two_stores_for_task_zero(table):
+    """Two stores that both believe they run task 0 of 1, each writing key "a" (and one more)."""
+    from statestore import StateStore
+
+    stores = [StateStore(table, task_index=0, parallelism=1) for _ in range(2)]
+    for n, store in enumerate(stores):
+        store.get_state("count").update_batch(pa.table({"user": ["a", f"only{n}"]}), [10 + n, 1])
+    cp = table.next_checkpoint_id()
+    return stores, cp, [seg for store in stores for seg in store.flush(cp)]
+
+
+def test_two_stores_for_one_task_cannot_both_commit(open_table):
+    """Issue 14, defect 6: a checkpoint refuses two segments of one task and partition, and
+    segments of different tasks whose key groups overlap; nothing is committed."""
+    table = open_table()
+    first = commit_next(table)
+    _, cp, segments = _two_stores_for_task_zero(table)
+    with pytest.raises(ValueError, match="two stores ran as the same task"):
+        table.commit_checkpoint(cp, segments, parallelism=1)
+    other = write_segment(table, cp, 1, [segments[0].key_group_min])
+    with pytest.raises(ValueError, match="a key group belongs to one task per checkpoint"):
+        table.commit_checkpoint(cp, [segments[0], other], parallelism=2)
+    with pytest.raises(ValueError, match="parallelism 1"):
+        table.commit_checkpoint(cp, [other], parallelism=1)
+    assert table.current_checkpoint().checkpoint_id == first
+
+
+def test_a_tie_left_by_an_older_writer_reads_one_value_per_key(open_table, monkeypatch):
+    """Issue 14, defect 6: where two stores' entries of a key tie on (checkpoint, seq) (a table
+    committed before the check above), a batched read still returns one value per key."""
+    from catalog.commit import CheckpointCommitter
+    from statestore import StateStore
+
+    table = open_table()
+    monkeypatch.setattr(CheckpointCommitter, "_check_one_owner", lambda *args: None)
+    _, cp, segments = _two_stores_for_task_zero(table)
+    table.commit_checkpoint(cp, segments, parallelism=1)
+    monkeypatch.undo()
+    values = StateStore(table).get_state("count").get_batch(pa.table({"user": ["a", "only0"]}))
+    assert len(values) == 2 and values.to_pylist()[1] == 1 and values.to_pylist()[0] in (10, 11)

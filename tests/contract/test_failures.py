@@ -55,7 +55,7 @@ def test_commit_of_missing_or_damaged_segment_commits_nothing(backend, damage):
     record = backend.commit_record(table)
     before = table.segments(ALL_KEY_GROUPS)
     good = write_segment(table, 2, 0, [1, 2])
-    bad = write_segment(table, 2, 1, [1])
+    bad = write_segment(table, 2, 1, [3])
     backend.damage(table, bad.path, damage)
     with pytest.raises(CorruptSegmentError, match=re.escape(bad.path)):
         table.commit_checkpoint(2, [good, bad], parallelism=2)
