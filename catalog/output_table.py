@@ -3,22 +3,28 @@
 Tasks write their output rows as Parquet files in the table's data directory; the driver
 adds them in one snapshot whose summary records the batch id (``icestate.batch-id``). A
 batch that is replayed after a failure finds its id already committed and adds nothing,
-so the table holds every batch's output exactly once.
+so the table holds every batch's output exactly once, also with two drivers (or a zombie
+resumed mid-batch): the batch check and the append are one commit, validated against the head
+the check read, and a commit that lost a race checks again instead of appending on the new
+head (the table's ``commit.retry.num-retries`` is set to 0 when it is opened).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import NoSuchTableError
-from pyiceberg.table import Table
+from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
+from pyiceberg.table import Table, TableProperties
 
 from catalog.task_view import io_properties
-from statestore.errors import QueryMismatchError, SchemaMismatchError
+from statestore.errors import CommitConflictError, QueryMismatchError, SchemaMismatchError
 from statestore.names import InvalidNameError, check_namespace, check_table_name
 from statestore.stored_keys import OUTPUT_BATCH_ID, OUTPUT_QUERY_ID
+
+COMMIT_ATTEMPTS = 8
 
 
 class OutputTable:
@@ -79,22 +85,32 @@ class OutputTable:
 
         Raises QueryMismatchError when the table's batches come from another streaming query.
         """
-        committed = self.committed_batch()
-        if committed is not None:
-            if query_id is not None and committed[1] is not None and committed[1] != query_id:
-                raise QueryMismatchError(
-                    f"output table {'.'.join(self._table.name())} receives the output of streaming query "
-                    f"{committed[1]}, not of this query {query_id}: batch ids would not line up; use another "
-                    "output table or the original checkpointLocation")
-            if batch_id <= committed[0]:
-                return False
-        if not uris:
-            return False  # an empty batch adds nothing, replayed or not
         props = {OUTPUT_BATCH_ID: str(batch_id)}
         if query_id is not None:
             props[OUTPUT_QUERY_ID] = query_id
-        self._table.add_files(uris, snapshot_properties=props)
-        return True
+        for attempt in range(COMMIT_ATTEMPTS):
+            committed = self.committed_batch()  # the head this append is validated against
+            if committed is not None:
+                if query_id is not None and committed[1] is not None and committed[1] != query_id:
+                    raise QueryMismatchError(
+                        f"output table {'.'.join(self._table.name())} receives the output of streaming query "
+                        f"{committed[1]}, not of this query {query_id}: batch ids would not line up; use another "
+                        "output table or the original checkpointLocation")
+                if batch_id <= committed[0]:
+                    return False
+            if not uris:
+                return False  # an empty batch adds nothing, replayed or not
+            try:
+                # The append's commit requires the head seen above (pyiceberg's snapshot producer
+                # asserts its parent) and is never retried blindly on a newer head (the table's
+                # commit retries are 0): the check and the append are one atomic step.
+                self._table.add_files(uris, snapshot_properties=props)
+                return True
+            except CommitFailedException:
+                time.sleep(min(0.05 * 2**attempt, 1.0))  # another writer committed: check again
+        raise CommitConflictError(
+            f"output table {'.'.join(self._table.name())} changed under each of {COMMIT_ATTEMPTS} attempts to "
+            f"commit batch {batch_id}: another writer keeps committing to it; the batch is retried")
 
     def close(self) -> None:
         _close(self._catalog)
@@ -111,6 +127,11 @@ def _opened(catalog: Catalog, identifier: str, schema: pa.Schema) -> Table:
         table = catalog.load_table(identifier)
     except NoSuchTableError:
         table = catalog.create_table_if_not_exists(identifier, schema=schema)
+    if table.properties.get(TableProperties.COMMIT_NUM_RETRIES) != "0":
+        # pyiceberg retries a failed append on the new head, after our batch check: off.
+        with table.transaction() as tx:
+            tx.set_properties({TableProperties.COMMIT_NUM_RETRIES: "0"})
+        table = catalog.load_table(identifier)
     existing = table.schema().as_arrow()
     want = [(f.name, f.type) for f in schema]
     have = [(f.name, f.type) for f in existing]
