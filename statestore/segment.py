@@ -40,6 +40,8 @@ from statestore.paths import needs_parent_directories
 from statestore.table import SegmentFile, StateTable
 
 PARQUET_COMPRESSION = "zstd"
+# Key of the Parquet key-value metadata that holds a segment's own file name (``_check_identity``).
+SEGMENT_NAME_KEY = "icestate.segment-file"
 # Key types whose Parquet statistics compare with the Python values of a request exactly
 # (str, bytes, int): a row group of one key group is pruned by its first key column's min/max.
 _PRUNABLE_KEY = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary,
@@ -135,6 +137,9 @@ def _write_one(fs: pafs.FileSystem, path: str, part: pa.Table, kgs: np.ndarray, 
     ) as writer:
         for offset, length in _row_group_bounds(kgs, rows_min, rows_max):
             writer.write_table(part.slice(offset, length), row_group_size=length)
+        # The file's own name in its footer: a reader knows it is the file the checkpoint
+        # committed and not another valid segment copied over it.
+        writer.add_key_value_metadata({SEGMENT_NAME_KEY: path.rsplit("/", 1)[-1]})
     data = sink.getvalue()
     if needs_parent_directories(fs):
         fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
@@ -153,6 +158,25 @@ def _footer_of(data: pa.Buffer) -> str:
     tail = memoryview(data)
     length = int.from_bytes(tail[-8:-4], "little")
     return base64.b64encode(b"PAR1" + bytes(tail[-(8 + length):])).decode("ascii")
+
+
+class SegmentMismatch(OSError):
+    """A segment file is not the one its checkpoint committed (another file in its place)."""
+
+
+def _check_identity(seg: SegmentFile, md: pq.FileMetaData, size: int) -> None:
+    """Raise ``SegmentMismatch`` unless the file at ``seg.path`` is the one the manifest
+    records: its name in the footer (``SEGMENT_NAME_KEY``; files written before it had none),
+    its size and its row count."""
+    name = seg.path.rsplit("/", 1)[-1]
+    written_as = (md.metadata or {}).get(SEGMENT_NAME_KEY.encode())
+    if written_as is not None and written_as.decode(errors="replace") != name:
+        raise SegmentMismatch(f"the file in its place was written as {written_as.decode(errors='replace')}, "
+                              "another segment copied over it")
+    if seg.size_bytes and size != seg.size_bytes:
+        raise SegmentMismatch(f"it has {size} bytes where the checkpoint recorded {seg.size_bytes}")
+    if seg.record_count and md.num_rows != seg.record_count:
+        raise SegmentMismatch(f"it has {md.num_rows} rows where the checkpoint recorded {seg.record_count}")
 
 
 class _ReadFailed(Exception):
@@ -317,6 +341,7 @@ class SegmentReader:
 
     def _read_footer(self, seg: SegmentFile, f: pa.NativeFile) -> _Footer:
         md = pq.ParquetFile(f).metadata
+        _check_identity(seg, md, f.size())
         arrow_schema = md.schema.to_arrow_schema()
         names = frozenset(arrow_schema.names)
         idx = next(i for i in range(md.num_columns) if md.schema.column(i).path == KEY_GROUP)
