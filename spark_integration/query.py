@@ -70,6 +70,7 @@ from statestore.errors import (
     QueryCheckpointUnreadableError,
     QueryMismatchError,
     SchemaMismatchError,
+    StateOutOfStepError,
     TaskReportError,
     WorkerEnvironmentError,
 )
@@ -280,6 +281,8 @@ class StatefulRunner:
         self._revive(batch_df.sparkSession)
         info = self.table.current_checkpoint()
         adopted = self._check_same_query(info)
+        if not adopted:
+            self._check_in_step(info, batch_id)
         if not adopted and info is not None and info.batch_id is not None and batch_id <= info.batch_id:
             log.info("batch %d is already in state checkpoint %d: skipped", batch_id, info.checkpoint_id)
             self.reports.append(BatchReport(batch_id, skipped=True, checkpoint_id=info.checkpoint_id))
@@ -398,6 +401,33 @@ class StatefulRunner:
                 "or fork the state (IcebergStateTable.fork) and run this query on the fork"
             )
         return False
+
+    def _check_in_step(self, info: Any, batch_id: int) -> None:
+        """Spark runs batch n after committing n-1 (its ``commits`` log), and the state of a
+        batch commits before Spark's record of it: so the state table's newest checkpoint is of
+        batch n-1, or of n when this is the replay of a batch whose state committed. Anything
+        else means the state table was rolled back or restored by hand (behind), or Spark's
+        checkpoint was (ahead): running on would silently drop the missing batches' state."""
+        done = -1 if info is None or info.batch_id is None else info.batch_id
+        if info is not None and info.batch_id is None:
+            return  # state written outside a query (the store's API, an initial load): no batches to match
+        if done < batch_id - 1:
+            missing = f"batch {batch_id - 1}" if done == batch_id - 2 else f"batches {done + 1} to {batch_id - 1}"
+            raise StateOutOfStepError(
+                f"state table {self.table.identifier} is behind its query: Spark committed batches up to "
+                f"{batch_id - 1} ({self.checkpoint_location}), the table's newest checkpoint "
+                + ("is none" if info is None else f"{info.checkpoint_id} holds batch {done}")
+                + f", so the state of {missing} is missing (the table was rolled back, restored to an older "
+                "checkpoint or savepoint, or replaced). Restore the checkpoint of batch "
+                f"{batch_id - 1} if it is retained, or start the query on a new checkpointLocation")
+        if done > batch_id:
+            raise StateOutOfStepError(
+                f"state table {self.table.identifier} is ahead of its query: its newest checkpoint "
+                f"{info.checkpoint_id} holds batch {done}, but Spark is running batch {batch_id} "
+                f"({self.checkpoint_location} was rolled back or restored from an older copy), so batches "
+                f"{batch_id + 1} to {done} would be planned again on state that already has them. Restore the "
+                f"state table to the checkpoint of batch {batch_id - 1} (icestate checkpoints lists them), or "
+                "use the checkpointLocation that ran it")
 
     def _plan(self, batch_id: int, info: Any) -> BatchPlan:
         meta = _offset_metadata(self.spark, self.checkpoint_location, batch_id)

@@ -106,6 +106,11 @@ class QueryMismatchError(StateStoreError):
     """A state or output table holds the batches of another streaming query than this one."""
 
 
+class StateOutOfStepError(QueryMismatchError):
+    """A state table's newest checkpoint is behind the batches Spark says its query committed,
+    or ahead of anything the query ran."""
+
+
 class InjectedFaultError(StateStoreError, RuntimeError):
     """A failure injected by a test through ``statestore.faults``; never raised in production."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -21,7 +22,12 @@ from pyspark.sql.streaming import StreamingQueryListener
 from catalog import IcebergStateTable, connect
 from catalog.defaults import default_catalog
 from spark_integration import Deduplicate, RunningAggregate, StateLocation
-from statestore.errors import SchemaMismatchError, StateTableMismatchError, UnsupportedKeyTypeError
+from statestore.errors import (
+    SchemaMismatchError,
+    StateOutOfStepError,
+    StateTableMismatchError,
+    UnsupportedKeyTypeError,
+)
 from tests.integration.streaming_helpers import (
     PROFILE_OUTPUT,
     PROVIDER_CONF,
@@ -186,6 +192,50 @@ def test_replayed_batch_is_not_applied_twice(spark, tmp_path, where):
     assert state_counts(loc) == counts(batches)
     after = output_rows(loc, "out.profile")
     assert sorted(after.to_pylist(), key=str) == sorted(before.to_pylist(), key=str)
+
+
+def test_a_state_table_out_of_step_with_its_query_refuses_to_run(spark, tmp_path, where):
+    """Issue 14: the state table rolled back behind the batches Spark committed, or Spark's
+    checkpoint rolled back behind the state, stops the query with a clear error instead of
+    silently dropping or skipping batches' state."""
+    batches = key_batches(5, 40, 11)
+    input_dir, cp, loc = tmp_path / "in", tmp_path / "cp", where()
+    write_batches(input_dir, batches[:1])
+    run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=loc, checkpoint=str(cp))
+    shutil.copytree(cp, tmp_path / "cp-after-batch-0")
+    write_batches(input_dir, batches[:3])
+    run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=loc, checkpoint=str(cp))
+    assert state_counts(loc) == counts(batches[:3])
+
+    # Ahead: Spark's checkpoint restored from the copy taken after batch 0; Spark runs batch 1.
+    shutil.rmtree(cp)
+    shutil.copytree(tmp_path / "cp-after-batch-0", cp)
+    with pytest.raises(StateOutOfStepError, match=r"ahead of its query.*holds batch 2.*running batch 1"):
+        run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=loc,
+                   checkpoint=str(cp))
+    assert state_counts(loc) == counts(batches[:3])
+
+    # Behind: the table rolled back by hand to the checkpoint of batch 0 while Spark committed 0-2.
+    shutil.rmtree(cp)
+    run_cp = tmp_path / "cp-full"
+    write_batches(input_dir, batches[:4])
+    table = IcebergStateTable.open_existing(warehouse=loc.warehouse, table_name=loc.table)
+    try:
+        first = table.list_checkpoints()[0]
+        table.iceberg_table.manage_snapshots().set_current_snapshot(snapshot_id=first.snapshot_id).commit()
+    finally:
+        table.close()
+    fresh = where("fresh")
+    run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=fresh,
+               checkpoint=str(run_cp))  # batches 0-3 on a table of their own
+    shutil.copytree(run_cp, cp)
+    for marker in ("commits", "offsets"):  # Spark's log up to batch 2: batch 3 runs next
+        for name in ("3", ".3.crc"):
+            (cp / marker / name).unlink(missing_ok=True)
+    (cp / "metadata").write_text((tmp_path / "cp-after-batch-0" / "metadata").read_text())
+    with pytest.raises(StateOutOfStepError, match=r"behind its query.*batches 1 to 2 is missing"):
+        run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=loc,
+                   checkpoint=str(cp))
 
 
 def test_failed_task_attempts_leave_no_duplicate_state(spark, tmp_path, where):
