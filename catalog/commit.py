@@ -241,6 +241,7 @@ class CheckpointCommitter:
             stored_keys.SUMMARY_CHECKPOINT_ID: str(checkpoint_id),
             stored_keys.SUMMARY_PARALLELISM: str(parallelism),
             stored_keys.SUMMARY_MAX_PARALLELISM: str(self._layout.max_parallelism),
+            stored_keys.SUMMARY_BRANCH: self._branch,
         }
         if batch_id is not None:
             summary[stored_keys.SUMMARY_BATCH_ID] = str(batch_id)
@@ -288,6 +289,7 @@ class CheckpointCommitter:
                 time.sleep(COMMIT_RETRY_WAIT_MS * 2 ** (attempt - 1) / 1000)
             if attempt or self._has_other_writers():
                 self._table.refresh()
+                self._check_branch_exists()
                 self._check_not_overtaken(checkpoint_id)
             parent, rollback = self._plan_parent(opened, expected_head)
             try:
@@ -314,6 +316,14 @@ class CheckpointCommitter:
         """Whether another branch of the table may have a writer (main and forks)."""
         return any(name != self._branch and ref.snapshot_ref_type == SnapshotRefType.BRANCH
                    for name, ref in self._table.metadata.refs.items())
+
+    def _check_branch_exists(self) -> None:
+        """A fork is created with its ref (``fork``): a writer of a fork whose ref is gone was
+        removed under it, and committing would create a new fork holding only this commit."""
+        if self._branch != MAIN_BRANCH and self._branch not in self._table.metadata.refs:
+            raise CommitConflictError(
+                f"fork {self._branch!r} of state table {self._name} was removed while this writer had it open: "
+                "nothing was committed; create the fork again (fork()) to go on from one of main's checkpoints")
 
     def _check_not_overtaken(self, checkpoint_id: int) -> None:
         newest = newest_checkpoint_id(self._table.metadata, self._branch)

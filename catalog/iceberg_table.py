@@ -338,12 +338,12 @@ class IcebergStateTable:
         return self._branch
 
     def savepoint(self, name: str, checkpoint_id: int | None = None) -> CheckpointInfo:
-        """Name a checkpoint of this branch (the opened one when None) as a savepoint: an
-        Iceberg tag that retention never expires. Open or restore at it with ``savepoint=``."""
+        """Name a checkpoint of this branch (its newest when None) as a savepoint: an Iceberg
+        tag that retention never expires. Open or restore at it with ``savepoint=``."""
         self._check_open()
         self._table.refresh()
         refs.check_new_ref(self._table, name, "savepoint")
-        snapshot = self._snapshot if checkpoint_id is None else self._find_checkpoint(checkpoint_id)
+        snapshot = self._find_checkpoint(checkpoint_id)
         if snapshot is None:
             raise CheckpointNotFoundError(f"state table {self._name} has no checkpoint to save yet")
         refs.create_savepoint(self._table, name, snapshot)
@@ -362,17 +362,14 @@ class IcebergStateTable:
         refs.remove_savepoint(self._table, name)
 
     def fork(self, name: str, checkpoint_id: int | None = None, *, savepoint: str | None = None) -> CheckpointInfo:
-        """Create the fork ``name`` (an Iceberg branch) at a checkpoint of this branch (the
-        opened one when both are None) or at a savepoint. Open it with ``branch=name``: its
+        """Create the fork ``name`` (an Iceberg branch) at a checkpoint of this branch (its
+        newest when both are None) or at a savepoint. Open it with ``branch=name``: its
         commits never touch this branch."""
         self._check_open()
         _check_at(checkpoint_id, savepoint)
         self._table.refresh()
         refs.check_new_ref(self._table, name, "fork")
-        if checkpoint_id is None and savepoint is None:
-            snapshot = self._snapshot
-        else:
-            snapshot = self._find_checkpoint(checkpoint_id, savepoint)
+        snapshot = self._find_checkpoint(checkpoint_id, savepoint)
         if snapshot is None:
             raise CheckpointNotFoundError(f"state table {self._name} has no checkpoint to fork yet")
         refs.create_fork(self._table, name, snapshot)

@@ -83,7 +83,10 @@ def newest_checkpoint_id(metadata: TableMetadata, branch: str = MAIN_BRANCH) -> 
         on_forks = {s.snapshot_id for name, ref in metadata.refs.items()
                     if name != MAIN_BRANCH and ref.snapshot_ref_type == SnapshotRefType.BRANCH
                     for s in line(metadata, name)} - {s.snapshot_id for s in line(metadata)}
-        ids = [checkpoint_id_of(s) for s in metadata.snapshots if s.snapshot_id not in on_forks]
+        # Neither the forks' lines nor a removed fork's snapshots not yet expired (on no branch;
+        # their summary names the fork) count toward main's ids.
+        ids = [checkpoint_id_of(s) for s in metadata.snapshots if s.snapshot_id not in on_forks
+               and _summary_value(s, stored_keys.SUMMARY_BRANCH) in (None, MAIN_BRANCH)]
         recorded = int(stored_keys.get(metadata.properties, stored_keys.LAST_CHECKPOINT_ID, "0"))
     else:
         ids = [checkpoint_id_of(s) for s in line(metadata, branch)]

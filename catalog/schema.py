@@ -187,22 +187,44 @@ def recorded_layout(table_name: str, schema: Schema, properties: dict[str, str])
     if stored_keys.MAX_PARALLELISM not in properties:
         raise StateTableMismatchError(
             f"table {table_name} is not a state table (no {stored_keys.MAX_PARALLELISM} property)")
-    keys = [k["name"] for k in json.loads(properties[stored_keys.KEY_SCHEMA])]
-    key_schema = pa.schema([pa.field(k, _column_type(schema, k)) for k in keys])
+    keys = json.loads(properties[stored_keys.KEY_SCHEMA])
+    key_schema = pa.schema([pa.field(k["name"], _column_type(schema, k["name"], k.get("type"))) for k in keys])
     descriptors = [_descriptor(s, schema) for s in _recorded_states(properties.get(stored_keys.LAYOUT))]
     return StateLayout.of(key_schema, descriptors, int(properties[stored_keys.MAX_PARALLELISM]))
 
 
-def _column_type(schema: Schema, name: str) -> pa.DataType:
-    return canonical_type(schema.find_field(name).field_type)
+def _column_type(schema: Schema, name: str, recorded: str | None = None) -> pa.DataType:
+    """The Arrow type of column ``name``: as the operator declared it (``recorded``, the type's
+    name in the layout properties) when that is the column's type in another Arrow flavour
+    (``string`` for Iceberg's ``large_string``), so a layout read back equals the original;
+    else as Iceberg reads it."""
+    read = canonical_type(schema.find_field(name).field_type)
+    narrow = _narrow(read)
+    return narrow if recorded is not None and str(narrow) == recorded else read
+
+
+def _narrow(t: pa.DataType) -> pa.DataType:
+    """``t`` with 32-bit offsets where Iceberg reads 64-bit ones (large_string -> string...)."""
+    if pa.types.is_large_string(t):
+        return pa.string()
+    if pa.types.is_large_binary(t):
+        return pa.binary()
+    if pa.types.is_large_list(t) or pa.types.is_list(t):
+        return pa.list_(t.value_field.with_type(_narrow(t.value_type)))
+    if pa.types.is_map(t):
+        return pa.map_(_narrow(t.key_type), t.item_field.with_type(_narrow(t.item_type)))
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_narrow(f.type)) for f in t])
+    return t
 
 
 def _descriptor(state: dict, schema: Schema) -> StateDescriptor:
     name, kind = state["name"], StateKind(state["kind"])
     stem = column_stem(name)
-    value_type = _column_type(schema, f"v_{stem}")
+    value_type = _column_type(schema, f"v_{stem}", state.get("value_type"))
     if kind is StateKind.MAP:
-        return MapStateDescriptor(name, value_type, key_type=_column_type(schema, f"mk_{stem}"))
+        return MapStateDescriptor(name, value_type,
+                                  key_type=_column_type(schema, f"mk_{stem}", state.get("user_key_type")))
     if kind is StateKind.REDUCING:
         return ReducingStateDescriptor(name, value_type, reduce_fn=_StoredFunctionUnavailable(name))
     if kind is StateKind.AGGREGATING:

@@ -61,9 +61,13 @@ SUMMARY_PARALLELISM = "icestate.parallelism"
 SUMMARY_MAX_PARALLELISM = "icestate.max-parallelism"
 # JSON list of the checkpoint's operator state files (statestore.operator_state), one per task.
 SUMMARY_OPERATOR_STATE = "icestate.operator-state"
+# The branch (main or a fork) a checkpoint was committed to: a removed fork's snapshots, until
+# expired, are on no branch, and must not count as main's.
+SUMMARY_BRANCH = "icestate.branch"
 # Keys a checkpoint's own summary carries; checkpoint properties given by users may not use them.
 RESERVED_SUMMARY_KEYS = frozenset(
-    {SUMMARY_CHECKPOINT_ID, SUMMARY_BATCH_ID, SUMMARY_PARALLELISM, SUMMARY_MAX_PARALLELISM, SUMMARY_OPERATOR_STATE}
+    {SUMMARY_CHECKPOINT_ID, SUMMARY_BATCH_ID, SUMMARY_PARALLELISM, SUMMARY_MAX_PARALLELISM, SUMMARY_OPERATOR_STATE,
+     SUMMARY_BRANCH}
 )
 
 

@@ -215,3 +215,52 @@ def test_a_fork_that_never_committed_can_be_removed(open_table):
     main.remove_fork("f")
     assert main.forks() == {}
     assert not [k for k in main.iceberg_table.properties if k.endswith("@f")]
+
+
+def test_removing_forks_breaks_nothing(open_table, warehouse):
+    """Issue 14, defect 11: a fork never written to is removed; a fork removed through another
+    table object leaves main's next checkpoint and its ids alone; the removed fork's open
+    writer gets a conflict instead of re-creating the fork with only its last commit."""
+    main = open_table()
+    commit_next(main)
+    commit_next(main)
+    main.fork("empty")
+    main.remove_fork("empty")
+    main.fork("v2")
+    writer = open_table(branch="v2")
+    commit_next(writer)
+    commit_next(writer)  # the fork's checkpoints 3 and 4
+    other = IcebergStateTable.open_existing(warehouse=warehouse, table_name="op")
+    try:
+        other.remove_fork("v2")
+    finally:
+        other.close()
+    assert commit_next(main) == 3  # main's ids ignore the removed fork's snapshots
+    with pytest.raises(CommitConflictError, match=r"fork 'v2' .* was removed"):
+        commit_next(writer)
+    assert main.forks() == {}
+    assert [c.checkpoint_id for c in main.list_checkpoints()][-1] == 3
+
+
+def test_fork_and_savepoint_without_a_checkpoint_take_the_newest(open_table):
+    writer = open_table()
+    commit_next(writer)
+    old = open_table(checkpoint_id=1)  # an object opened at an older checkpoint
+    commit_next(writer)
+    assert old.fork("v2").checkpoint_id == 2 and old.savepoint("keep").checkpoint_id == 2
+    assert old.fork("v1", 1).checkpoint_id == 1
+
+
+def test_a_table_opened_as_it_is_accepts_its_own_descriptors(open_table, warehouse):
+    from statestore import StateStore
+    from tests.catalog.catalog_helpers import DESCRIPTORS, LAYOUT
+
+    commit_next(open_table())
+    existing = IcebergStateTable.open_existing(warehouse=warehouse, table_name="op")
+    try:
+        assert existing.layout == LAYOUT  # string keys read back as string, not large_string
+        store = StateStore(existing)
+        for descriptor in DESCRIPTORS:
+            store.get_state(descriptor)
+    finally:
+        existing.close()
