@@ -304,6 +304,11 @@ class CheckpointCommitter:
                 # a commit conflict). Anything else is not a race.
                 if not self._has_other_writers() or (
                         isinstance(e, ValueError) and not _is_stale_metadata_error(e)):
+                    if isinstance(e, FileNotFoundError):
+                        # A file of the metadata this writer holds is gone: another writer of
+                        # this branch (a successor) committed and expired since. A zombie.
+                        self._table.refresh()
+                        self._check_not_overtaken(checkpoint_id)
                     raise
                 logger.info("commit of checkpoint %s to %s raced another branch's writer (%s); retrying",
                             checkpoint_id, self._name, e)

@@ -19,7 +19,7 @@ from pyiceberg.table import Table, TableProperties, Transaction
 from pyiceberg.transforms import TruncateTransform
 
 from catalog import properties as props
-from catalog.recovery import TableLocationInUseError, check_location_free
+from catalog.recovery import TableLocationInUseError, check_location_free, load_table
 from catalog.schema import (
     check_compatible,
     default_partition_width,
@@ -47,7 +47,7 @@ def load_or_create(catalog: Catalog, identifier: tuple[str, str], layout: StateL
     """
     for _ in range(OPEN_ATTEMPTS_MAX):
         try:
-            table = catalog.load_table(identifier)
+            table = load_table(catalog, identifier)
         except NoSuchTableError:
             try:
                 return _create(catalog, identifier, layout, width)

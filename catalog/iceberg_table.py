@@ -65,6 +65,7 @@ from catalog.fileio import wait_for_deletes
 from catalog.gc import GarbageCollector
 from catalog.manifests import FileEntry, ManifestCache, file_entry
 from catalog.naming import Locations
+from catalog.recovery import load_table
 from catalog.retention import (
     checkpoint_id_of,
     checkpoints_on_line,
@@ -611,7 +612,7 @@ def _catalog_for(warehouse: str | None, catalog: Catalog | None) -> tuple[Catalo
 
 def _load_existing(catalog: Catalog, identifier: tuple[str, str]) -> Table:
     try:
-        return catalog.load_table(identifier)
+        return load_table(catalog, identifier)
     except (NoSuchTableError, NoSuchNamespaceError) as e:
         raise ValueError(
             f"there is no state table {'.'.join(identifier)} in catalog {catalog.name}: check the names, or create "

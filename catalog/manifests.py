@@ -12,7 +12,9 @@ its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import struct
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,6 +23,8 @@ from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile, ManifestEntryStatus, ManifestFile
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.types import IntegerType
+
+from statestore.errors import CorruptMetadataError
 
 MANIFEST_READS_MAX = 16  # manifests read at once when a snapshot is opened
 
@@ -52,6 +56,23 @@ def _bound(bounds: dict[int, bytes] | None, field_id: int) -> int | None:
     return None if raw is None else from_bytes(IntegerType(), raw)
 
 
+# What pyiceberg raises for a file whose bytes do not decode (Avro, JSON, the metadata model).
+DECODE_ERRORS = (EOFError, ValueError, KeyError, IndexError, TypeError, OverflowError, struct.error)
+
+
+@contextlib.contextmanager
+def unreadable_as_corrupt(what: str, uri: str) -> Iterator[None]:
+    """Turn a decode failure of the metadata file ``uri`` into ``CorruptMetadataError`` naming it."""
+    try:
+        yield
+    except CorruptMetadataError:
+        raise
+    except DECODE_ERRORS as e:
+        raise CorruptMetadataError(
+            f"the {what} {uri} cannot be read ({type(e).__name__}: {e}): it is damaged. Restore it from a backup, "
+            "or open an older checkpoint that does not use it") from e
+
+
 class ManifestCache:
     """Contents of manifest lists and manifests, read once per path."""
 
@@ -65,7 +86,8 @@ class ManifestCache:
         """The manifests a snapshot's manifest list names."""
         path = snapshot.manifest_list
         if path not in self._lists:
-            self._lists[path] = tuple(snapshot.manifests(self._io))
+            with unreadable_as_corrupt("manifest list", path):
+                self._lists[path] = tuple(snapshot.manifests(self._io))
         return self._lists[path]
 
     def entries(self, manifest: ManifestFile) -> tuple[FileEntry, ...]:
@@ -76,11 +98,12 @@ class ManifestCache:
         return self._entries[path]
 
     def _read(self, manifest: ManifestFile) -> tuple[FileEntry, ...]:
-        return tuple(
-            file_entry(e.data_file, self._key_group_field_id,
-                       live=e.status != ManifestEntryStatus.DELETED, snapshot_id=e.snapshot_id)
-            for e in manifest.fetch_manifest_entry(self._io, discard_deleted=False)
-        )
+        with unreadable_as_corrupt("manifest", manifest.manifest_path):
+            return tuple(
+                file_entry(e.data_file, self._key_group_field_id,
+                           live=e.status != ManifestEntryStatus.DELETED, snapshot_id=e.snapshot_id)
+                for e in manifest.fetch_manifest_entry(self._io, discard_deleted=False)
+            )
 
     def live_files(self, snapshot: Snapshot) -> dict[str, FileEntry]:
         """The files a snapshot holds, by URI. Manifests not read before are read in parallel

@@ -30,9 +30,10 @@ from pyiceberg.io import FileIO, load_file_io
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table
 
+from catalog.manifests import DECODE_ERRORS
 from catalog.naming import METADATA_DIR, Locations, metadata_json_version
 from statestore import stored_keys
-from statestore.errors import StateStoreError
+from statestore.errors import CorruptMetadataError, StateStoreError
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,25 @@ def check_location_free(identifier: tuple[str, ...], location: str, io: FileIO |
             f"its entry, and a new table there would overwrite its state. Register it again with `icestate recover "
             f"--table {identifier[-1]}` (and the same --warehouse/--catalog options), or use another table name"
         )
+
+
+def load_table(catalog: Catalog, identifier: tuple[str, str]) -> Table:
+    """``catalog.load_table``, with a damaged current metadata.json reported as
+    ``CorruptMetadataError`` naming the file (the newest one in the table's default location,
+    which is the current one unless the catalog put the table elsewhere) and what to do."""
+    try:
+        return catalog.load_table(identifier)
+    except DECODE_ERRORS as e:
+        name = ".".join(identifier)
+        try:
+            found = metadata_files(default_location(catalog, identifier), load_file_io(catalog.properties))
+            where = found[0].uri if found else "(none found in its default location)"
+        except Exception:  # the damage is the news; where it is, a best guess
+            where = "(its location could not be listed)"
+        raise CorruptMetadataError(
+            f"the current metadata file of state table {name} cannot be read ({type(e).__name__}: {e}); newest "
+            f"metadata file: {where}. Move the damaged file aside and run `icestate recover --table {identifier[-1]}` "
+            "to register the newest readable version, or restore the file from a backup") from e
 
 
 def default_location(catalog: Catalog, identifier: tuple[str, str]) -> str:

@@ -44,6 +44,10 @@ class CorruptSegmentError(StateStoreError):
     """A segment file referenced by a checkpoint is missing, truncated or unreadable."""
 
 
+class CorruptMetadataError(StateStoreError):
+    """A metadata file of a state table (metadata.json, manifest list, manifest) cannot be read."""
+
+
 class CommitConflictError(StateStoreError):
     """A checkpoint commit lost a race against another writer and could not be retried."""
 

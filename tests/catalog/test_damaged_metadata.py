@@ -1,0 +1,54 @@
+"""Errors that say what is wrong (issue 14, defect 12): a damaged metadata.json, manifest list or
+manifest is reported as CorruptMetadataError naming the file and what to do, not as a decode
+error of pyiceberg's; a zombie writer whose successor committed and expired gets a commit
+conflict, not a FileNotFoundError."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from catalog import IcebergStateTable
+from catalog.fileio import METADATA_FILES
+from statestore.errors import CommitConflictError, CorruptMetadataError
+from tests.catalog.catalog_helpers import LAYOUT, commit_next
+
+
+def damage(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(20)
+        f.write(b"garbage\xff\xfe")
+    METADATA_FILES.clear()  # as a fresh process: no copy of the bytes this process wrote
+
+
+def newest(pattern: str) -> str:
+    return max(glob.glob(pattern), key=os.path.getmtime)
+
+
+@pytest.mark.parametrize("which", ["manifest list", "manifest", "metadata file"])
+def test_a_damaged_metadata_file_is_named(open_table, warehouse: str, which: str):
+    table = open_table()
+    commit_next(table)
+    commit_next(table)
+    table.close()
+    metadata = os.path.join(warehouse, "state", "op", "metadata")
+    target = {"manifest list": f"{metadata}/snap-*.avro", "manifest": f"{metadata}/*-m*.avro",
+              "metadata file": f"{metadata}/*.metadata.json"}[which]
+    path = newest(target) if which != "metadata file" else max(glob.glob(target))
+    damage(path)
+    with pytest.raises(CorruptMetadataError, match=os.path.basename(path)) as raised:
+        IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name="op").close()
+    assert ("icestate recover" if which == "metadata file" else "Restore it from a backup") in str(raised.value)
+
+
+def test_a_zombie_writer_gets_a_conflict(open_table):
+    zombie = open_table(retain_checkpoints=1)
+    commit_next(zombie)
+    commit_next(zombie)
+    successor = open_table(retain_checkpoints=1)
+    for _ in range(3):  # commits and expires what the zombie's metadata still points at
+        commit_next(successor)
+    with pytest.raises(CommitConflictError, match="another writer committed checkpoint 5"):
+        commit_next(zombie)
