@@ -54,7 +54,7 @@ def load_or_create(catalog: Catalog, identifier: tuple[str, str], layout: StateL
             except TableAlreadyExistsError:
                 continue  # another process created it first: open theirs
             except TableLocationInUseError:
-                if not _in_catalog(catalog, identifier):
+                if not catalog.table_exists(identifier):
                     raise
                 continue  # another process created it between our lookup and our check
         try:
@@ -65,14 +65,6 @@ def load_or_create(catalog: Catalog, identifier: tuple[str, str], layout: StateL
         f"state table {'.'.join(identifier)} changed under every one of {OPEN_ATTEMPTS_MAX} attempts to open it: "
         "another process keeps committing to it; retry later"
     )
-
-
-def _in_catalog(catalog: Catalog, identifier: tuple[str, str]) -> bool:
-    try:
-        catalog.load_table(identifier)
-    except NoSuchTableError:
-        return False
-    return True
 
 
 def _create(catalog: Catalog, identifier: tuple[str, str], layout: StateLayout, width: int | None) -> Table:

@@ -128,8 +128,7 @@ class GarbageCollector:
     def _orphans(self) -> list[str]:
         location = self._table.location().rstrip("/")
         metadata_files = self._list_files(f"{location}/{METADATA_DIR}")
-        metadata = self._table.metadata
-        logged = {e.metadata_file for e in metadata.metadata_log} | {self._table.metadata_location}
+        logged = {e.metadata_file for e in self._table.metadata.metadata_log} | {self._table.metadata_location}
         foreign, unreadable = foreign_metadata(self._table, [
             p for p in metadata_files if p not in logged and metadata_json_version(p) >= 0])
         if foreign:
@@ -145,12 +144,11 @@ class GarbageCollector:
             self._table.metadata, self._table.metadata_location, self._cache,
             operator_files=self._list_files(f"{location}/{DATA_DIR}/{OPERATOR_DIR}"),
             settled=lambda uri: data[uri] is not None and data[uri] < young,
-        ) + self._stale_scratch(young)
+        ) + self._stale_scratch(f"{location}/{SCRATCH_OUTPUTS_DIR}", young)
 
-    def _stale_scratch(self, older_than: float) -> list[str]:
-        """A Spark query's output files for its callback (``SCRATCH_OUTPUTS_DIR``) that a
-        crashed driver left: a callback deletes its batch's files right after it ran."""
-        root = f"{self._table.location().rstrip('/')}/{SCRATCH_OUTPUTS_DIR}"
+    def _stale_scratch(self, root: str, older_than: float) -> list[str]:
+        """A Spark query's output files for its callback under ``root`` that a crashed driver
+        left: a callback deletes its batch's files right after it ran."""
         selector = pafs.FileSelector(self._locations.to_path(root), allow_not_found=True, recursive=True)
         return [self._locations.to_uri(i.path) for i in self._locations.filesystem.get_file_info(selector)
                 if i.type == pafs.FileType.File and parse_output_name(i.path) is not None

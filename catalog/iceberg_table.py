@@ -71,6 +71,7 @@ from catalog.retention import (
     checkpoints_on_line,
     newest_checkpoint_id,
     operator_files_of,
+    summary_value,
 )
 from catalog.schema import recorded_layout
 from catalog.task_view import CheckpointView, io_properties
@@ -424,8 +425,7 @@ class IcebergStateTable:
             # A checkpoint without operator state keeps the opened one's (the same files, listed
             # again): operator state changes only when a job writes it.
             previous = self._checkpoint_snapshot()
-            listed = None if previous is None else stored_keys.get(
-                previous.summary.additional_properties if previous.summary else {}, stored_keys.SUMMARY_OPERATOR_STATE)
+            listed = None if previous is None else summary_value(previous, stored_keys.SUMMARY_OPERATOR_STATE)
             if listed:
                 summary[stored_keys.SUMMARY_OPERATOR_STATE] = listed
         committed = self._committer.commit(checkpoint_id, data_files, summary, opened=self._snapshot,

@@ -113,7 +113,7 @@ def foreign_metadata(table: Table, metadata_uris: list[str]) -> tuple[list[str],
     for uri in metadata_uris:
         try:
             theirs = _read_json(table.io, uri).get("table-uuid")
-        except (OSError, ValueError, UnicodeDecodeError, AttributeError) as e:
+        except (OSError, ValueError, AttributeError) as e:
             logger.warning("metadata file %s of state table %s cannot be read (%s): kept", uri,
                            ".".join(table.name()), e)
             unreadable.append(uri)
@@ -154,11 +154,11 @@ def recover(catalog: Catalog, identifier: tuple[str, str], location: str | None 
             "whose snapshots are newest with the catalog's register_table")
     try:
         document = _read_json(io, newest[0].uri)
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+    except (OSError, ValueError) as e:
         raise RecoveryError(f"the newest metadata file {newest[0].uri} cannot be read ({e}); move it aside and "
                             "recover again to register the version before it") from e
     properties = document.get("properties") or {}
-    if stored_keys.LAST_CHECKPOINT_ID not in properties:
+    if stored_keys.get(properties, stored_keys.LAST_CHECKPOINT_ID) is None:
         raise RecoveryError(f"{newest[0].uri} is the metadata of an Iceberg table that is not a state table "
                             f"(no {stored_keys.LAST_CHECKPOINT_ID} property): not registered")
     table = catalog.register_table(identifier, newest[0].uri)

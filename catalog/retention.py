@@ -53,11 +53,11 @@ from statestore.paths import (
 
 def checkpoint_id_of(snapshot: Snapshot) -> int | None:
     """The checkpoint id a snapshot's summary carries; None for other snapshots."""
-    value = _summary_value(snapshot, stored_keys.SUMMARY_CHECKPOINT_ID)
+    value = summary_value(snapshot, stored_keys.SUMMARY_CHECKPOINT_ID)
     return None if value is None else int(value)
 
 
-def _summary_value(snapshot: Snapshot, key: str) -> str | None:
+def summary_value(snapshot: Snapshot, key: str) -> str | None:
     """A state store key of a snapshot's summary, under its current or legacy name."""
     return stored_keys.get(snapshot.summary.additional_properties, key) if snapshot.summary else None
 
@@ -86,7 +86,7 @@ def newest_checkpoint_id(metadata: TableMetadata, branch: str = MAIN_BRANCH) -> 
         # Neither the forks' lines nor a removed fork's snapshots not yet expired (on no branch;
         # their summary names the fork) count toward main's ids.
         ids = [checkpoint_id_of(s) for s in metadata.snapshots if s.snapshot_id not in on_forks
-               and _summary_value(s, stored_keys.SUMMARY_BRANCH) in (None, MAIN_BRANCH)]
+               and summary_value(s, stored_keys.SUMMARY_BRANCH) in (None, MAIN_BRANCH)]
         recorded = int(stored_keys.get(metadata.properties, stored_keys.LAST_CHECKPOINT_ID, "0"))
     else:
         ids = [checkpoint_id_of(s) for s in line(metadata, branch)]
@@ -131,7 +131,7 @@ def unreferenced_files(cache: ManifestCache, expired: Sequence[Snapshot], retain
 
 def operator_files_of(snapshot: Snapshot) -> list[dict]:
     """The operator state files a checkpoint snapshot lists (``statestore.operator_state``)."""
-    value = _summary_value(snapshot, stored_keys.SUMMARY_OPERATOR_STATE)
+    value = summary_value(snapshot, stored_keys.SUMMARY_OPERATOR_STATE)
     return [] if not value else json.loads(value)
 
 

@@ -408,9 +408,9 @@ class StatefulRunner:
         batch n-1, or of n when this is the replay of a batch whose state committed. Anything
         else means the state table was rolled back or restored by hand (behind), or Spark's
         checkpoint was (ahead): running on would silently drop the missing batches' state."""
-        done = -1 if info is None or info.batch_id is None else info.batch_id
         if info is not None and info.batch_id is None:
             return  # state written outside a query (the store's API, an initial load): no batches to match
+        done = -1 if info is None else info.batch_id
         if done < batch_id - 1:
             missing = f"batch {batch_id - 1}" if done == batch_id - 2 else f"batches {done + 1} to {batch_id - 1}"
             raise StateOutOfStepError(
