@@ -183,10 +183,15 @@ def _pyiceberg_config() -> Any:
     return Config()
 
 
+# Set by the program's ``--debug`` option (``spark_integration.cli``): failures show their traceback.
+DEBUG = {"traceback": False}
+
+
 def _reporting_errors(fn: Callable[..., None]) -> Callable[..., None]:
     """``fn`` reporting any failure as one line on standard error and exit status 1, with the
     secrets of its ``--property`` options and of its catalog's configuration scrubbed: no
-    traceback, whose messages could quote a property. Usage errors stay Typer's (status 2)."""
+    traceback, whose messages could quote a property (``--debug`` shows it, scrubbed the same
+    way). Usage errors stay Typer's (status 2)."""
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> None:
         try:
@@ -198,11 +203,20 @@ def _reporting_errors(fn: Callable[..., None]) -> Callable[..., None]:
 
             from statestore.errors import StateStoreError
 
+            def scrubbed(text: str) -> str:
+                return _scrubbed(text, kwargs.get("catalog"), kwargs.get("properties"))
+
+            if DEBUG["traceback"]:
+                import traceback
+
+                err_console.print(scrubbed(traceback.format_exc()), markup=False, soft_wrap=True)
             # Messages of these say what failed (DuckDB's start with the kind of error); others need their type.
             known = isinstance(e, StateStoreError | ValueError | OSError | duckdb.Error) and str(e)
             message = str(e) if known else f"{type(e).__name__}: {e}"
-            err_console.print(f"error: {_scrubbed(message, kwargs.get('catalog'), kwargs.get('properties'))}",
-                              markup=False)
+            # One line: DuckDB's "LINE 1: ..." context and "Did you mean" hints joined, carets dropped.
+            message = " ".join(part.strip() for part in message.splitlines() if part.strip().strip("^"))
+            hint = "" if DEBUG["traceback"] else " (--debug shows the traceback)"
+            err_console.print(f"error: {scrubbed(message)}{hint}", markup=False, soft_wrap=True)
             raise typer.Exit(1) from None
     return run
 

@@ -30,7 +30,9 @@ next checkpoint follows it (``catalog.commit.CheckpointCommitter._plan_parent``)
 in between, the catalog's compare-and-swap fails and the compaction commits the same
 outputs again on the new head, provided every file it read is still live there (a
 checkpoint only adds files; a restore or another compaction may have removed some: then it
-re-plans). It gives up after ``ATTEMPTS_MAX`` tries or once ``COMPACTION_GRACE_CHECKPOINTS``
+re-plans). A file it read that the writer's retention removed meanwhile (a manifest list,
+a manifest) is the same race: it plans again on the new head. It gives up after
+``ATTEMPTS_MAX`` tries or once ``COMPACTION_GRACE_CHECKPOINTS``
 checkpoints passed its plan, after which garbage collection may take its outputs. It never
 blocks or fails a checkpoint.
 """
@@ -53,6 +55,7 @@ from catalog.iceberg_table import IcebergStateTable
 from catalog.retention import line, newest_checkpoint_id
 from statestore import faults, stored_keys
 from statestore.entries import read_entries
+from statestore.errors import CorruptMetadataError
 from statestore.faults import crash_point
 from statestore.keygroups import KeyGroupRange, compute_key_group_range_for_task
 from statestore.layout import KEY_GROUP, STATE
@@ -183,26 +186,46 @@ def compact(table: IcebergStateTable, *, policy: CompactionPolicy | None = None,
     started = time.perf_counter()
     planned: _Plan | None = None
     for attempt in range(1, ATTEMPTS_MAX + 1):
-        table.restore()  # the newest checkpoint, and the head snapshot above it
-        if planned is not None and not planned.still_valid(table):
-            planned.discard(table)
-            planned = None
-        if planned is None:
-            planned = _plan_and_write(table, policy, key_groups, now_ms)
-            if planned is None:
-                return None
+        seen = _branch_head_id(table)
         try:
+            table.restore()  # the newest checkpoint, and the head snapshot above it
+            if planned is not None and not planned.still_valid(table):
+                planned.discard(table)
+                planned = None
+            if planned is None:
+                planned = _plan_and_write(table, policy, key_groups, now_ms)
+                if planned is None:
+                    return None
             snapshot_id = _commit(table, planned)
         except CommitFailedException as e:
             log.info("compaction of %s raced a checkpoint (%s); committing again on the new head",
                      table.identifier, e)
             time.sleep(0.02 * attempt)
             continue
+        except FileNotFoundError as e:
+            # The writer committed and its retention expired what this attempt read (a manifest
+            # list, a manifest, a compacted segment past its grace): a race when the head moved,
+            # damage when it did not.
+            table.iceberg_table.refresh()
+            if _branch_head_id(table) == seen:
+                raise CorruptMetadataError(
+                    f"compaction of state table {table.identifier} found a file of its head snapshot missing "
+                    f"({e}): the table is damaged; restore an earlier checkpoint, or recover the table "
+                    "(docs/reliability.md)") from e
+            log.info("compaction of %s raced a checkpoint whose retention removed a file it read (%s); "
+                     "planning again on the new head", table.identifier, e)
+            continue
         return planned.result(table, attempt, snapshot_id, time.perf_counter() - started)
     if planned is not None:
         planned.discard(table)
     log.warning("compaction of %s gave up after %d races with checkpoints", table.identifier, ATTEMPTS_MAX)
     return None
+
+
+def _branch_head_id(table: IcebergStateTable) -> int | None:
+    """The snapshot id of the head of ``table``'s branch in the metadata it holds."""
+    head = table.iceberg_table.metadata.snapshot_by_name(table.branch)
+    return None if head is None else head.snapshot_id
 
 
 def compact_partition(table: IcebergStateTable, partition: int = 0, *, now_ms: int | None = None,

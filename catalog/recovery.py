@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import NoSuchTableError
+from pyiceberg.exceptions import NoSuchTableError, ValidationError
 from pyiceberg.io import FileIO, load_file_io
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table
@@ -80,7 +80,7 @@ def load_table(catalog: Catalog, identifier: tuple[str, str]) -> Table:
     which is the current one unless the catalog put the table elsewhere) and what to do."""
     try:
         return catalog.load_table(identifier)
-    except DECODE_ERRORS as e:
+    except (*DECODE_ERRORS, ValidationError) as e:  # pyiceberg's ValidationError: JSON of the wrong shape
         name = ".".join(identifier)
         try:
             found = metadata_files(default_location(catalog, identifier), load_file_io(catalog.properties))

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from catalog.cli import Warehouse, console, tables
+from catalog.cli import DEBUG, Warehouse, _reporting_errors, console, tables
 
 HELP = """\
 Keyed state for PySpark Structured Streaming, kept in Apache Iceberg tables.
@@ -36,7 +36,15 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=HELP)
 app.add_typer(tables)
 
 
+@app.callback()
+def main(debug: Annotated[bool, typer.Option(
+        "--debug", help="On an error, show its traceback (secrets scrubbed) before the one-line message.")] = False,
+         ) -> None:
+    DEBUG["traceback"] = debug
+
+
 @app.command(rich_help_panel="Main job")
+@_reporting_errors
 def stream(
     warehouse: Warehouse = "./warehouse",
     users: Annotated[int, typer.Option(help="Distinct users in the generated page views.")] = 20_000,

@@ -67,12 +67,39 @@ def column_stem(name: str) -> str:
     return f"{safe}_{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
+# Nesting levels (struct, list, map) a value type may have. Arrow's C data interface, which
+# carries state between Polars, DuckDB and Arrow, refuses 64; Parquet's nested readers fail
+# near 50 lists. A type deeper than this would be refused only when written or read back.
+MAX_TYPE_DEPTH = 32
+
+
+def type_depth(t: pa.DataType) -> int:
+    """How many nested levels ``t`` has (0 for a primitive), iteratively: a hostile type's depth
+    never exhausts Python's recursion limit."""
+    deepest, todo = 0, [(t, 0)]
+    while todo:
+        t, depth = todo.pop()
+        deepest = max(deepest, depth)
+        if deepest > MAX_TYPE_DEPTH:
+            break
+        if pa.types.is_dictionary(t):
+            todo.append((t.value_type, depth))
+        else:
+            todo.extend((t.field(i).type, depth + 1) for i in range(t.num_fields))
+    return deepest
+
+
 def _as_type(t: pa.DataType | pa.Schema, what: str) -> pa.DataType:
     if isinstance(t, pa.Schema):
-        return pa.struct(list(t))
-    if isinstance(t, pa.DataType):
-        return t
-    raise TypeError(f"{what} must be a pyarrow DataType or Schema, got {type(t).__name__}")
+        t = pa.struct(list(t))
+    if not isinstance(t, pa.DataType):
+        raise TypeError(f"{what} must be a pyarrow DataType or Schema, got {type(t).__name__}")
+    if type_depth(t) > MAX_TYPE_DEPTH:
+        raise ValueError(
+            f"{what} nests more than {MAX_TYPE_DEPTH} levels of structs, lists and maps, which Arrow and Parquet "
+            "cannot carry: flatten it (a struct of its leaves), or store the deep part serialized as a string or "
+            "binary")
+    return t
 
 
 class AggregateFunction(abc.ABC):

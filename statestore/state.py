@@ -18,6 +18,7 @@ instead. Handles are used by the store's task thread only.
 from __future__ import annotations
 
 import functools
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -120,7 +121,8 @@ def _check_value(value: Any, dtype: pa.DataType, what: str) -> None:
         pa.scalar(value, type=dtype)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError,
             OverflowError) as e:
-        raise SchemaMismatchError(f"{what} {value!r} does not match the declared type {dtype}: {e}") from e
+        # reprlib: bounded in length and depth, whatever the value (a hostile one nests 100,000 deep)
+        raise SchemaMismatchError(f"{what} {reprlib.repr(value)} does not match the declared type {dtype}: {e}") from e
 
 
 def _last_rows(keys: pa.Table) -> np.ndarray:

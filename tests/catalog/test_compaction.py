@@ -11,6 +11,7 @@ from catalog import IcebergStateTable, connect
 from catalog import compaction as compaction_module
 from catalog import gc as gc_module
 from catalog.compaction import CompactionPolicy, compact, compact_partition
+from catalog.fileio import METADATA_FILES
 from statestore import (
     KeyGroupRange,
     ListStateDescriptor,
@@ -20,6 +21,7 @@ from statestore import (
     TtlConfig,
     ValueStateDescriptor,
 )
+from statestore.errors import CorruptMetadataError, CorruptSegmentError
 
 N = 8
 DESCRIPTORS = [ValueStateDescriptor("v", pa.int64()), ListStateDescriptor("l", pa.string()),
@@ -44,8 +46,8 @@ def store_config(clock: list[int]):
     return StoreConfig(clock_ms=lambda: clock[0])
 
 
-def build(warehouse: str, clock: list[int]) -> tuple[IcebergStateTable, StateStore]:
-    table = IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name="op", retain_checkpoints=50)
+def build(warehouse: str, clock: list[int], retain: int = 50) -> tuple[IcebergStateTable, StateStore]:
+    table = IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name="op", retain_checkpoints=retain)
     store = StateStore(table, config=store_config(clock))
     ks = [f"k{i}" for i in range(40)]
     for c in range(10):
@@ -110,6 +112,71 @@ def test_a_checkpoint_committed_during_compaction_wins_and_compaction_retries(tm
     assert con.sql("SELECT v_v FROM state_v WHERE k = 'k1'").fetchall() == [(12345,)]
     # it committed the same output again on top of the checkpoint, without re-reading anything
     assert len(other.segments(ALL)) == 2
+    other.close()
+    store.close()
+    table.close()
+
+
+def test_compaction_beside_a_writer_with_small_retention_plans_again_defect_12(tmp_path, monkeypatch):
+    """Defect 12 (``icestate compact --follow`` beside a writer retaining one checkpoint died on
+    FileNotFoundError): the writer commits and expires the head the compaction planned on, so
+    the manifest list it reads at its commit is gone. The compaction plans again on the new head."""
+    clock = [0]
+    table, store = build(str(tmp_path / "wh"), clock, retain=1)
+    before = snapshot_state(table, clock[0])
+    other = IcebergStateTable.open(LAYOUT, warehouse=str(tmp_path / "wh"), table_name="op")
+    real_commit = compaction_module._commit
+    raced = []
+
+    def commit_after_two_checkpoints(*args):
+        if not raced:  # the stream commits twice, expiring the head this compaction planned on
+            for batch in (10, 11):
+                store.get_state("v").update_batch(keys(["k1"]), [batch])
+                raced.append(store.checkpoint(batch_id=batch).checkpoint_id)
+        return real_commit(*args)
+
+    monkeypatch.setattr(compaction_module, "_commit", commit_after_two_checkpoints)
+    result = compact(other, now_ms=clock[0])
+    assert result is not None and result.attempts == 2
+    other.restore()
+    assert other.current_checkpoint().checkpoint_id == raced[-1]
+    after = snapshot_state(other, clock[0])
+    def others(rows: list[str]) -> list[str]:
+        return [r for r in rows if not r.startswith("('k1',")]
+
+    assert others(after["v"]) == others(before["v"])
+    assert connect(other, now_ms=clock[0]).sql("SELECT v_v FROM state_v WHERE k = 'k1'").fetchall() == [(11,)]
+    assert after["l"] == before["l"] and after["m"] == before["m"]
+    # its outputs, still valid, committed on the new head: one merged file and the racing checkpoints' two
+    assert len(other.segments(ALL)) == 3
+    other.close()
+    store.close()
+    table.close()
+
+
+def test_compaction_names_a_missing_file_of_an_unmoved_head_defect_12(tmp_path):
+    """A file of the head missing while no writer moved it is damage, said so with the file's name:
+    a segment (CorruptSegmentError), the head's manifest list (CorruptMetadataError)."""
+    clock = [0]
+    table, store = build(str(tmp_path / "wh"), clock)
+    other = IcebergStateTable.open(LAYOUT, warehouse=str(tmp_path / "wh"), table_name="op")
+    segment = other.segments(ALL)[0].path
+    other.filesystem.delete_file(segment)
+    with pytest.raises(CorruptSegmentError, match="cannot be read") as raised:
+        compact(other, now_ms=clock[0])
+    assert segment in str(raised.value)
+    other.close()
+    store.close()
+    table.close()
+
+    table, store = build(str(tmp_path / "wh2"), clock)
+    other = IcebergStateTable.open(LAYOUT, warehouse=str(tmp_path / "wh2"), table_name="op")
+    manifest_list = other.iceberg_table.metadata.snapshot_by_name("main").manifest_list
+    other.filesystem.delete_file(other.iceberg_table.io.new_input(manifest_list).location.split("://")[-1])
+    METADATA_FILES.clear()  # as a fresh process: nothing of the table held in memory
+    with pytest.raises(CorruptMetadataError, match="missing") as raised:
+        compact(other, now_ms=clock[0])
+    assert manifest_list.rsplit("/", 1)[-1] in str(raised.value)
     other.close()
     store.close()
     table.close()

@@ -91,3 +91,76 @@ def test_a_table_command_runs_through_the_installed_program(tmp_path):
 def test_the_program_mounts_the_table_commands_without_changing_them():
     assert "stream" not in {c.callback.__name__ for c in tables.registered_commands}
     assert CliRunner().invoke(app, ["demo"]).exit_code != 0
+
+
+# --- errors: one line each (defect 12 of the reliability issue) --------------------------------
+
+
+def bad_commands(warehouse: str) -> dict[str, list[str]]:
+    """Commands that must fail, each for another reason a user meets."""
+    where = ["--warehouse", warehouse]
+    return {
+        "missing table": ["checkpoints", *where, "--table", "nope"],
+        "escaping name": ["checkpoints", *where, "--table", "../victim"],
+        "bad SQL": ["sql", *where, "--table", "op", "SELEC 1"],
+        "writing SQL": ["sql", *where, "--table", "op", "COPY (SELECT 1) TO '/tmp/x.csv'"],
+        "host file": ["sql", *where, "--table", "op", "SELECT * FROM read_text('/etc/passwd')"],
+        "no such checkpoint": ["savepoint", "keep", *where, "--table", "op", "--checkpoint", "99"],
+        "no such savepoint": ["fork", "f", *where, "--table", "op", "--savepoint", "nope"],
+        "bad savepoint name": ["savepoint", "a/b", *where, "--table", "op"],
+        "compact a missing table": ["compact", *where, "--table", "nope"],
+        "recover a present table": ["recover", *where, "--table", "op"],
+    }
+
+
+@pytest.fixture(scope="module")
+def one_table(tmp_path_factory) -> str:
+    import pyarrow as pa
+
+    from catalog import IcebergStateTable
+    from statestore import StateLayout, StateStore, ValueStateDescriptor
+
+    warehouse = str(tmp_path_factory.mktemp("wh"))
+    layout = StateLayout.of(pa.schema([("k", pa.int64())]), [ValueStateDescriptor("v", pa.int64())], 8)
+    with IcebergStateTable.open(layout, warehouse=warehouse, table_name="op") as table:
+        store = StateStore(table)
+        store.get_state("v").update_batch(pa.table({"k": pa.array([1, 2], pa.int64())}), [10, 20])
+        store.checkpoint(batch_id=0)
+        store.close()
+    return warehouse
+
+
+@pytest.mark.parametrize("case", list(bad_commands("wh")))
+def test_every_error_is_one_line_naming_what_is_wrong(one_table, case):
+    argv = bad_commands(one_table)[case]
+    result = CliRunner().invoke(app, argv, env={"COLUMNS": "80"})
+    assert result.exit_code == 1, (case, result.output)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), (case, result.stderr)
+    assert "Traceback" not in result.output and "--debug shows the traceback" in lines[0]
+    debug = CliRunner().invoke(app, ["--debug", *argv], env={"COLUMNS": "80"})
+    assert debug.exit_code == 1 and "Traceback (most recent call last)" in debug.stderr, (case, debug.stderr)
+    assert debug.stderr.splitlines()[-1] == lines[0].removesuffix(" (--debug shows the traceback)")
+
+
+def test_a_damaged_metadata_file_is_one_line_naming_it(tmp_path):
+    import pyarrow as pa
+
+    from catalog import IcebergStateTable
+    from catalog.fileio import METADATA_FILES
+    from statestore import StateLayout, StateStore, ValueStateDescriptor
+
+    warehouse = str(tmp_path / "wh")
+    layout = StateLayout.of(pa.schema([("k", pa.int64())]), [ValueStateDescriptor("v", pa.int64())], 8)
+    with IcebergStateTable.open(layout, warehouse=warehouse, table_name="op") as table:
+        store = StateStore(table)
+        store.get_state("v").update_batch(pa.table({"k": pa.array([1], pa.int64())}), [10])
+        store.checkpoint(batch_id=0)
+        store.close()
+        metadata = table.iceberg_table.metadata_location.removeprefix("file://")
+    Path(metadata).write_text('{"format-version": 2, "table-uuid": ')  # truncated
+    METADATA_FILES.clear()
+    result = CliRunner().invoke(app, ["checkpoints", "--warehouse", warehouse, "--table", "op"])
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 1 and len(lines) == 1, result.stderr
+    assert Path(metadata).name in lines[0] and "Traceback" not in result.output
