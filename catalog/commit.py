@@ -403,7 +403,7 @@ class CheckpointCommitter:
                 stored.result()
             UPLOADS.wait(str(commit))
 
-        with _before_catalog_switch(self._table, ready):
+        with before_catalog_switch(self._table, ready):
             tx.commit_transaction()
         return Committed(self._table.metadata.snapshot_by_id(append.snapshot_id), commit, unreferenced)
 
@@ -463,9 +463,11 @@ def _is_stale_metadata_error(e: ValueError) -> bool:
 
 
 @contextlib.contextmanager
-def _before_catalog_switch(table: Table, wait: Callable[[], object]) -> Iterator[None]:
-    """Call ``wait`` (raising what it raises), then the COMMIT_METADATA_WRITTEN crash point,
-    inside this table's next catalog commit.
+def before_catalog_switch(table: Table, wait: Callable[[], object] = lambda: None,
+                          point: str = COMMIT_METADATA_WRITTEN) -> Iterator[None]:
+    """Call ``wait`` (raising what it raises), then the crash point ``point`` (a checkpoint's
+    COMMIT_METADATA_WRITTEN, a compaction's COMPACTION_COMMIT_METADATA_WRITTEN), inside this
+    table's next catalog commit.
 
     pyiceberg's ``Transaction.commit_transaction`` ends in ``Table._do_commit``, which calls
     ``table.catalog.commit_table`` once per attempt: the single call that switches the
@@ -475,7 +477,7 @@ def _before_catalog_switch(table: Table, wait: Callable[[], object]) -> Iterator
     delegating.
     """
     real = table.catalog
-    table.catalog = _BeforeSwitch(real, wait)  # type: ignore[assignment]
+    table.catalog = _BeforeSwitch(real, wait, point)  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -483,16 +485,17 @@ def _before_catalog_switch(table: Table, wait: Callable[[], object]) -> Iterator
 
 
 class _BeforeSwitch:
-    def __init__(self, catalog: Catalog, wait: Callable[[], object]):
+    def __init__(self, catalog: Catalog, wait: Callable[[], object], point: str):
         self._catalog = catalog
         self._wait = wait
+        self._point = point
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._catalog, name)
 
     def commit_table(self, *args: Any, **kwargs: Any) -> Any:
         self._wait()
-        crash_point(COMMIT_METADATA_WRITTEN)
+        crash_point(self._point)
         return self._catalog.commit_table(*args, **kwargs)
 
 

@@ -50,8 +50,11 @@ import polars as pl
 import pyarrow as pa
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.io.pyarrow import parquet_file_to_data_file
+from pyiceberg.table.refs import MAIN_BRANCH
 
+from catalog.commit import before_catalog_switch
 from catalog.iceberg_table import IcebergStateTable
+from catalog.naming import commit_uuid
 from catalog.retention import line, newest_checkpoint_id
 from statestore import faults, stored_keys
 from statestore.entries import read_entries
@@ -362,12 +365,16 @@ def _commit(table: IcebergStateTable, plan: _Plan) -> int:
     figures = {**plan.result(table, 0, 0, 0.0).summary(), "started_ms": plan.started_ms}
     summary = {stored_keys.SUMMARY_COMPACTION: json.dumps(figures)}
     tx = ice.transaction()
-    with tx.update_snapshot(snapshot_properties=summary, branch=table.branch).overwrite() as ow:
+    # Its manifests and manifest list carry the planned-on checkpoint, so the leftovers of an
+    # attempt that crashed or lost its race are garbage collection's once it can no longer commit.
+    tagged = commit_uuid(plan.base_checkpoint_id, fork=table.branch != MAIN_BRANCH, compaction=True)
+    with tx.update_snapshot(snapshot_properties=summary, branch=table.branch).overwrite(tagged) as ow:
         for s in plan.inputs:
             ow.delete_data_file(by_path[table.to_uri(s.path)])
         for f in plan.outputs:
             ow.append_data_file(parquet_file_to_data_file(ice.io, ice.metadata, table.to_uri(f.path)))
-    tx.commit_transaction()
+    with before_catalog_switch(ice, point=faults.COMPACTION_COMMIT_METADATA_WRITTEN):
+        tx.commit_transaction()
     crash_point(faults.COMPACTION_COMMITTED)
     return ice.metadata.snapshot_by_name(table.branch).snapshot_id
 

@@ -127,7 +127,7 @@ class GarbageCollector:
 
     def _orphans(self) -> list[str]:
         location = self._table.location().rstrip("/")
-        metadata_files = self._list_files(f"{location}/{METADATA_DIR}")
+        metadata_files = self._list_file_infos(f"{location}/{METADATA_DIR}")
         logged = {e.metadata_file for e in self._table.metadata.metadata_log} | {self._table.metadata_location}
         foreign, unreadable = foreign_metadata(self._table, [
             p for p in metadata_files if p not in logged and metadata_json_version(p) >= 0])
@@ -138,12 +138,13 @@ class GarbageCollector:
                          "nothing there; see `icestate recover`", self._name, location, foreign[0])
             return []
         data = self._list_file_infos(f"{location}/{DATA_DIR}")
+        mtimes = {**metadata_files, **data}
         young = time.time() - COMPACTION_GRACE_SECONDS
         return orphans(
             list(data), [p for p in metadata_files if p not in unreadable],
             self._table.metadata, self._table.metadata_location, self._cache,
             operator_files=self._list_files(f"{location}/{DATA_DIR}/{OPERATOR_DIR}"),
-            settled=lambda uri: data[uri] is not None and data[uri] < young,
+            settled=lambda uri: mtimes.get(uri) is not None and mtimes[uri] < young,
         ) + self._stale_scratch(f"{location}/{SCRATCH_OUTPUTS_DIR}", young)
 
     def _stale_scratch(self, root: str, older_than: float) -> list[str]:

@@ -10,7 +10,9 @@ Iceberg side needs:
   (``<uuid>-m<n>.avro``, ``snap-<snapshot id>-<attempt>-<uuid>.avro``). A checkpoint commit
   chooses that UUID so that it carries the checkpoint id. Garbage collection can then tell
   the leftovers of a crashed checkpoint commit (tagged, id <= the newest committed one)
-  from files another writer may be committing right now (untagged: never swept).
+  from files another writer may be committing right now (untagged: never swept). A
+  compaction's commit carries the checkpoint it was planned on, so the leftovers of one that
+  crashed or lost its race are swept once it can no longer commit.
   The tag format is stored on disk: keep ``checkpoint_of_commit_file`` able to read it.
 """
 
@@ -31,6 +33,9 @@ from pyiceberg.io.pyarrow import PyArrowFileIO
 # so main's garbage collection must not read them as its own.
 _COMMIT_TAG = 0x73546154
 _FORK_COMMIT_TAG = 0x73546146
+# Commits of a compaction carry the checkpoint it was planned on: "sTaC" on main, "sTaD" on a fork.
+_COMPACTION_TAG = 0x73546143
+_FORK_COMPACTION_TAG = 0x73546144
 _CHECKPOINT_BITS = 48
 _RANDOM_BITS = 48
 _UUID = re.compile(r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
@@ -44,11 +49,13 @@ def metadata_json_version(path: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def commit_uuid(checkpoint_id: int, fork: bool = False) -> uuid.UUID:
-    """A fresh commit UUID tagged with ``checkpoint_id`` (0 <= id < 2**48), of main or of a fork."""
+def commit_uuid(checkpoint_id: int, fork: bool = False, compaction: bool = False) -> uuid.UUID:
+    """A fresh commit UUID tagged with ``checkpoint_id`` (0 <= id < 2**48), of main or of a fork;
+    with ``compaction``, of a compaction planned on that checkpoint."""
     if not 0 <= checkpoint_id < 1 << _CHECKPOINT_BITS:
         raise ValueError(f"checkpoint id {checkpoint_id} does not fit a commit tag (48 bits)")
-    tag = _FORK_COMMIT_TAG if fork else _COMMIT_TAG
+    tags = (_FORK_COMPACTION_TAG, _COMPACTION_TAG) if compaction else (_FORK_COMMIT_TAG, _COMMIT_TAG)
+    tag = tags[0] if fork else tags[1]
     value = (tag << (_CHECKPOINT_BITS + _RANDOM_BITS)) | (checkpoint_id << _RANDOM_BITS)
     return uuid.UUID(int=value | secrets.randbits(_RANDOM_BITS))
 
@@ -56,6 +63,16 @@ def commit_uuid(checkpoint_id: int, fork: bool = False) -> uuid.UUID:
 def checkpoint_of_commit_file(path: str) -> int | None:
     """Checkpoint id of a manifest or manifest list written by a checkpoint commit to main,
     else None (other files, and commits to forks)."""
+    return _tagged(path, _COMMIT_TAG)
+
+
+def base_of_compaction_commit_file(path: str) -> int | None:
+    """The checkpoint a compaction of main was planned on, for a manifest or manifest list its
+    commit wrote, else None (other files, and compactions of forks)."""
+    return _tagged(path, _COMPACTION_TAG)
+
+
+def _tagged(path: str, tag: int) -> int | None:
     name = path.rsplit("/", 1)[-1]
     if not name.endswith(".avro"):
         return None
@@ -63,7 +80,7 @@ def checkpoint_of_commit_file(path: str) -> int | None:
     if m is None:
         return None
     value = uuid.UUID(m.group(1)).int
-    if value >> (_CHECKPOINT_BITS + _RANDOM_BITS) != _COMMIT_TAG:
+    if value >> (_CHECKPOINT_BITS + _RANDOM_BITS) != tag:
         return None
     return (value >> _RANDOM_BITS) & ((1 << _CHECKPOINT_BITS) - 1)
 

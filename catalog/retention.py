@@ -27,7 +27,9 @@ compaction's output names the checkpoint it was planned on: it is an orphan only
 tries to commit it, ``statestore.paths``) and the file is older than
 ``COMPACTION_GRACE_SECONDS`` (an attempt begun before may still be retrying inside
 pyiceberg; Iceberg's own orphan removal keeps files younger than days for this reason).
-Metadata files of other writers are never touched.
+The manifests and manifest list a compaction's commit wrote carry that checkpoint too
+(``catalog.naming``): when the commit crashed or lost its race, they are orphans under the
+same two conditions. Metadata files of other writers are never touched.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 
 from catalog.manifests import ManifestCache
-from catalog.naming import checkpoint_of_commit_file, metadata_json_version
+from catalog.naming import base_of_compaction_commit_file, checkpoint_of_commit_file, metadata_json_version
 from statestore import stored_keys
 from statestore.paths import (
     COMPACTION_GRACE_CHECKPOINTS,
@@ -156,8 +158,9 @@ def orphans(
 
     ``data_files`` and ``metadata_files`` are URIs of the files found in the table's data
     and metadata directories; see the module docstring for what counts as an orphan.
-    ``settled(uri)`` says whether a compaction output is old enough to be past any commit
-    attempt of its compaction (``COMPACTION_GRACE_SECONDS``).
+    ``settled(uri)`` says whether a compaction output, or a manifest or manifest list of a
+    compaction's commit, is old enough to be past any commit attempt of its compaction
+    (``COMPACTION_GRACE_SECONDS``).
     """
     newest = newest_checkpoint_id(metadata)
     snapshots = metadata.snapshots
@@ -167,15 +170,17 @@ def orphans(
         _is_ours_and_old(parse_segment_name(p), newest)
         or (_is_ours_and_old(parse_compaction_name(p), past_grace) and settled(p)))]
     referenced = cache.manifest_paths(snapshots) | {s.manifest_list for s in snapshots}
-    found += [p for p in metadata_files if _is_old_commit_file(p, newest) and p not in referenced]
+    found += [p for p in metadata_files if p not in referenced and (
+        _is_old_commit_file(p, newest)
+        or (_is_ours_and_old((base_of_compaction_commit_file(p),), past_grace) and settled(p)))]
     found += _stale_metadata_json(metadata_files, metadata, metadata_location)
     listed = {f["path"] for s in snapshots for f in operator_files_of(s)}
     found += [p for p in operator_files if p not in listed and _is_ours_and_old(parse_operator_name(p), newest)]
     return found
 
 
-def _is_ours_and_old(parsed: tuple[int, ...] | None, newest_checkpoint: int) -> bool:
-    return parsed is not None and parsed[0] <= newest_checkpoint
+def _is_ours_and_old(parsed: tuple[int | None, ...] | None, newest_checkpoint: int) -> bool:
+    return parsed is not None and parsed[0] is not None and parsed[0] <= newest_checkpoint
 
 
 def _is_old_commit_file(path: str, newest_checkpoint: int) -> bool:

@@ -47,10 +47,13 @@ CHECKPOINT_CRASH_POINTS = (
 # Crash points of a compaction (catalog.compaction).
 COMPACTION_OUTPUT_WRITTEN = "compaction_output_written"    # the first output file written, nothing committed
 COMPACTION_OUTPUTS_WRITTEN = "compaction_outputs_written"  # every output written, nothing committed
+# its commit's manifests and manifest list stored, catalog not switched
+COMPACTION_COMMIT_METADATA_WRITTEN = "compaction_commit_metadata_written"
 COMPACTION_COMMITTED = "compaction_committed"              # the overwrite committed, nothing else left to do
 
 # Every crash point of a compaction, in order.
-COMPACTION_CRASH_POINTS = (COMPACTION_OUTPUT_WRITTEN, COMPACTION_OUTPUTS_WRITTEN, COMPACTION_COMMITTED)
+COMPACTION_CRASH_POINTS = (COMPACTION_OUTPUT_WRITTEN, COMPACTION_OUTPUTS_WRITTEN, COMPACTION_COMMIT_METADATA_WRITTEN,
+                           COMPACTION_COMMITTED)
 
 # SIGKILL the driver at a step of a given batch: "<step>:<batch_id>" (spark_integration.query).
 KILL_ENV = "ICESTATE_KILL_AT"

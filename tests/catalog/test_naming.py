@@ -5,7 +5,13 @@ from __future__ import annotations
 import pyarrow.fs as pafs
 import pytest
 
-from catalog.naming import Locations, checkpoint_of_commit_file, commit_uuid, merged_away_manifests
+from catalog.naming import (
+    Locations,
+    base_of_compaction_commit_file,
+    checkpoint_of_commit_file,
+    commit_uuid,
+    merged_away_manifests,
+)
 
 
 def test_local_and_object_store_paths_round_trip():
@@ -32,6 +38,16 @@ def test_commit_uuid_tags_round_trip_and_foreign_names_do_not_parse():
     assert checkpoint_of_commit_file("00001-abc.metadata.json") is None
     with pytest.raises(ValueError):
         commit_uuid(2**48)
+
+
+def test_compaction_commits_carry_their_base_checkpoint_apart_from_checkpoint_commits():
+    for cp in (0, 7, 2**48 - 1):
+        main, fork = commit_uuid(cp, compaction=True), commit_uuid(cp, fork=True, compaction=True)
+        assert base_of_compaction_commit_file(f"{main}-m3.avro") == cp
+        assert base_of_compaction_commit_file(f"snap-1-0-{main}.avro") == cp
+        assert checkpoint_of_commit_file(f"{main}-m3.avro") is None  # never read as a checkpoint's
+        assert base_of_compaction_commit_file(f"{fork}-m0.avro") is None  # a fork's: not main's to sweep
+        assert base_of_compaction_commit_file(f"{commit_uuid(cp)}-m0.avro") is None
 
 
 def test_merged_away_manifests_are_the_unlisted_numbers_below_the_highest():
