@@ -17,8 +17,10 @@ import time
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
+from pyiceberg.io import load_file_io
 from pyiceberg.table import Table, TableProperties
 
+from catalog.recovery import check_location_free, default_location
 from catalog.task_view import io_properties
 from statestore.errors import CommitConflictError, QueryMismatchError, SchemaMismatchError
 from statestore.names import InvalidNameError, check_namespace, check_table_name
@@ -126,6 +128,10 @@ def _opened(catalog: Catalog, identifier: str, schema: pa.Schema) -> Table:
     try:
         table = catalog.load_table(identifier)
     except NoSuchTableError:
+        # A location holding a table's metadata is an output table whose catalog entry was lost.
+        location = default_location(catalog, (namespace, parts[1]))
+        check_location_free((namespace, parts[1]), location, load_file_io(catalog.properties, location),
+                            state_table=False)
         table = catalog.create_table_if_not_exists(identifier, schema=schema)
     if table.properties.get(TableProperties.COMMIT_NUM_RETRIES) != "0":
         # pyiceberg retries a failed append on the new head, after our batch check: off.

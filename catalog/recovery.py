@@ -61,16 +61,22 @@ def metadata_files(location: str, io: FileIO | None) -> list[MetadataFile]:
     return sorted((f for f in found if f.version >= 0), key=lambda f: (-f.version, f.uri))
 
 
-def check_location_free(identifier: tuple[str, ...], location: str, io: FileIO | None) -> None:
-    """Raise ``TableLocationInUseError`` when ``location`` holds a table's metadata."""
+def check_location_free(identifier: tuple[str, ...], location: str, io: FileIO | None, *,
+                        state_table: bool = True) -> None:
+    """Raise ``TableLocationInUseError`` when ``location`` holds a table's metadata (of a state
+    table, or with ``state_table=False`` of a query's output table)."""
     found = metadata_files(location, io)
     if found:
         name = ".".join(identifier)
+        newest = found[0].uri.rsplit("/", 1)[-1]
+        kind, loses, remedy = ("state table", "its state", f"`icestate recover --table {identifier[-1]}` (and the "
+                               "same --warehouse/--catalog options)") if state_table else (
+            "output table", "its rows and committed batches",
+            f"the catalog's register_table({name!r}, <its newest metadata.json>)")
         raise TableLocationInUseError(
-            f"state table {name} is not in the catalog, but its location {location} holds the metadata of a table "
-            f"({len(found)} metadata.json files, the newest {found[0].uri.rsplit('/', 1)[-1]}): the catalog lost "
-            f"its entry, and a new table there would overwrite its state. Register it again with `icestate recover "
-            f"--table {identifier[-1]}` (and the same --warehouse/--catalog options), or use another table name"
+            f"{kind} {name} is not in the catalog, but its location {location} holds the metadata of a table "
+            f"({len(found)} metadata.json files, the newest {newest}): the catalog lost its entry, and a new table "
+            f"there would shadow {loses}. Register it again with {remedy}, or use another table name"
         )
 
 

@@ -8,10 +8,12 @@ import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from pyiceberg.table import TableProperties
 
 from catalog.defaults import default_catalog
 from catalog.output_table import OutputTable
+from catalog.recovery import TableLocationInUseError
 
 SCHEMA = pa.schema([("k", pa.string()), ("n", pa.int64())])
 
@@ -57,3 +59,23 @@ def test_two_drivers_commit_a_batch_once(tmp_path):
     assert batches(theirs) == [6, 7, 8]
     mine.close()
     theirs.close()
+
+
+def test_an_output_table_is_not_created_over_one_whose_catalog_entry_was_lost(tmp_path):
+    """As defect 1 for state tables: a lost catalog entry must not let a new, empty output table
+    shadow the old one's rows and committed batches (the stream would then commit them again)."""
+    warehouse = str(tmp_path / "wh")
+    catalog = default_catalog(warehouse)
+    table = OutputTable.open(catalog, "out.results", SCHEMA)
+    assert table.commit(0, [rows_file(table, "b0.parquet", ["a"])], query_id="q")
+    metadata = table.table.metadata_location
+    table.close()
+    catalog = default_catalog(warehouse)
+    catalog.drop_table("out.results")  # the entry is lost; the files stay
+    with pytest.raises(TableLocationInUseError, match=r"output table out\.results is not in the catalog") as raised:
+        OutputTable.open(catalog, "out.results", SCHEMA)
+    assert "register_table" in str(raised.value)
+    catalog.register_table("out.results", metadata)  # the documented remedy
+    again = OutputTable.open(catalog, "out.results", SCHEMA)
+    assert again.committed_batch() == (0, "q") and again.table.scan().to_arrow().num_rows == 1
+    again.close()
