@@ -56,8 +56,9 @@ def _bound(bounds: dict[int, bytes] | None, field_id: int) -> int | None:
     return None if raw is None else from_bytes(IntegerType(), raw)
 
 
-# What pyiceberg raises for a file whose bytes do not decode (Avro, JSON, the metadata model).
-DECODE_ERRORS = (EOFError, ValueError, KeyError, IndexError, TypeError, OverflowError, struct.error)
+# What pyiceberg raises for a file whose bytes do not decode (Avro, JSON, the metadata model);
+# RecursionError: a hostile file nests its JSON (an Avro header's schema) thousands deep.
+DECODE_ERRORS = (EOFError, ValueError, KeyError, IndexError, TypeError, OverflowError, struct.error, RecursionError)
 
 
 @contextlib.contextmanager

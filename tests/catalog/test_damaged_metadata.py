@@ -23,12 +23,36 @@ def damage(path: str) -> None:
     METADATA_FILES.clear()  # as a fresh process: no copy of the bytes this process wrote
 
 
+def _varint(n: int) -> bytes:
+    n, out = (n << 1) ^ (n >> 63), bytearray()  # Avro's zig-zag long
+    while n & ~0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    return bytes([*out, n])
+
+
+def nest_deeply(path: str) -> None:
+    """Replace the file by a hostile one nesting its JSON 5,000 deep: an Avro file whose header
+    schema is arrays of arrays (a metadata.json: lists of lists), which recursive parsers do not survive."""
+    if path.endswith(".json"):
+        text = b"[" * 5000 + b"]" * 5000
+    else:
+        schema = b'{"type":"array","items":' * 5000 + b'"int"' + b"}" * 5000
+        meta = {b"avro.schema": schema, b"avro.codec": b"null"}
+        text = b"Obj\x01" + _varint(len(meta)) + b"".join(
+            _varint(len(k)) + k + _varint(len(v)) + v for k, v in meta.items()) + _varint(0) + bytes(16)
+    with open(path, "wb") as f:
+        f.write(text)
+    METADATA_FILES.clear()
+
+
 def newest(pattern: str) -> str:
     return max(glob.glob(pattern), key=os.path.getmtime)
 
 
+@pytest.mark.parametrize("how", [damage, nest_deeply])
 @pytest.mark.parametrize("which", ["manifest list", "manifest", "metadata file"])
-def test_a_damaged_metadata_file_is_named(open_table, warehouse: str, which: str):
+def test_a_damaged_metadata_file_is_named(open_table, warehouse: str, which: str, how):
     table = open_table()
     commit_next(table)
     commit_next(table)
@@ -37,7 +61,7 @@ def test_a_damaged_metadata_file_is_named(open_table, warehouse: str, which: str
     target = {"manifest list": f"{metadata}/snap-*.avro", "manifest": f"{metadata}/*-m*.avro",
               "metadata file": f"{metadata}/*.metadata.json"}[which]
     path = newest(target) if which != "metadata file" else max(glob.glob(target))
-    damage(path)
+    how(path)
     with pytest.raises(CorruptMetadataError, match=os.path.basename(path)) as raised:
         IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name="op").close()
     assert ("icestate recover" if which == "metadata file" else "Restore it from a backup") in str(raised.value)
