@@ -4,8 +4,28 @@ pyarrow's S3 output streams start a multipart upload when opened, so every file 
 task writes (a 2 kB manifest, a metadata.json, a segment) costs three requests (initiate,
 part, complete), one after another. With ``allow_delayed_open`` a file smaller than one part
 goes up as a single PUT when it is closed. ``StateFileIO`` is pyiceberg's ``PyArrowFileIO``
-with that one setting; everything else (endpoint, credentials, region, timeouts, retries) is
-pyiceberg's, from the same properties.
+with that setting and with bounded retries and timeouts; everything else (endpoint,
+credentials, region) is pyiceberg's, from the same properties.
+
+Retries and timeouts (``s3_retry_options``; the one place they are set, for the driver and the
+tasks alike, which build their filesystem from the same storage properties): every S3 request
+(HEAD, GET, PUT, the POSTs of a multipart upload, DELETE) that fails with a retryable error
+(HTTP 500, 502, 503 and 504, throttling such as 503 SlowDown, a connection refused, reset or
+timed out) is tried at most ``s3.retry-max-attempts`` times in all (default
+``DEFAULT_S3_RETRY_MAX_ATTEMPTS`` = 5), with the AWS SDK's standard exponential backoff with
+full jitter (before retry i a random wait in [0, 2^(i-1)) seconds, at most 20 s, so at most
+1 + 2 + 4 + 8 = 15 s over the 4 retries of 5 attempts, 7.5 s on average) and its retry quota
+(a client that keeps failing stops retrying early). A request during which the server sends no
+byte for ``s3.request-timeout`` seconds (default ``DEFAULT_S3_REQUEST_TIMEOUT_S`` = 10: the
+SDK's low-speed limit, not a bound on a long transfer that keeps moving) fails that attempt,
+as does a connection not made within ``s3.connect-timeout`` seconds (default
+``DEFAULT_S3_CONNECT_TIMEOUT_S`` = 3). A hung server therefore fails one read after at most
+5 x 10 s + 15 s = 65 s, and one upload after about 5 x 16 s + 15 s = 95 s (an upload's attempt
+waits about 6 s more than the timeout: measured with pyarrow 26, whose SDK sends PUTs
+aws-chunked with ``Expect: 100-continue``), failing the checkpoint instead of stalling it.
+``s3.retry-strategy-impl`` (pyiceberg's: a ``pyarrow.fs.S3RetryStrategy`` class, built without
+arguments) replaces the strategy altogether. A filesystem pickled by pyarrow loses its retry
+strategy (pyarrow does not pickle it): processes build theirs from the properties instead.
 
 Iceberg's metadata files (a table's ``metadata.json`` versions, manifest lists and manifests)
 are written once, under names holding a UUID, and never changed. ``StateFileIO`` keeps the ones
@@ -35,6 +55,7 @@ name another ``py-io-impl``; tasks get it through the shipped storage properties
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import logging
 import os
@@ -44,8 +65,17 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from pyarrow.fs import FileSystem
-from pyiceberg.io import PY_IO_IMPL, InputFile, InputStream, OutputFile, OutputStream
+from pyarrow.fs import AwsStandardS3RetryStrategy, FileSystem, S3RetryStrategy
+from pyiceberg.io import (
+    PY_IO_IMPL,
+    S3_CONNECT_TIMEOUT,
+    S3_REQUEST_TIMEOUT,
+    S3_RETRY_STRATEGY_IMPL,
+    InputFile,
+    InputStream,
+    OutputFile,
+    OutputStream,
+)
 from pyiceberg.io.pyarrow import PyArrowFileIO
 
 log = logging.getLogger(__name__)
@@ -54,6 +84,11 @@ STATE_FILE_IO = f"{__name__}.StateFileIO"
 METADATA_CACHE_BYTES_MAX = 64 * 1024 * 1024
 IO_THREADS = 16  # concurrent uploads of a commit's metadata files (and its checks) per process
 DELETE_THREADS = 8  # concurrent deletes of garbage per process
+# Retries and timeouts of S3 requests (module docstring): attempts of one request in all.
+S3_RETRY_MAX_ATTEMPTS = "s3.retry-max-attempts"
+DEFAULT_S3_RETRY_MAX_ATTEMPTS = 5
+DEFAULT_S3_CONNECT_TIMEOUT_S = 3.0
+DEFAULT_S3_REQUEST_TIMEOUT_S = 10.0
 
 
 def is_metadata_file(location: str) -> bool:
@@ -371,8 +406,59 @@ class StateFileIO(PyArrowFileIO):
 
     def _initialize_s3_fs(self, netloc: str | None) -> FileSystem:
         fs = super()._initialize_s3_fs(netloc)
-        rebuild, (options,) = fs.__reduce__()  # the pickle protocol: every option of the filesystem
-        return rebuild({**options, "allow_delayed_open": True})
+        # The pickle protocol: every option of the filesystem but its retry strategy.
+        rebuild, (options,) = fs.__reduce__()
+        return rebuild({**options, "allow_delayed_open": True, **s3_retry_options(self.properties)})
+
+
+def s3_retry_options(properties: dict[str, str]) -> dict[str, Any]:
+    """The retry strategy and timeouts of pyarrow's ``S3FileSystem`` for these FileIO
+    properties (module docstring): ``s3.retry-max-attempts`` or ``s3.retry-strategy-impl``,
+    ``s3.connect-timeout`` and ``s3.request-timeout`` (seconds), each with its default.
+
+    Raises:
+        ValueError: a property that is not a number in range, or a strategy class that cannot
+            be imported, naming the property.
+    """
+    options: dict[str, Any] = {
+        "connect_timeout": _seconds(properties, S3_CONNECT_TIMEOUT, DEFAULT_S3_CONNECT_TIMEOUT_S),
+        "request_timeout": _seconds(properties, S3_REQUEST_TIMEOUT, DEFAULT_S3_REQUEST_TIMEOUT_S),
+    }
+    impl = properties.get(S3_RETRY_STRATEGY_IMPL)
+    if impl:
+        module, _, name = impl.rpartition(".")
+        try:
+            strategy = getattr(importlib.import_module(module), name)()
+        except (ImportError, AttributeError, ValueError, TypeError) as e:
+            raise ValueError(f"FileIO property {S3_RETRY_STRATEGY_IMPL}={impl!r}: cannot build it ({e}); "
+                             "name a pyarrow.fs.S3RetryStrategy class, as module.Class") from e
+        if not isinstance(strategy, S3RetryStrategy):
+            raise ValueError(f"FileIO property {S3_RETRY_STRATEGY_IMPL}={impl!r} is not a pyarrow.fs.S3RetryStrategy")
+        options["retry_strategy"] = strategy
+        return options
+    raw = properties.get(S3_RETRY_MAX_ATTEMPTS, DEFAULT_S3_RETRY_MAX_ATTEMPTS)
+    try:
+        attempts = int(raw)
+    except (TypeError, ValueError):
+        attempts = 0
+    if attempts < 1 or str(attempts) != str(raw).strip():
+        raise ValueError(f"FileIO property {S3_RETRY_MAX_ATTEMPTS} must be a whole number of attempts >= 1 "
+                         f"(1: no retry), got {raw!r}")
+    options["retry_strategy"] = AwsStandardS3RetryStrategy(max_attempts=attempts)
+    return options
+
+
+def _seconds(properties: dict[str, str], name: str, default: float) -> float:
+    raw = properties.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"FileIO property {name} must be a positive number of seconds, got {raw!r}")
+    return value
 
 
 def use_state_file_io(catalog: Any) -> Any:

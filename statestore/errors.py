@@ -57,6 +57,19 @@ class CheckpointFailedError(StateStoreError):
     ``CommitConflictError``); the previous checkpoint stays the newest complete one."""
 
 
+class StorageUnavailableError(CheckpointFailedError, OSError):
+    """The table's storage (an object store, a file system) failed a checkpoint's writes or its
+    commit, or a segment read, after the bounded retries of its client (unreachable, answering
+    errors, hanging past the request timeout). Nothing of the checkpoint was committed and the
+    store keeps every write for the next one; a failed read changed nothing. An ``OSError``
+    too, as the storage's own errors are."""
+
+
+class StorageFullError(StorageUnavailableError):
+    """The disk a checkpoint writes to has no space left (``ENOSPC``); its message names the
+    directory. Nothing was committed; once space is freed the next checkpoint writes everything."""
+
+
 class TaskReportError(CheckpointFailedError):
     """The tasks of a micro-batch did not report their flushed segments exactly once (none
     after a full run, or one task twice), so the batch's checkpoint was not committed."""

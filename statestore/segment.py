@@ -32,7 +32,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from statestore import faults
-from statestore.errors import CorruptSegmentError
+from statestore.errors import CorruptSegmentError, StorageUnavailableError
 from statestore.faults import crash_point
 from statestore.file_cache import FileCache, FileCacheCounters
 from statestore.layout import CHECKPOINT_ID, KEY_GROUP, SEQ, STATE
@@ -258,6 +258,8 @@ class SegmentReader:
                     retry = False
                     continue
                 e = failed.__cause__
+                if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) and not failed.cached:
+                    self._check_reachable(seg, e)
                 raise CorruptSegmentError(
                     f"segment {seg.path} of checkpoint {seg.checkpoint_id} cannot be read ({type(e).__name__}: {e}); "
                     "the state it holds is unavailable: restore the file from a backup, or restore an older "
@@ -269,6 +271,18 @@ class SegmentReader:
             if c not in t.column_names:
                 t = t.append_column(c, pa.nulls(t.num_rows))
         return t.select(list(columns))
+
+    def _check_reachable(self, seg: SegmentFile, cause: OSError) -> None:
+        """Raise ``StorageUnavailableError`` when the storage of ``seg`` does not answer even a
+        look at the file: the read failed on the storage (after its client's bounded retries),
+        not on the file, whose state is then intact. An answer means the file itself failed."""
+        try:
+            self._fs.get_file_info(seg.path)
+        except OSError as probe:
+            raise StorageUnavailableError(
+                f"segment {seg.path} of checkpoint {seg.checkpoint_id} could not be read: its storage failed "
+                f"({type(cause).__name__}: {cause}) and does not answer ({type(probe).__name__}); the state is "
+                "intact: retry once the storage is reachable") from cause
 
     def _read_groups(self, seg: SegmentFile, wanted: np.ndarray, columns: Sequence[str],
                      keys: KeyRequest | None, values: pa.Array | None) -> pa.Table | None:

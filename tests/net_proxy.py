@@ -21,9 +21,15 @@ Controls, usable from any thread while traffic flows:
   closed) and open ones are cut; ``resume()`` listens again on the same port;
 * ``pause()``: the server hangs: requests are read but not forwarded until ``resume()``
   (or cut by ``stop()``/``close()``);
-* ``fail_next(n, status=503, method=None)``: the next ``n`` requests (of one method, if
+* ``fail_next(n, status=503, method=None, append=False)``: the next ``n`` requests (of one method, if
   given) are answered by the proxy with an S3 error document of that status, without
-  reaching the server.
+  reaching the server;
+* ``delay_next(n, seconds, method=None)``: the next ``n`` requests (of one method, if given)
+  are held ``seconds`` (on top of ``latency_s``) before they are forwarded: slow responses;
+* ``reset_next(n, method=None, after_response_bytes=None)``: the connections of the next ``n``
+  requests (of one method, if given) are cut with a TCP reset: mid-request (the head read, the
+  request never forwarded), or, with ``after_response_bytes=k``, mid-response (the request
+  forwarded, then ``k`` bytes of its response passed on before the reset).
 
 Standard library only; one thread per connection and direction. ``close()`` (or the context
 manager) ends everything.
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 import time
 from collections import Counter
@@ -63,6 +70,7 @@ class Request:
     headers: dict[str, str]
     connection: int  # sequence number of the client connection that carried it
     injected_status: int | None = None  # the status the proxy answered with, or None if forwarded
+    injected_reset: str | None = None  # "request" or "response": where the proxy reset its connection
 
     @property
     def path(self) -> str:
@@ -90,6 +98,10 @@ class Traffic:
     def calls(self) -> list[tuple[str, str]]:
         """``(method, target)`` of each request, in arrival order."""
         return [(r.method, r.target) for r in self.requests]
+
+
+# ``_admit``'s answer for a request whose connection is reset before it is forwarded.
+_RESET_REQUEST = -1
 
 
 class _Dropped(Exception):
@@ -148,6 +160,9 @@ class _Connection:
         self.upstream: socket.socket | None = None
         self.client_send = threading.Lock()
         self._cut = False
+        self._resetting = False
+        # Response bytes still to pass on before a reset mid-response (None: no reset armed).
+        self._reset_after: int | None = None
 
     def cut(self) -> None:
         """Close both sides now (any thread): blocked reads and writes end with an error."""
@@ -155,7 +170,16 @@ class _Connection:
         for sock in (self.client, self.upstream):
             if sock is not None:
                 with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+                    # A reset's client side sends nothing now: its close sends the RST.
+                    sock.shutdown(socket.SHUT_RD if sock is self.client and self._resetting else socket.SHUT_RDWR)
+
+    def reset(self) -> None:
+        """Cut the connection with a TCP reset to the client (any thread): its reads and writes
+        fail with ``ECONNRESET`` instead of seeing an orderly end."""
+        self._resetting = True
+        with contextlib.suppress(OSError):  # an abortive close: the final close() sends RST
+            self.client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.cut()
 
     def serve(self) -> None:
         try:
@@ -190,13 +214,18 @@ class _Connection:
                     self.upstream.shutdown(socket.SHUT_WR)
                 return
             method, target, headers = _parse_head(head)
-            status = self.proxy._admit(method, target, headers, self.number)
+            status, reset_after = self.proxy._admit(method, target, headers, self.number)
             if self._cut:
                 raise _Dropped("cut")
             if status is not None:
                 if not self._answer(reader, method, headers, status):
                     return
                 continue
+            if reset_after == _RESET_REQUEST:
+                self.reset()
+                raise _Dropped("reset mid-request")
+            if reset_after is not None:
+                self._reset_after = reset_after  # armed before the server can answer
             self._send_up(head)
             self._forward_body(reader, headers)
 
@@ -262,6 +291,15 @@ class _Connection:
                 data = self.upstream.recv(CHUNK_BYTES)
                 if not data:
                     break
+                left = self._reset_after
+                if left is not None and len(data) >= left:  # the reset mid-response is due
+                    with self.client_send:
+                        self.client.sendall(data[:left])
+                    self.proxy._add_bytes(down=left)
+                    self.reset()
+                    return
+                if left is not None:
+                    self._reset_after = left - len(data)
                 with self.client_send:
                     self.client.sendall(data)
                 self.proxy._add_bytes(down=len(data))
@@ -325,6 +363,10 @@ class NetProxy:
         self._closed = False
         # (status, method or None for any) of the next requests to answer with an error
         self._fail: list[tuple[int, str | None]] = []
+        # (response bytes to pass on or None for mid-request, method or None) of the next resets
+        self._resets: list[tuple[int | None, str | None]] = []
+        # (extra delay in seconds, method or None) of the next slow requests
+        self._delays: list[tuple[float, str | None]] = []
         self._requests: list[Request] = []
         self._connection_count = 0
         self._numbered = 0
@@ -386,19 +428,44 @@ class NetProxy:
             self._listen()
         self._running.set()
 
-    def fail_next(self, n: int = 1, status: int = 503, *, method: str | None = None) -> None:
+    def fail_next(self, n: int = 1, status: int = 503, *, method: str | None = None, append: bool = False) -> None:
         """Answer the next ``n`` requests (of ``method`` only, when given) with an S3 error of
-        ``status`` instead of forwarding them. Replaces the failures still queued; ``n=0``
-        clears them."""
+        ``status`` instead of forwarding them. Replaces the failures still queued (``n=0``
+        clears them), or, with ``append``, queues these after them (say, two of each method)."""
         if n < 0 or not 400 <= status <= 599:
             raise ValueError(f"fail_next needs n >= 0 and an error status, got n={n}, status={status}")
         with self._lock:
-            self._fail = [(status, method.upper() if method else None)] * n
+            self._fail = (self._fail if append else []) + [(status, method.upper() if method else None)] * n
+
+    def reset_next(self, n: int = 1, *, method: str | None = None, after_response_bytes: int | None = None,
+                   append: bool = False) -> None:
+        """Cut the connections of the next ``n`` requests (of ``method`` only, when given) with
+        a TCP reset: mid-request (the request never reaches the server) by default, or
+        mid-response with ``after_response_bytes=k``: the request is forwarded and the first
+        ``k`` bytes of its response passed on (0: none; more than the whole response: no reset,
+        the connection is reset on the next bytes it would receive). Replaces the resets still
+        queued (``n=0`` clears them), or, with ``append``, queues these after them. A
+        ``fail_next`` error queued for the same request wins."""
+        if n < 0 or (after_response_bytes is not None and after_response_bytes < 0):
+            raise ValueError(f"reset_next needs n >= 0 and after_response_bytes >= 0, got n={n}, "
+                             f"after_response_bytes={after_response_bytes}")
+        with self._lock:
+            self._resets = (self._resets if append else []) + [
+                (after_response_bytes, method.upper() if method else None)] * n
+
+    def delay_next(self, n: int, seconds: float, *, method: str | None = None, append: bool = False) -> None:
+        """Hold the next ``n`` requests (of ``method`` only, when given) ``seconds`` more than
+        ``latency_s`` before forwarding them (the client sees a slow response). Replaces the
+        delays still queued (``n=0`` clears them), or, with ``append``, queues these after them."""
+        if n < 0 or seconds < 0:
+            raise ValueError(f"delay_next needs n >= 0 and seconds >= 0, got n={n}, seconds={seconds}")
+        with self._lock:
+            self._delays = (self._delays if append else []) + [(seconds, method.upper() if method else None)] * n
 
     def failures_queued(self) -> int:
-        """How many injected failures have not happened yet."""
+        """How many injected faults (error answers, resets and delays) have not happened yet."""
         with self._lock:
-            return len(self._fail)
+            return len(self._fail) + len(self._resets) + len(self._delays)
 
     # --- traffic ------------------------------------------------------------------------
 
@@ -469,26 +536,41 @@ class NetProxy:
             with self._lock:
                 self._threads.discard(threading.current_thread())
 
-    def _admit(self, method: str, target: str, headers: dict[str, str], connection: int) -> int | None:
-        """Record a request and hold it as the faults and latency say; the status to answer
-        with instead of forwarding it, or None to forward."""
+    def _admit(self, method: str, target: str, headers: dict[str, str],
+               connection: int) -> tuple[int | None, int | None]:
+        """Record a request and hold it as the faults and latency say: the status to answer
+        with instead of forwarding it (or None to forward), and the reset due (None: none;
+        ``_RESET_REQUEST``: now; k: after k bytes of the response)."""
         with self._lock:
             if self._stopped or self._closed:
                 raise _Dropped("stopped")
-            status = None
+            status = reset = where = None
             for i, (failure, only) in enumerate(self._fail):
                 if only is None or only == method:
                     status = failure
                     del self._fail[i]
                     break
+            if status is None:
+                for i, (after, only) in enumerate(self._resets):
+                    if only is None or only == method:
+                        reset, where = (_RESET_REQUEST, "request") if after is None else (after, "response")
+                        del self._resets[i]
+                        break
+            delay = self.latency_s
+            if status is None and reset != _RESET_REQUEST:
+                for i, (extra, only) in enumerate(self._delays):
+                    if only is None or only == method:
+                        delay += extra
+                        del self._delays[i]
+                        break
             kept = {k: headers[k] for k in RECORDED_HEADERS if k in headers}
-            self._requests.append(Request(method, target, kept, connection, status))
+            self._requests.append(Request(method, target, kept, connection, status, where))
         while not self._running.wait(PAUSE_POLL_S):
             if self._stopped or self._closed:
                 raise _Dropped("stopped while paused")
-        if status is None and self.latency_s > 0:
-            time.sleep(self.latency_s)
-        return status
+        if status is None and reset != _RESET_REQUEST and delay > 0:
+            time.sleep(delay)
+        return status, reset
 
     def _add_bytes(self, up: int = 0, down: int = 0) -> None:
         with self._lock:

@@ -281,3 +281,89 @@ def test_injected_errors_keep_a_keep_alive_connection_in_step(echo_server: str):
         conn.close()
         assert [r.injected_status for r in proxy.snapshot().requests] == [503, 503, None]
         assert proxy.snapshot().connections == 1
+
+
+# --- connection resets and slow requests -------------------------------------------------------
+
+
+def test_reset_next_cuts_mid_request_and_mid_response_with_a_tcp_reset(echo_server: str):
+    """A reset mid-request reaches the client as ``ECONNRESET`` and the request never reaches
+    the server; a reset mid-response passes the request on and cuts its response after the
+    given number of bytes. Other requests, and new connections, are served as before."""
+    with NetProxy(echo_server) as proxy:
+        proxy.reset_next(1, method="PUT")
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=WAIT_S)
+        conn.request("GET", "/before")  # another method: not reset
+        assert conn.getresponse().read() == b"GET 0"
+        with pytest.raises(ConnectionResetError):
+            conn.request("PUT", "/a", body=b"x" * 1000)
+            conn.getresponse().read()
+        conn.close()
+
+        proxy.reset_next(1, after_response_bytes=20)
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=WAIT_S)
+        with pytest.raises((ConnectionResetError, http.client.HTTPException)):
+            conn.request("PUT", "/b", body=b"y" * 1000)
+            conn.getresponse().read()
+        conn.close()
+
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=WAIT_S)
+        conn.request("PUT", "/c", body=b"z" * 10)
+        assert conn.getresponse().read() == b"PUT 10"
+        conn.close()
+        traffic = proxy.snapshot()
+    assert [(r.method, r.target, r.injected_reset) for r in traffic.requests] == [
+        ("GET", "/before", None), ("PUT", "/a", "request"), ("PUT", "/b", "response"), ("PUT", "/c", None)]
+    assert proxy.failures_queued() == 0
+
+
+def test_a_raw_client_sees_the_first_bytes_of_a_response_cut_by_a_reset(echo_server: str):
+    """Mid-response, exactly ``after_response_bytes`` bytes arrive before the reset (read
+    before the reset lands: the proxy sends them, then resets)."""
+    with NetProxy(echo_server) as proxy:
+        proxy.reset_next(1, after_response_bytes=12)
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=WAIT_S) as sock:
+            sock.sendall(b"GET /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n")
+            got = b""
+            with pytest.raises(ConnectionResetError):
+                while True:
+                    piece = sock.recv(1024)
+                    if not piece:
+                        break
+                    got += piece
+                    time.sleep(0.05)
+            assert got in (b"", b"HTTP/1.1 200")  # a reset may discard bytes not yet read
+
+
+def test_pyarrow_retries_requests_whose_connection_was_reset(proxy):
+    """Resets mid-request and mid-response of a HEAD, a GET and a PUT are retried by the SDK:
+    the calls succeed, and the proxy saw each reset request sent again."""
+    fs = s3fs(proxy.endpoint)
+    put(fs, f"{BUCKET}/reset/a", b"a" * 1000)
+    for after in (None, 0, 100):
+        proxy.reset()
+        proxy.reset_next(1, after_response_bytes=after)
+        assert get(fs, f"{BUCKET}/reset/a") == b"a" * 1000
+        proxy.reset_next(1, method="PUT", after_response_bytes=after)
+        put(fs, f"{BUCKET}/reset/b", b"b" * 1000)
+        assert get(fs, f"{BUCKET}/reset/b") == b"b" * 1000
+        requests = proxy.snapshot().requests
+        cut = [r for r in requests if r.injected_reset is not None]
+        assert len(cut) == 2, requests
+        for r in cut:  # sent again after the reset
+            assert any(o.method == r.method and o.target == r.target and o.injected_reset is None
+                       for o in requests[requests.index(r) + 1:])
+
+
+def test_delay_next_slows_only_the_next_requests(proxy):
+    """``delay_next`` holds the next requests of one method, then requests flow at full speed."""
+    fs = s3fs(proxy.endpoint)
+    put(fs, f"{BUCKET}/slow/a", b"a")
+    proxy.delay_next(1, 0.5, method="GET")
+    t0 = time.perf_counter()
+    assert get(fs, f"{BUCKET}/slow/a") == b"a"
+    assert time.perf_counter() - t0 >= 0.5
+    assert proxy.failures_queued() == 0
+    t0 = time.perf_counter()
+    assert get(fs, f"{BUCKET}/slow/a") == b"a"
+    assert time.perf_counter() - t0 < 0.5
