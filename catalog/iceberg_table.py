@@ -76,7 +76,7 @@ from catalog.retention import (
 from catalog.schema import recorded_layout
 from catalog.task_view import CheckpointView, io_properties
 from statestore import stored_keys
-from statestore.errors import CheckpointNotFoundError, StateClosedError
+from statestore.errors import CheckpointNotFoundError, StateClosedError, as_storage_error
 from statestore.faults import COMMIT_DONE, crash_point
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import KEY_GROUP, StateLayout
@@ -415,6 +415,8 @@ class IcebergStateTable:
                 schema; nothing is committed.
             CommitConflictError: another writer kept committing, or committed checkpoints
                 this table did not expect (a second driver).
+            StorageUnavailableError, StorageFullError: the storage failed the commit (after its
+                client's bounded retries), or the disk is full; nothing is committed.
         """
         self._check_open()
         properties = properties or {}
@@ -428,8 +430,16 @@ class IcebergStateTable:
             listed = None if previous is None else summary_value(previous, stored_keys.SUMMARY_OPERATOR_STATE)
             if listed:
                 summary[stored_keys.SUMMARY_OPERATOR_STATE] = listed
-        committed = self._committer.commit(checkpoint_id, data_files, summary, opened=self._snapshot,
-                                           expected_head=self._expected_head, stored=stored)
+        try:
+            committed = self._committer.commit(checkpoint_id, data_files, summary, opened=self._snapshot,
+                                               expected_head=self._expected_head, stored=stored)
+        except Exception as e:
+            # The storage (or the catalog's disk) failed the commit: say so, as a store's flush does.
+            converted = as_storage_error(e, f"checkpoint {checkpoint_id} of state table {self.location} failed while "
+                                         "committing it", self.location.removeprefix("file://"))
+            if converted is not None:
+                raise converted from e
+            raise
         self._advance_to(committed.snapshot, data_files)
         crash_point(COMMIT_DONE)
         self._gc.after_commit(committed.snapshot, committed.commit_uuid, committed.unreferenced)

@@ -6,6 +6,7 @@ Every message names the object at fault and says what to do. Bad arguments to a 
 
 from __future__ import annotations
 
+import errno
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only for annotations: this module (and statestore.faults) imports no third-party package
@@ -147,3 +148,46 @@ class CatalogUnavailableError(StateStoreError, ValueError):
 class TaskCommitError(StateStoreError):
     """A task's table (``catalog.task_view.TaskStateTable``) was asked to commit: only the driver
     commits checkpoints."""
+
+
+def as_storage_error(error: BaseException, what: str, directory: str) -> OSError | None:
+    """``error`` as ``StorageFullError`` (a full disk: ``ENOSPC`` anywhere in its chain, or
+    SQLite's "database or disk is full" of the embedded catalog) or ``StorageUnavailableError``
+    (another ``OSError`` of the storage), with ``what`` failed (``checkpoint 3 of state table
+    s3://...  failed while committing it``) and what to do; None for any other error, and for
+    one of the store's own (already saying what is wrong). ``directory``: the table's place,
+    named for a full disk. Quotes the storage's message, never a catalog property."""
+    if isinstance(error, StateStoreError) or not isinstance(error, Exception):
+        return None
+    full = _disk_full(error)
+    if not full and not isinstance(error, OSError):
+        return None
+    what = f"{what}: {type(error).__name__}: {error}"
+    kept = ("Nothing of it was committed: the previous checkpoint stays the newest, and the stores keep every "
+            "write for the next checkpoint")
+    if full:
+        raised: OSError = StorageFullError(
+            f"{what}. No space is left on the disk holding {directory}. {kept}. Free space on that disk (or move "
+            "the table to a larger one), then checkpoint again: the next checkpoint writes everything this one held")
+        raised.errno = errno.ENOSPC
+        return raised
+    raised = StorageUnavailableError(
+        f"{what}. The storage failed after the bounded retries of its client (on S3, the FileIO properties "
+        f"s3.retry-max-attempts, s3.request-timeout and s3.connect-timeout bound them). {kept}. Check that the "
+        "storage is reachable and answering (endpoint, network, credentials, its status), then checkpoint again")
+    raised.errno = getattr(error, "errno", None)
+    return raised
+
+
+def _disk_full(error: BaseException) -> bool:
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
+            return True
+        text = str(current)
+        if "No space left on device" in text or "database or disk is full" in text:
+            return True
+        current = current.__cause__ or current.__context__
+    return False

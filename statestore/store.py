@@ -13,7 +13,6 @@ Thread safety: a store is used by one task thread at a time.
 
 from __future__ import annotations
 
-import errno
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,9 +31,7 @@ from statestore.errors import (
     StateClosedError,
     StateDescriptorMismatchError,
     StateNotDeclaredError,
-    StateStoreError,
-    StorageFullError,
-    StorageUnavailableError,
+    as_storage_error,
 )
 from statestore.faults import crash_point
 from statestore.keygroups import assign_key_group, assign_key_groups, compute_key_group_range_for_task
@@ -319,33 +316,13 @@ class StateStore:
 
     def _raise_storage_error(self, error: BaseException, checkpoint_id: int, step: str) -> None:
         """Raise ``StorageFullError`` or ``StorageUnavailableError`` from ``error`` when the
-        storage failed a checkpoint (an ``OSError`` of the filesystem, or a full disk met by
-        the catalog's database); return for any other error (raised as it is)."""
-        if isinstance(error, StateStoreError) or not isinstance(error, Exception):
-            return
-        full = _disk_full(error)
-        if not full and not isinstance(error, OSError):
-            return
+        storage failed a checkpoint (``as_storage_error``); return for any other error."""
         location = str(getattr(self._table, "location", None) or "(unnamed table)")
-        what = (f"checkpoint {checkpoint_id} of task {self.task_index} of state table {location} failed while {step}: "
-                f"{type(error).__name__}: {error}")
-        kept = ("Nothing of it was committed: the previous checkpoint stays the newest, and this store keeps every "
-                "write for the next checkpoint")
-        if full:
-            directory = location.removeprefix("file://")
-            raised: OSError = StorageFullError(
-                f"{what}. No space is left on the disk holding {directory}. {kept}. Free space on that disk (or "
-                "move the table to a larger one), then checkpoint again: the next checkpoint writes everything "
-                "this one held")
-            raised.errno = errno.ENOSPC
-        else:
-            raised = StorageUnavailableError(
-                f"{what}. The storage failed after the bounded retries of its client (on S3, the FileIO properties "
-                f"s3.retry-max-attempts, s3.request-timeout and s3.connect-timeout bound them). {kept}. "
-                "Check that the storage is reachable and answering (endpoint, network, credentials, its status), "
-                "then checkpoint again")
-            raised.errno = getattr(error, "errno", None)
-        raise raised from error
+        converted = as_storage_error(
+            error, f"checkpoint {checkpoint_id} of task {self.task_index} of state table {location} failed while "
+            f"{step}", location.removeprefix("file://"))
+        if converted is not None:
+            raise converted from error
 
     def _check_owned(self, kgs: np.ndarray) -> None:
         r = self.key_group_range
@@ -376,18 +353,3 @@ class StateStore:
                 for f in entry_schema]
         return pa.Table.from_arrays(cols, schema=entry_schema)
 
-
-def _disk_full(error: BaseException) -> bool:
-    """Whether ``error`` (or an error it was raised from) says a disk is full: ``ENOSPC``, or
-    SQLite's "database or disk is full" (the embedded catalog's database on a full disk)."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
-            return True
-        text = str(current)
-        if "No space left on device" in text or "database or disk is full" in text:
-            return True
-        current = current.__cause__ or current.__context__
-    return False

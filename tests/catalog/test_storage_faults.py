@@ -343,6 +343,29 @@ def test_a_lookup_that_cannot_reach_the_storage_says_so_and_is_not_called_corrup
     fresh.close()
 
 
+def test_a_driver_commit_the_storage_fails_is_a_storage_error_and_loses_nothing(ref, proxy):
+    """The streaming driver's path: the tasks flushed, then ``commit_checkpoint`` (called by the
+    driver directly) meets a storage failing every request: StorageUnavailableError saying the
+    checkpoint failed while committing, nothing committed, and after the storage is back the
+    next checkpoint commits everything."""
+    store = _after_first(ref)
+    table = store.table
+    checkpoint_id = table.next_checkpoint_id()
+    segments = store.flush(checkpoint_id)
+    begin, end = PERMANENT["every-request-503"]
+    begin(proxy)
+    try:
+        with pytest.raises(StorageUnavailableError, match=r"checkpoint 2 of state table s3://\S+ failed while "
+                                                          r"committing it"):
+            table.commit_checkpoint(checkpoint_id, segments, parallelism=1, batch_id=1)
+    finally:
+        end(proxy)
+    store.checkpoint_aborted(checkpoint_id)
+    assert _fresh_counts(ref) == (1, [0], [FIRST.get(u) for u in USERS])
+    store.checkpoint(batch_id=1)
+    assert _fresh_counts(ref) == (2, [0, 1], [BOTH.get(u) for u in USERS])
+
+
 # --- a full disk ----------------------------------------------------------------------------
 
 TMPFS_BYTES = 4 * 1024 * 1024
