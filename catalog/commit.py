@@ -295,7 +295,10 @@ class CheckpointCommitter:
             try:
                 return self._commit_once(checkpoint_id, data_files, summary, parent, rollback, stored)
             except CommitFailedException as e:
-                logger.warning("commit of checkpoint %s to %s lost a race (%s); retrying", checkpoint_id, self._name, e)
+                # A first lost race is the compactor's commit landing first, several times an hour
+                # in a normal run (the soak's log): news only when it repeats.
+                (logger.warning if attempt else logger.info)(
+                    "commit of checkpoint %s to %s lost a race (%s); retrying", checkpoint_id, self._name, e)
             except (ValueError, FileNotFoundError) as e:
                 # The writer of another branch committed or expired snapshots since this table
                 # read the metadata: the catalog applies our updates to the newer metadata, where
