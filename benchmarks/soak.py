@@ -180,6 +180,15 @@ def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float,
     stop = threading.Event()
     deadline = started + minutes * 60
     table = None
+    batches: list[dict] = []  # collected as they come: the runner keeps only its newest reports
+
+    def collect(minute: float) -> None:
+        seen = batches[-1]["batch_id"] if batches else -1
+        for r in list(runner.reports):
+            if not r.skipped and r.batch_id > seen:
+                batches.append({"batch_id": r.batch_id, "minute": minute, "duration_ms": round(r.duration_ms, 1),
+                                "commit_ms": round(r.commit_ms, 1), "tasks_ms": round(r.tasks_ms, 1)})
+
     try:
         with harness.console.status("soaking") as status:
             while time.monotonic() < deadline and query.isActive:
@@ -190,7 +199,8 @@ def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float,
                     sample.update(table_figures(table, warehouse / "state" / TABLE))
                 figures = next((r.state for r in reversed(runner.reports) if r.state), None) or {}
                 sample["entries"] = figures.get("numEntriesTotal")
-                sample["batches"] = len(runner.reports)
+                collect(sample["minute"])
+                sample["batches"] = len(batches)
                 samples.append(sample)
                 status.update(f"soaking: minute {sample['minute']:.1f} of {minutes}, {sample['batches']} batches, "
                               f"{sample.get('table_files', 0)} files, {sample.get('files_per_unit_max', 0)} per unit")
@@ -201,9 +211,7 @@ def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float,
         query.stop()
         if table is not None:
             table.close()
-    batches = [{"batch_id": r.batch_id, "minute": None, "duration_ms": round(r.duration_ms, 1),
-                "commit_ms": round(r.commit_ms, 1), "tasks_ms": round(r.tasks_ms, 1)}
-               for r in runner.reports if not r.skipped]
+    collect(round((time.monotonic() - started) / 60, 3))
     spark.stop()
     return {"samples": samples, "batches": batches, "emitted_rows": emitted[0]}
 
@@ -255,12 +263,11 @@ def plot(result: dict, path: Path) -> None:
         ax.legend(fontsize=7)
     batches = result["batches"]
     span = minutes[-1] if minutes else 1.0
-    xs = [span * i / max(1, len(batches) - 1) for i in range(len(batches))]
     for ax, name, title in ((axes.flat[6], "commit_ms", "commit time per batch (ms)"),
                             (axes.flat[7], "duration_ms", "batch duration (ms)")):
-        ax.plot(xs, [b[name] for b in batches], ".", markersize=2)
+        ax.plot([b["minute"] for b in batches], [b[name] for b in batches], ".", markersize=2)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("minutes (batches spread evenly)")
+        ax.set_xlabel("minutes (when sampled)")
     fig.suptitle(f"soak: {span:.0f} minutes, {len(batches)} checkpoints, retention and compaction on", fontsize=11)
     harness.save_figure(fig, path, dpi=100)
 

@@ -23,6 +23,7 @@ batch sees the same times (and the same TTL expiries) as its first run.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -81,6 +82,10 @@ from statestore.paths import SCRATCH_OUTPUTS_DIR
 
 log = logging.getLogger(__name__)
 
+
+
+# Batch reports a runner keeps (``StatefulRunner.reports``): the newest, 50 minutes of 3-second batches.
+REPORTS_KEPT = 1000
 
 
 @dataclass
@@ -237,7 +242,9 @@ class StatefulRunner:
         # Reports of tasks whose output rows are the callback's DataFrame: an accumulator, which
         # only a classic session has (under Spark Connect outputs go through files instead).
         self._reports = None if self.connect else spark.sparkContext.accumulator([], ReportParam())
-        self.reports: list[BatchReport] = []
+        # The newest batches' reports: bounded, so a query that runs for weeks does not grow
+        # (the soak's driver grew with one report per batch).
+        self.reports: collections.deque[BatchReport] = collections.deque(maxlen=REPORTS_KEPT)
         # Compaction beside the stream, in a process of its own started when a unit needs it.
         self.compaction = compaction
         self.compactor = None if compaction is None else CompactorProcess(location.ref, compaction)
