@@ -45,6 +45,7 @@ from catalog.manifests import ManifestCache
 from catalog.naming import METADATA_DIR, Locations, merged_away_manifests, metadata_json_version
 from catalog.recovery import foreign_metadata
 from catalog.retention import orphans, plan_retention, unreferenced_files, unreferenced_operator_files
+from statestore.errors import CorruptMetadataError
 from statestore.faults import FILES_DELETED, SNAPSHOTS_EXPIRED, crash_point
 from statestore.paths import COMPACTION_GRACE_SECONDS, DATA_DIR, OPERATOR_DIR, SCRATCH_OUTPUTS_DIR, parse_output_name
 
@@ -76,7 +77,12 @@ class GarbageCollector:
         crash_point(SNAPSHOTS_EXPIRED)
         listed = [m.manifest_path for m in self._cache.manifests(snapshot)]
         self._delete_later(merged_away_manifests(commit, listed) + unreferenced)
-        self.collect(sweep=self._commits_until_sweep <= 0, wait=False)
+        try:
+            self.collect(sweep=self._commits_until_sweep <= 0, wait=False)
+        except CorruptMetadataError as e:
+            # The checkpoint is committed: a damaged metadata file of another snapshot stops this
+            # collection (nothing more is deleted) but not the commit; the next commit retries.
+            logger.error("garbage collection of %s stopped, nothing more deleted: %s", self._name, e)
 
     def collect(self, sweep: bool, wait: bool = True) -> None:
         """Expire what retention drops now and delete its files; with ``sweep`` (on main

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import zlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from pyiceberg.avro.file import AvroFile
 from pyiceberg.conversions import from_bytes
 from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile, ManifestEntryStatus, ManifestFile
@@ -27,6 +29,8 @@ from pyiceberg.types import IntegerType
 from statestore.errors import CorruptMetadataError
 
 MANIFEST_READS_MAX = 16  # manifests read at once when a snapshot is opened
+# The key of a manifest list's Avro header naming the snapshot it was written for (Iceberg's spec).
+SNAPSHOT_ID_KEY = "snapshot-id"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,16 +62,29 @@ def _bound(bounds: dict[int, bytes] | None, field_id: int) -> int | None:
 
 # What pyiceberg raises for a file whose bytes do not decode (Avro, JSON, the metadata model);
 # RecursionError: a hostile file nests its JSON (an Avro header's schema) thousands deep.
-DECODE_ERRORS = (EOFError, ValueError, KeyError, IndexError, TypeError, OverflowError, struct.error, RecursionError)
+# A damaged length makes pyiceberg's Cython decoder ask for a negative (SystemError) or huge
+# (MemoryError) buffer; deflated blocks fail in zlib.
+DECODE_ERRORS = (EOFError, ValueError, KeyError, IndexError, TypeError, OverflowError, struct.error, RecursionError,
+                 zlib.error, SystemError, MemoryError)
+
+
+class MissingMetadataError(CorruptMetadataError, FileNotFoundError):
+    """A metadata file that a snapshot references is missing (still a ``FileNotFoundError``:
+    retention takes one of an expired snapshot as deleted by another writer already)."""
 
 
 @contextlib.contextmanager
 def unreadable_as_corrupt(what: str, uri: str) -> Iterator[None]:
-    """Turn a decode failure of the metadata file ``uri`` into ``CorruptMetadataError`` naming it."""
+    """Turn a decode failure or the absence of the metadata file ``uri`` into
+    ``CorruptMetadataError`` naming it."""
     try:
         yield
     except CorruptMetadataError:
         raise
+    except FileNotFoundError as e:
+        raise MissingMetadataError(
+            f"the {what} {uri} does not exist ({e}): it was deleted. Restore it from a backup, or open an older "
+            "checkpoint that does not use it") from e
     except DECODE_ERRORS as e:
         raise CorruptMetadataError(
             f"the {what} {uri} cannot be read ({type(e).__name__}: {e}): it is damaged. Restore it from a backup, "
@@ -82,13 +99,32 @@ class ManifestCache:
         self._key_group_field_id = key_group_field_id
         self._lists: dict[str, tuple[ManifestFile, ...]] = {}
         self._entries: dict[str, tuple[FileEntry, ...]] = {}
+        self._listed_by: dict[str, str] = {}  # manifest -> a manifest list naming it
 
     def manifests(self, snapshot: Snapshot) -> tuple[ManifestFile, ...]:
         """The manifests a snapshot's manifest list names."""
         path = snapshot.manifest_list
         if path not in self._lists:
             with unreadable_as_corrupt("manifest list", path):
-                self._lists[path] = tuple(snapshot.manifests(self._io))
+                with AvroFile(self._io.new_input(path)) as avro:
+                    written_for = avro.header.meta.get(SNAPSHOT_ID_KEY)
+                manifests = tuple(snapshot.manifests(self._io))
+            directory = path.rsplit("/", 1)[0]
+            strays = [m.manifest_path for m in manifests
+                      if m.manifest_path.rsplit("/", 1)[0] != directory or not m.manifest_path.endswith(".avro")]
+            if strays:
+                raise CorruptMetadataError(
+                    f"the manifest list {path} of snapshot {snapshot.snapshot_id} names {strays[0]!r}, not a manifest "
+                    "beside it: it is damaged. Restore it from a backup, or open an older checkpoint that does not "
+                    "use it")
+            if written_for is not None and written_for != str(snapshot.snapshot_id):
+                raise CorruptMetadataError(
+                    f"the manifest list {path} of snapshot {snapshot.snapshot_id} was written for snapshot "
+                    f"{written_for}: another manifest list was copied over it. Restore it from a backup, or open an "
+                    "older checkpoint that does not use it")
+            self._lists[path] = manifests
+            for m in manifests:
+                self._listed_by.setdefault(m.manifest_path, path)
         return self._lists[path]
 
     def entries(self, manifest: ManifestFile) -> tuple[FileEntry, ...]:
@@ -99,12 +135,26 @@ class ManifestCache:
         return self._entries[path]
 
     def _read(self, manifest: ManifestFile) -> tuple[FileEntry, ...]:
-        with unreadable_as_corrupt("manifest", manifest.manifest_path):
-            return tuple(
-                file_entry(e.data_file, self._key_group_field_id,
-                           live=e.status != ManifestEntryStatus.DELETED, snapshot_id=e.snapshot_id)
-                for e in manifest.fetch_manifest_entry(self._io, discard_deleted=False)
-            )
+        path = manifest.manifest_path
+        # The manifest list that named it may be the damaged file instead (a name in it changed).
+        listed = f"manifest (listed by {self._listed_by[path]})" if path in self._listed_by else "manifest"
+        with unreadable_as_corrupt(listed, path):
+            read = manifest.fetch_manifest_entry(self._io, discard_deleted=False)
+        # The manifest list records what the manifest holds: another manifest in its place differs.
+        counts = (manifest.added_files_count, manifest.existing_files_count, manifest.deleted_files_count)
+        added = {e.snapshot_id for e in read if e.status == ManifestEntryStatus.ADDED}
+        if (None not in counts and sum(counts) != len(read)) or \
+                (manifest.added_snapshot_id is not None and not added <= {manifest.added_snapshot_id}):
+            raise CorruptMetadataError(
+                f"the manifest {path} holds {len(read)} entries added by snapshot(s) {sorted(added)} where its "
+                f"manifest list records {sum(c or 0 for c in counts)} added by {manifest.added_snapshot_id}: another "
+                "manifest was copied over it. Restore it from a backup, or open an older checkpoint that does not "
+                "use it")
+        return tuple(
+            file_entry(e.data_file, self._key_group_field_id,
+                       live=e.status != ManifestEntryStatus.DELETED, snapshot_id=e.snapshot_id)
+            for e in read
+        )
 
     def live_files(self, snapshot: Snapshot) -> dict[str, FileEntry]:
         """The files a snapshot holds, by URI. Manifests not read before are read in parallel
@@ -126,3 +176,4 @@ class ManifestCache:
         for p in paths:
             self._lists.pop(p, None)
             self._entries.pop(p, None)
+            self._listed_by.pop(p, None)

@@ -85,8 +85,8 @@ def load_table(catalog: Catalog, identifier: tuple[str, str]) -> Table:
     ``CorruptMetadataError`` naming the file (the newest one in the table's default location,
     which is the current one unless the catalog put the table elsewhere) and what to do."""
     try:
-        return catalog.load_table(identifier)
-    except (*DECODE_ERRORS, ValidationError) as e:  # pyiceberg's ValidationError: JSON of the wrong shape
+        table = catalog.load_table(identifier)
+    except (*DECODE_ERRORS, ValidationError, FileNotFoundError) as e:  # ValidationError: JSON of the wrong shape
         name = ".".join(identifier)
         try:
             found = metadata_files(default_location(catalog, identifier), load_file_io(catalog.properties))
@@ -97,6 +97,27 @@ def load_table(catalog: Catalog, identifier: tuple[str, str]) -> Table:
             f"the current metadata file of state table {name} cannot be read ({type(e).__name__}: {e}); newest "
             f"metadata file: {where}. Move the damaged file aside and run `icestate recover --table {identifier[-1]}` "
             "to register the newest readable version, or restore the file from a backup") from e
+    check_current_version(table)
+    return table
+
+
+def check_current_version(table: Table) -> None:
+    """Raise ``CorruptMetadataError`` unless the metadata.json ``table`` was loaded from holds
+    the version its name says: its metadata log ends at the version before it (each commit
+    writes version n + 1 and logs version n). Another version copied over the current file,
+    which would open the table silently at older checkpoints, does not."""
+    location = table.metadata_location
+    version = metadata_json_version(location)
+    logged = [metadata_json_version(e.metadata_file) for e in table.metadata.metadata_log]
+    keeps_log = int(table.metadata.properties.get("write.metadata.previous-versions-max", "100")) > 0
+    expected = version - 1 if keeps_log and version > 0 else None
+    if version < 0 or (not logged and expected is None) or (logged and logged[-1] == version - 1):
+        return
+    raise CorruptMetadataError(
+        f"the current metadata file {location} of state table {'.'.join(table.name())} holds another version of "
+        f"the table's metadata (its log ends at version {logged[-1] if logged else 'none'}, not {version - 1}): "
+        "another metadata file was copied over it. Restore it from a backup, or move it aside and run "
+        f"`icestate recover --table {table.name()[-1]}` to register the newest readable version")
 
 
 def default_location(catalog: Catalog, identifier: tuple[str, str]) -> str:
@@ -119,6 +140,8 @@ def foreign_metadata(table: Table, metadata_uris: list[str]) -> tuple[list[str],
     for uri in metadata_uris:
         try:
             theirs = _read_json(table.io, uri).get("table-uuid")
+        except FileNotFoundError:
+            continue  # deleted since it was listed (an expired version): nothing to take or keep
         except (OSError, ValueError, AttributeError) as e:
             logger.warning("metadata file %s of state table %s cannot be read (%s): kept", uri,
                            ".".join(table.name()), e)

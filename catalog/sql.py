@@ -43,9 +43,11 @@ from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
 
 from catalog.iceberg_table import IcebergStateTable
+from catalog.manifests import ManifestCache
 from catalog.naming import Locations
 from statestore.entries import read_entries, variable_entry_schema
 from statestore.errors import CheckpointNotFoundError
+from statestore.layout import KEY_GROUP
 from statestore.paths import is_local_filesystem
 from statestore.resolve import entry_columns, resolve
 from statestore.segment import SegmentReader
@@ -73,7 +75,6 @@ def connect(
     """
     con = connection if connection is not None else new_connection()
     files = _data_files(table.iceberg_table, _snapshot_of(table, checkpoint_id))
-    _create_entries_view(con, table.iceberg_table, files, ENTRIES_VIEW, by_path=connection is not None)
     now = int(time.time() * 1000) if now_ms is None else now_ms
     layout = table.layout
     keys = layout.key_names
@@ -82,9 +83,13 @@ def connect(
     every = np.arange(layout.max_parallelism, dtype=np.int64)
     for desc in layout.descriptors:
         entries = read_entries(reader, segments, every, variable_entry_schema(layout, desc), state=desc.name)
-        live = resolve(entries.select(entry_columns(desc, keys)), desc, keys, now).rename(desc.display_columns())
-        con.execute(f"DROP VIEW IF EXISTS {_ident(STATE_TABLE_PREFIX + desc.name)}")
-        con.register(STATE_TABLE_PREFIX + desc.name, live.to_arrow())
+        shown = {column: sql_name(name) for column, name in desc.display_columns().items()}
+        live = resolve(entries.select(entry_columns(desc, keys)), desc, keys, now).rename(shown)
+        con.execute(f"DROP VIEW IF EXISTS {_ident(STATE_TABLE_PREFIX + sql_name(desc.name))}")
+        con.register(STATE_TABLE_PREFIX + sql_name(desc.name), live.to_arrow())
+    # After the state tables: their reads checked each file (``CorruptSegmentError`` naming one
+    # missing, damaged or not the file its checkpoint recorded), which the view then reads as is.
+    _create_entries_view(con, table.iceberg_table, files, ENTRIES_VIEW, by_path=connection is not None)
     if connection is None:
         confine(con)
     return con
@@ -196,10 +201,20 @@ def _segments_of(table: IcebergStateTable, checkpoint_id: int | None, files: lis
 
 
 def _data_files(iceberg: Table, snapshot_id: int | None) -> list[DataFile]:
-    """The data files ``snapshot_id`` (or the current snapshot) holds."""
-    if snapshot_id is None and iceberg.current_snapshot() is None:
+    """The data files ``snapshot_id`` (or the current snapshot) holds. Its manifest list and
+    manifests are read through a ``ManifestCache`` first, so that a damaged or missing one is
+    a ``CorruptMetadataError`` naming it (pyiceberg's planning raises EOFError and the like)."""
+    snapshot = iceberg.current_snapshot() if snapshot_id is None else iceberg.snapshot_by_id(snapshot_id)
+    if snapshot is None:
         return []
-    return [task.file for task in iceberg.scan(snapshot_id=snapshot_id).plan_files()]
+    ManifestCache(iceberg.io, iceberg.schema().find_field(KEY_GROUP).field_id).live_files(snapshot)
+    return [task.file for task in iceberg.scan(snapshot_id=snapshot.snapshot_id).plan_files()]
+
+
+def sql_name(name: str) -> str:
+    """A state variable's name as its SQL table and columns show it: a NUL (which Spark allows in
+    a state name, and which no SQL name or Polars column can hold) as the two characters ``\0``."""
+    return name.replace("\x00", "\\0")
 
 
 def _sql_list(paths: list[str]) -> str:

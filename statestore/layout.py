@@ -86,6 +86,12 @@ class StateLayout:
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:
             raise ValueError(f"state variables declared twice: {sorted(dupes)}")
+        columns: dict[str, str] = {}
+        for d in descriptors:
+            for column in (d.value_column, d.user_key_column):
+                if column is not None and columns.setdefault(column, d.name) != d.name:
+                    raise ValueError(f"state variables {columns[column]!r} and {d.name!r} would share the stored "
+                                     f"column {column!r} (a plain name equal to the other's column stem): rename one")
         return cls(pa.schema(fields), tuple(descriptors), max_parallelism)
 
     @property

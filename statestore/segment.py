@@ -305,7 +305,7 @@ class SegmentReader:
             present = [c for c in columns if c in names]
             t = pq.ParquetFile(f, metadata=md, page_checksum_verification=True).read_row_groups(
                 groups, columns=present)
-        except (OSError, pa.ArrowException) as e:
+        except (OSError, ValueError, pa.ArrowException) as e:  # ValueError: a damaged footer's text (UTF-8)
             raise _ReadFailed(cached) from e
         finally:
             f.close()
@@ -356,6 +356,10 @@ class SegmentReader:
     def _read_footer(self, seg: SegmentFile, f: pa.NativeFile) -> _Footer:
         md = pq.ParquetFile(f).metadata
         _check_identity(seg, md, f.size())
+        for g in range(md.num_row_groups):  # decode every column chunk's path now (UTF-8), not mid-read
+            rg = md.row_group(g)
+            for i in range(rg.num_columns):
+                rg.column(i).path_in_schema  # noqa: B018
         arrow_schema = md.schema.to_arrow_schema()
         names = frozenset(arrow_schema.names)
         idx = next(i for i in range(md.num_columns) if md.schema.column(i).path == KEY_GROUP)

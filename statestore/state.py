@@ -68,7 +68,12 @@ def _arrow(values: Any, dtype: pa.DataType, what: str) -> pa.Array:
         if arr.type != dtype:
             if not castable(arr.type, dtype):
                 raise TypeError(f"an array of {arr.type} cannot stand for {dtype}")
-            arr = arr.cast(dtype)  # safe: refuses truncation and overflow
+            cast = arr.cast(dtype)  # safe: refuses truncation and integer overflow
+            if pa.types.is_floating(dtype) and pa.types.is_floating(arr.type) \
+                    and pc.sum(pc.is_inf(cast)).as_py() != pc.sum(pc.is_inf(arr)).as_py():
+                raise TypeError(f"a value of the {arr.type} array is beyond the range of {dtype} (it would "
+                                "become an infinity)")
+            arr = cast
         arr.validate(full=True)  # invalid UTF-8 in strings, which no checkpoint could store
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError,
             OverflowError) as e:
