@@ -343,9 +343,12 @@ def run_iteration(root: Path, index: int, seed: int, kills: int, duration_s: flo
     where.mkdir(parents=True)
     warehouse, phase_file, log = where / "warehouse", where / "phases", where / "writer.log"
     try:
+        resumes_at = 0  # the batch the next writer starts with
         for kill in range(kills):
             parallelism = rng.choice(PARALLELISMS)
-            delay = rng.uniform(0.0, duration_s)
+            # Uniform over what is left of an uninterrupted run (plus its closing), so kills land
+            # while the restarted writer still works.
+            delay = rng.uniform(0.0, duration_s * (BATCHES - resumes_at + 1) / (BATCHES + 1))
             before = len(phase_file.read_text().splitlines()) if phase_file.exists() else 0
             proc = _start_child(warehouse, seed, parallelism, phase_file, log)
             try:
@@ -363,6 +366,7 @@ def run_iteration(root: Path, index: int, seed: int, kills: int, duration_s: flo
             elif code != -signal.SIGKILL:
                 raise AssertionError(f"the writer exited with {code} before its kill: {_tail(log)}")
             batch, _ = _check(warehouse, seed, f"after kill {kill + 1} ({phase})")
+            resumes_at = batch + 1
             it.kills.append({"delay_s": round(delay, 3), "phase": phase.split()[-1] if code else "finished",
                              "at_batch": int(phase.split()[0]) if phase[0].isdigit() else None,
                              "checkpoint_batch": batch, "parallelism": parallelism})
@@ -379,7 +383,8 @@ def run_iteration(root: Path, index: int, seed: int, kills: int, duration_s: flo
     return it
 
 
-def run_store(iterations: int, kills: int, seed: int, root: Path, only: int | None = None) -> dict:
+def run_store(iterations: int, kills: int, seed: int, root: Path, only: int | None = None,
+              results: str = "crash_harness") -> dict:
     """The store harness; returns the results (also written to ``crash_harness.json``)."""
     root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -390,7 +395,7 @@ def run_store(iterations: int, kills: int, seed: int, root: Path, only: int | No
     _check(ref / "warehouse", seed, "the uninterrupted run")
     harness.console.print(f"uninterrupted run: {duration:.1f} s for {BATCHES} batches once its table is open; "
                           "killing within that")
-    results: list[Iteration] = []
+    results_name, results = results, []
     todo = [only] if only is not None else range(iterations)
     for index in harness.progress(todo, f"{len(todo)} iterations x {kills} kills"):
         rng = random.Random(f"{seed}:{index}")
@@ -413,8 +418,8 @@ def run_store(iterations: int, kills: int, seed: int, root: Path, only: int | No
         "batches": BATCHES, "keys": KEYS, "retain_checkpoints": RETAIN, "compact_every": COMPACT_EVERY,
         "machine": harness.machine_info(),
     }
-    harness.write_results("crash_harness.json", {**summary, "runs": [asdict(it) for it in results]})
-    _plot_phases(summary["kills_by_phase"], "crash_harness.png",
+    harness.write_results(f"{results_name}.json", {**summary, "runs": [asdict(it) for it in results]})
+    _plot_phases(summary["kills_by_phase"], f"{results_name}.png",
                  f"store: {summary['kills']} SIGKILLs in {len(results)} iterations, {len(summary['failures'])} failed")
     return summary
 
@@ -437,13 +442,14 @@ def store(
     seed: Annotated[int, typer.Option(help="Seed of everything: the writes, the kill moments, the parallelisms.")] = 1,
     only: Annotated[int | None, typer.Option(help="Replay one iteration of this seed.")] = None,
     workdir: Annotated[Path | None, typer.Option(help="Where the warehouses go (default: a temporary folder).")] = None,
+    results: Annotated[str, typer.Option(help="Name of the results files (.json, .png).")] = "crash_harness",
 ) -> None:
     """SIGKILL a writer that checkpoints, compacts and expires, at seeded moments; check every time."""
     import tempfile
 
     with contextlib.ExitStack() as stack:
         root = workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="crash-harness-")))
-        summary = run_store(iterations, kills, seed, root, only)
+        summary = run_store(iterations, kills, seed, root, only, results)
     harness.console.print(json.dumps({k: v for k, v in summary.items() if k != "machine"}, indent=1))
     if summary["failures"]:
         raise typer.Exit(1)

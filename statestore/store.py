@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 
 from statestore import faults
 from statestore.config import StoreConfig
+from statestore.conversions import key_value_check
 from statestore.descriptors import StateDescriptor
 from statestore.errors import (
     CheckpointPendingError,
@@ -69,6 +70,7 @@ class StateStore:
         self._outstanding: dict[int, int] = {}
         self._current_key: tuple | None = None
         self._current_key_group: int | None = None
+        self._key_checks = [(f.name, *key_value_check(f.type)) for f in self.layout.key_schema]
         self._closed = False
 
     # ---------------------------------------------------------------- state handles
@@ -106,8 +108,15 @@ class StateStore:
         if len(key) != len(self.key_names):
             raise ValueError(f"key {key!r} has {len(key)} value(s); the key columns are {self.key_names}")
         if any(v is None for v in key):
-            raise ValueError(f"key {key!r} has a null value: keys must not be null")
+            column = self.key_names[next(i for i, v in enumerate(key) if v is None)]
+            raise ValueError(f"key {key!r} has a null value: keys must not be null (key column {column!r})")
         if key_group is None:
+            for v, (column, wanted, refused) in zip(key, self._key_checks, strict=True):
+                if not isinstance(v, wanted) or isinstance(v, refused):
+                    raise TypeError(
+                        f"key {key!r}: {type(v).__name__} {v!r} for key column {column!r} of type "
+                        f"{self.layout.key_schema.field(column).type}, which would store it under another value "
+                        f"than the one it is looked up by; pass a {getattr(wanted, '__name__', wanted)}")
             try:
                 key_group = assign_key_group(key, self.layout.key_schema, self.layout.max_parallelism)
             except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:

@@ -58,7 +58,7 @@ def test_writers_of_two_branches_alternate_and_the_one_that_loses_the_catalog_sw
 
     catalog._write_metadata = fork_commits_first
     committed: dict[str, list[int]] = {"main": [1], "f": [1]}
-    with caplog.at_level(logging.WARNING, logger="catalog.commit"):
+    with caplog.at_level(logging.INFO, logger="catalog.commit"):
         for _ in range(3):
             committed["main"].append(commit_next(main))
             committed["f"].append(commit_next(fork))

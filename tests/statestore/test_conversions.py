@@ -83,3 +83,18 @@ def test_invalid_utf8_keys_are_refused_at_the_write_and_checkpoints_go_on(store:
     with pytest.raises(SchemaMismatchError, match=r"Invalid UTF8"):
         store.get_state("point").update_batch(keys("b"), pa.array([{"x": 1, "label": b"\xff"}], pa.struct(
             [("x", pa.int64()), ("label", pa.binary())])).cast(POINT, safe=False))
+
+
+@pytest.mark.parametrize(("key", "column_type"), [((1.0,), "int64"), ((True,), "int64"), ((b"k",), "string"),
+                                                   (("1",), "int64"), ((1,), "string")])
+def test_a_key_of_another_python_type_is_refused_per_key(tmp_path, key, column_type):
+    """Found by fuzzing: a per-key key Arrow would convert (1.0 stored as 1, b"k" as "k") was
+    written under the converted key and looked up by the raw one (after a checkpoint, None)."""
+    layout = StateLayout.of(pa.schema([("k", getattr(pa, column_type)())]), [ValueStateDescriptor("n", pa.int64())], 16)
+    store = StateStore(DirectoryStateTable(str(tmp_path / "t"), layout))
+    with pytest.raises(TypeError, match=r"for key column 'k' of type"):
+        store.set_current_key(key)
+    store.set_current_key(1 if column_type == "int64" else "k")  # the right type is taken
+    store.get_state("n").update(5)
+    store.checkpoint()
+    assert store.get_state("n").get() == 5
