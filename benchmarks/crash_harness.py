@@ -569,7 +569,8 @@ def run_spark(rounds: int, per_round: int, seed: int, root: Path) -> dict:
         for run in killed:
             got = result[run["label"]]
             problems = []
-            if run["returncode"] != -signal.SIGKILL:
+            run["finished_before_kill"] = run["returncode"] == 0  # still compared with the reference
+            if run["returncode"] not in (0, -signal.SIGKILL):
                 problems.append(f"exited with {run['returncode']} before its kill")
             if got["state"]["variables"] != reference["state"]["variables"]:
                 problems.append("state differs from the reference")
@@ -581,7 +582,9 @@ def run_spark(rounds: int, per_round: int, seed: int, root: Path) -> dict:
             runs.append(run)
             if problems:
                 failures.append({"label": run["label"], "seed": seed, "failure": "; ".join(problems)})
-    summary = {"seed": seed, "rounds": rounds, "killed_drivers": len(runs), "failures": failures,
+    summary = {"seed": seed, "rounds": rounds, "drivers": len(runs),
+               "killed": sum(1 for r in runs if not r["finished_before_kill"]),
+               "finished_before_kill": sum(1 for r in runs if r["finished_before_kill"]), "failures": failures,
                "kill_window_s": round(window, 1), "files": SPARK_FILES, "rows_per_file": ROWS_PER_FILE,
                "outputs_committed_when_killed": dict(collections.Counter(
                    len(r["outputs_committed_before"]) for r in runs)),
