@@ -47,7 +47,9 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -296,11 +298,11 @@ def _sweep_an_hour_later(warehouse: Path) -> int:
     with a writer's garbage collection, and check that the warehouse holds exactly the files the
     table references. Returns the files swept."""
     from catalog import IcebergStateTable
-    from catalog.gc import wait_for_deletes
     from statestore.paths import COMPACTION_GRACE_CHECKPOINTS
+    from tests.catalog.catalog_helpers import referenced_files, table_files
 
     root = warehouse / "state" / "op"
-    before = {p for p in root.rglob("*") if p.is_file()}
+    before = [p for p in root.rglob("*") if p.is_file()]
     old = time.time() - 7200
     for p in before:
         os.utime(p, (old, old))
@@ -310,27 +312,11 @@ def _sweep_an_hour_later(warehouse: Path) -> int:
         for batch in range(BATCHES, BATCHES + COMPACTION_GRACE_CHECKPOINTS):
             t.commit_checkpoint(t.next_checkpoint_id(), [], parallelism=1, batch_id=batch)
         t.collect_garbage()
-        wait_for_deletes()
-        referenced = _referenced(t)
-    after = {str(p) for p in root.rglob("*") if p.is_file()}
+        after, referenced = table_files(t), referenced_files(t)
     if after != referenced:
         raise AssertionError(f"after the sweep, unreferenced files {sorted(after - referenced)[:5]} remain and "
                              f"referenced files {sorted(referenced - after)[:5]} are missing")
     return len(before) - len(after)
-
-
-def _referenced(table: Any) -> set[str]:
-    """Every file the table's metadata references: metadata files, manifest lists, manifests,
-    data files (segments and operator state) of every retained snapshot."""
-    ice = table.iceberg_table
-    metadata = ice.metadata
-    uris = {ice.metadata_location, *(e.metadata_file for e in metadata.metadata_log)}
-    for snapshot in metadata.snapshots:
-        uris.add(snapshot.manifest_list)
-        for manifest in snapshot.manifests(ice.io):
-            uris.add(manifest.manifest_path)
-            uris.update(e.data_file.file_path for e in manifest.fetch_manifest_entry(ice.io))
-    return {u.removeprefix("file://") for u in uris}
 
 
 def run_iteration(root: Path, index: int, seed: int, kills: int, duration_s: float,
@@ -424,6 +410,16 @@ def run_store(iterations: int, kills: int, seed: int, root: Path, only: int | No
     return summary
 
 
+@contextlib.contextmanager
+def _root(workdir: Path | None, prefix: str) -> Iterator[Path]:
+    """``workdir``, kept; or a temporary folder removed after the run."""
+    if workdir is not None:
+        yield workdir
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as root:
+        yield Path(root)
+
+
 def _plot_phases(by_phase: dict[str, int], name: str, title: str) -> None:
     if not by_phase:
         return
@@ -445,10 +441,7 @@ def store(
     results: Annotated[str, typer.Option(help="Name of the results files (.json, .png).")] = "crash_harness",
 ) -> None:
     """SIGKILL a writer that checkpoints, compacts and expires, at seeded moments; check every time."""
-    import tempfile
-
-    with contextlib.ExitStack() as stack:
-        root = workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="crash-harness-")))
+    with _root(workdir, "crash-harness-") as root:
         summary = run_store(iterations, kills, seed, root, only, results)
     harness.console.print(json.dumps({k: v for k, v in summary.items() if k != "machine"}, indent=1))
     if summary["failures"]:
@@ -601,10 +594,7 @@ def spark(
     workdir: Annotated[Path | None, typer.Option(help="Where the runs go (default: a temporary folder).")] = None,
 ) -> None:
     """SIGKILL stateful Spark drivers at seeded moments; restart each and compare with a reference run."""
-    import tempfile
-
-    with contextlib.ExitStack() as stack:
-        root = workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="crash-harness-spark-")))
+    with _root(workdir, "crash-harness-spark-") as root:
         summary = run_spark(rounds, per_round, seed, root)
     harness.console.print(json.dumps({k: v for k, v in summary.items() if k != "machine"}, indent=1))
     if summary["failures"]:

@@ -29,7 +29,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,7 +176,6 @@ def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float,
     runner = runner_of(query)
     started = time.monotonic()
     samples: list[dict] = []
-    stop = threading.Event()
     deadline = started + minutes * 60
     table = None
     batches: list[dict] = []  # collected as they come: the runner keeps only its newest reports
@@ -204,7 +202,7 @@ def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float,
                 samples.append(sample)
                 status.update(f"soaking: minute {sample['minute']:.1f} of {minutes}, {sample['batches']} batches, "
                               f"{sample.get('table_files', 0)} files, {sample.get('files_per_unit_max', 0)} per unit")
-                stop.wait(sample_seconds)
+                time.sleep(sample_seconds)
         if not query.isActive:
             raise RuntimeError(f"the query stopped: {query.exception()}")
     finally:

@@ -58,6 +58,14 @@ def s3_proxy(catalog_s3: str) -> Iterator[NetProxy]:
         yield p
 
 
+def proxied_ref(name: str, tmp_path: Path, proxy: NetProxy, prefix: str, **properties: str) -> TableRef:
+    """State table ``name`` in a SQLite catalog of ``tmp_path``, its files under ``prefix`` on S3
+    reached through ``proxy`` (which fails or delays requests), with extra FileIO ``properties``."""
+    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "init_catalog_tables": "true",
+             "warehouse": prefix, **s3_server.properties(proxy.endpoint), **properties}
+    return TableRef(name, catalog_name=name, catalog_properties=props)
+
+
 @pytest.fixture
 def s3_prefix(tmp_path: Path) -> str:
     """A place of this test's own in this package's bucket."""

@@ -15,8 +15,8 @@ import pytest
 
 from catalog import TableRef
 from statestore import StateStore
-from tests import s3_server
 from tests.catalog.catalog_helpers import LAYOUT
+from tests.catalog.conftest import proxied_ref
 from tests.net_proxy import NetProxy
 
 
@@ -27,11 +27,8 @@ def proxy(s3_proxy: NetProxy) -> NetProxy:
 
 @pytest.fixture
 def ref(tmp_path: Path, proxy: NetProxy, s3_prefix: str) -> TableRef:
-    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "init_catalog_tables": "true",
-             "warehouse": s3_prefix, **s3_server.properties(proxy.endpoint),
-             # fail fast while the server is away (the SDK's own retries would wait it out)
-             "s3.connect-timeout": "1", "s3.request-timeout": "2"}
-    return TableRef("outage", catalog_name="outage", catalog_properties=props)
+    # fail fast while the server is away (the SDK's own retries would wait it out)
+    return proxied_ref("outage", tmp_path, proxy, s3_prefix, **{"s3.connect-timeout": "1", "s3.request-timeout": "2"})
 
 
 def _counts(store: StateStore, users: list[str]) -> list:

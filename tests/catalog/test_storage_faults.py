@@ -47,6 +47,7 @@ from statestore.file_cache import close_process_file_caches
 from statestore.layout import StateLayout
 from tests import s3_server
 from tests.catalog.catalog_helpers import KEY_SCHEMA, LAYOUT
+from tests.catalog.conftest import proxied_ref
 from tests.net_proxy import NetProxy, Traffic
 
 # The S3 client's figures for these tests (production's are in catalog/fileio.py): attempts of
@@ -79,11 +80,9 @@ def proxy(s3_proxy: NetProxy) -> NetProxy:
 
 @pytest.fixture
 def ref(tmp_path: Path, proxy: NetProxy, s3_prefix: str) -> TableRef:
-    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "init_catalog_tables": "true",
-             "warehouse": s3_prefix, **s3_server.properties(proxy.endpoint),
-             S3_RETRY_MAX_ATTEMPTS: str(ATTEMPTS), "s3.request-timeout": str(REQUEST_TIMEOUT_S),
-             "s3.connect-timeout": str(CONNECT_TIMEOUT_S)}
-    return TableRef("faults", catalog_name="faults", catalog_properties=props)
+    return proxied_ref("faults", tmp_path, proxy, s3_prefix, **{
+        S3_RETRY_MAX_ATTEMPTS: str(ATTEMPTS), "s3.request-timeout": str(REQUEST_TIMEOUT_S),
+        "s3.connect-timeout": str(CONNECT_TIMEOUT_S)})
 
 
 def _counts(store: StateStore, users: list[str] = USERS) -> list:
