@@ -309,6 +309,7 @@ class IcebergStateTable:
         _check_at(checkpoint_id, savepoint)
         self._table.refresh()
         refs.check_branch(self._table, self._branch)
+        self._cache.keep_only(self._table.metadata.snapshots)
         self._open_at(self._find_checkpoint(checkpoint_id, savepoint))
         return self.current_checkpoint()
 

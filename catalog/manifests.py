@@ -171,6 +171,15 @@ class ManifestCache:
     def manifest_paths(self, snapshots: Iterable[Snapshot]) -> set[str]:
         return {m.manifest_path for s in snapshots for m in self.manifests(s)}
 
+    def keep_only(self, snapshots: Iterable[Snapshot]) -> None:
+        """Forget every manifest list but ``snapshots``' and every manifest none of theirs names:
+        a reader that follows a writer's checkpoints (restores, never expires) would otherwise
+        keep one list and manifest per checkpoint it ever opened."""
+        lists = {s.manifest_list for s in snapshots}
+        named = {m.manifest_path for p in lists if p in self._lists for m in self._lists[p]}
+        self.forget([p for p in self._lists if p not in lists])
+        self.forget([p for p in self._entries if p not in named])
+
     def forget(self, paths: Iterable[str]) -> None:
         """Drop deleted manifests and manifest lists, so memory follows the retained table."""
         for p in paths:

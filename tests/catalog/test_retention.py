@@ -141,3 +141,20 @@ def test_commit_files_carry_their_checkpoint_id(open_table):
     assert [checkpoint_of_commit_file(m.manifest_path) for m in manifests] == [cp]
     assert checkpoint_of_commit_file(f"snap-1-0-{commit_uuid(2**40)}.avro") == 2**40
     assert checkpoint_of_commit_file("snap-1-0-6f1a2b3c-0000-4000-8000-000000000001.avro") is None
+
+
+def test_a_reader_following_a_writer_keeps_only_the_retained_manifests(open_table):
+    """A reader that restores after each of a writer's checkpoints (never commits, so never
+    expires) used to keep one manifest list and manifest per checkpoint it ever opened."""
+    writer = open_table(retain_checkpoints=3)
+    commit_next(writer, [[0]])
+    reader = open_table(retain_checkpoints=3)
+    for n in range(12):
+        commit_next(writer, [[n]])
+        reader.restore()
+        assert reader.current_checkpoint().checkpoint_id == writer.current_checkpoint().checkpoint_id
+    cache = reader._cache
+    retained = {s.manifest_list for s in reader.iceberg_table.metadata.snapshots}
+    assert set(cache._lists) <= retained
+    assert set(cache._entries) <= {m.manifest_path for p in cache._lists.values() for m in p}
+    assert len(reader.segments(ALL)) == len(writer.segments(ALL)) == 13
