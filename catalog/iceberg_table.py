@@ -283,6 +283,22 @@ class IcebergStateTable:
             return []
         return [s for s in self._ordered if s.key_group_min <= key_groups.end and s.key_group_max >= key_groups.start]
 
+    def segments_at(self, checkpoint_id: int | None = None) -> tuple[CheckpointInfo | None, list[SegmentFile]]:
+        """A checkpoint and every segment of it, without moving the table: the opened
+        checkpoint's when None (the newest, a restored one, a savepoint or a fork's head, as the
+        table was opened), else the retained checkpoint ``checkpoint_id`` of this branch's line.
+
+        Raises:
+            CheckpointNotFoundError: ``checkpoint_id`` is not retained on this branch.
+        """
+        self._check_open()
+        if checkpoint_id is None:
+            return self.current_checkpoint(), list(self._ordered)
+        snapshot = self._find_checkpoint(checkpoint_id)
+        found = sorted((self._segment(e) for e in self._cache.live_files(snapshot).values()),
+                       key=lambda s: (s.checkpoint_id, s.path))
+        return self._info(snapshot), found
+
     def current_checkpoint(self) -> CheckpointInfo | None:
         self._check_open()
         return None if self._snapshot is None else self._info(self._snapshot)

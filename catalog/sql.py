@@ -33,7 +33,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import duckdb
-import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
@@ -42,53 +41,60 @@ from pyiceberg.io.pyarrow import schema_to_pyarrow
 from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
 
+from catalog import inspection
 from catalog.iceberg_table import IcebergStateTable
+from catalog.inspection import sql_name
 from catalog.manifests import ManifestCache
 from catalog.naming import Locations
-from statestore.entries import read_entries, variable_entry_schema
 from statestore.errors import CheckpointNotFoundError
 from statestore.layout import KEY_GROUP
 from statestore.paths import is_local_filesystem
-from statestore.resolve import entry_columns, resolve
 from statestore.segment import SegmentReader
-from statestore.table import SegmentFile
 
 DEFAULT_VIEW_NAME = "state_entries"
 ENTRIES_VIEW = "entries"
 STATE_TABLE_PREFIX = "state_"
+CHANGES_TABLE_PREFIX = "changes_"
 # DuckDB settings of the connections made here: never download an extension at run time (a
 # query naming s3:// would otherwise fetch httpfs from the internet); a clear error instead.
 DUCKDB_CONFIG = {"autoinstall_known_extensions": False}
-# Parallel footer reads of remote files (each is a round trip to the object store).
-_FOOTER_READERS = 16
 
 
 def connect(
     table: IcebergStateTable, connection: duckdb.DuckDBPyConnection | None = None, *,
-    checkpoint_id: int | None = None, now_ms: int | None = None,
+    checkpoint_id: int | None = None, now_ms: int | None = None, changes_from: int | None = None,
 ) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection holding the view ``entries`` (raw) and ``state_<name>`` per state variable.
+    """A DuckDB connection holding the views of a checkpoint of ``table`` (``catalog.inspection``
+    documents their columns):
 
-    The ``state_<name>`` tables hold the live state at ``now_ms`` (default: now), read once
-    here: one row per key (value, reducing, aggregating), per map entry, or per list
-    element. Meant for inspection; it reads every entry of the checkpoint.
+    * ``state_<name>`` per state variable: its live state at ``now_ms`` (default: now), one row
+      per key (value, reducing, aggregating), per map entry or per list element, with the key
+      group, checkpoint and batch that wrote it and its expiry, read once here (it reads every
+      entry of the checkpoint: meant for inspection);
+    * ``entries``: the raw entries of the checkpoint's files;
+    * ``checkpoints`` (every retained checkpoint and savepoint), ``segments`` (the files of this
+      checkpoint) and ``key_groups`` (rows and bytes per key group);
+    * ``changes_<name>`` per state variable when ``changes_from`` is a checkpoint id: the change
+      feed from it to this checkpoint.
     """
     con = connection if connection is not None else new_connection()
-    files = _data_files(table.iceberg_table, _snapshot_of(table, checkpoint_id))
+    snapshot_id = _snapshot_of(table, checkpoint_id)
+    files = _data_files(table.iceberg_table, snapshot_id)
     now = int(time.time() * 1000) if now_ms is None else now_ms
-    layout = table.layout
-    keys = layout.key_names
-    segments = _segments_of(table, checkpoint_id, files)
     reader = SegmentReader(table.filesystem)
-    every = np.arange(layout.max_parallelism, dtype=np.int64)
-    for desc in layout.descriptors:
-        entries = read_entries(reader, segments, every, variable_entry_schema(layout, desc), state=desc.name)
-        shown = {column: sql_name(name) for column, name in desc.display_columns().items()}
-        live = resolve(entries.select(entry_columns(desc, keys)), desc, keys, now).rename(shown)
-        con.execute(f"DROP VIEW IF EXISTS {_ident(STATE_TABLE_PREFIX + sql_name(desc.name))}")
-        con.register(STATE_TABLE_PREFIX + sql_name(desc.name), live.to_arrow())
-    # After the state tables: their reads checked each file (``CorruptSegmentError`` naming one
-    # missing, damaged or not the file its checkpoint recorded), which the view then reads as is.
+    views = {}
+    for desc in table.layout.descriptors:
+        name = sql_name(desc.name)
+        views[STATE_TABLE_PREFIX + name] = inspection.live_state(table, desc.name, checkpoint_id, now, reader=reader)
+        if changes_from is not None:
+            views[CHANGES_TABLE_PREFIX + name] = inspection.changes(table, desc.name, changes_from, checkpoint_id, now)
+    # After the state: its reads checked every file (``CorruptSegmentError`` naming one missing,
+    # damaged or not the file its checkpoint recorded).
+    views.update(checkpoints=inspection.checkpoints(table), segments=inspection.segments(table, checkpoint_id),
+                 key_groups=inspection.key_groups(table, checkpoint_id))
+    for name, rows in views.items():
+        con.execute(f"DROP VIEW IF EXISTS {_ident(name)}")
+        con.register(name, rows)
     _create_entries_view(con, table.iceberg_table, files, ENTRIES_VIEW, by_path=connection is not None)
     if connection is None:
         confine(con)
@@ -161,7 +167,7 @@ def _dataset(fs: pafs.FileSystem, paths: list[str]) -> pads.Dataset:
     """The Parquet files ``paths`` of ``fs`` as one lazy dataset whose schema is the union of
     theirs by name, as ``read_parquet(..., union_by_name = true)`` makes it: columns in order of
     first appearance, a column missing from a file null there, types widened (int -> bigint)."""
-    with ThreadPoolExecutor(min(_FOOTER_READERS, len(paths))) as pool:
+    with ThreadPoolExecutor(min(inspection.FOOTER_READERS, len(paths))) as pool:
         schemas = list(pool.map(lambda p: _plain(pq.read_schema(p, filesystem=fs)), paths))
     schema = pa.unify_schemas(schemas, promote_options="permissive")
     return pads.dataset(paths, schema=schema, format="parquet", filesystem=fs)
@@ -186,20 +192,6 @@ def _snapshot_of(table: IcebergStateTable, checkpoint_id: int | None) -> int | N
     )
 
 
-def _segments_of(table: IcebergStateTable, checkpoint_id: int | None, files: list[DataFile]) -> list[SegmentFile]:
-    """The data files the entries view reads (``files``), as segments spanning every key group
-    (the state tables read every key group of each) and named after the checkpoint read (in a
-    read error's message)."""
-    iceberg = table.iceberg_table
-    locations = Locations.of(iceberg.location(), iceberg.io)
-    current = table.current_checkpoint()
-    read_id = checkpoint_id if checkpoint_id is not None else (0 if current is None else current.checkpoint_id)
-    last = table.layout.max_parallelism - 1
-    return [SegmentFile(path=locations.to_path(f.file_path), checkpoint_id=read_id, key_group_min=0,
-                        key_group_max=last, record_count=f.record_count, size_bytes=f.file_size_in_bytes)
-            for f in files]
-
-
 def _data_files(iceberg: Table, snapshot_id: int | None) -> list[DataFile]:
     """The data files ``snapshot_id`` (or the current snapshot) holds. Its manifest list and
     manifests are read through a ``ManifestCache`` first, so that a damaged or missing one is
@@ -209,12 +201,6 @@ def _data_files(iceberg: Table, snapshot_id: int | None) -> list[DataFile]:
         return []
     ManifestCache(iceberg.io, iceberg.schema().find_field(KEY_GROUP).field_id).live_files(snapshot)
     return [task.file for task in iceberg.scan(snapshot_id=snapshot.snapshot_id).plan_files()]
-
-
-def sql_name(name: str) -> str:
-    """A state variable's name as its SQL table and columns show it: a NUL (which Spark allows in
-    a state name, and which no SQL name or Polars column can hold) as the two characters ``\0``."""
-    return name.replace("\x00", "\\0")
 
 
 def _sql_list(paths: list[str]) -> str:

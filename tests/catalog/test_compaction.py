@@ -37,7 +37,9 @@ def keys(ks) -> pa.Table:
 
 def snapshot_state(table: IcebergStateTable, now_ms: int) -> dict:
     con = connect(table, now_ms=now_ms)
-    return {d.name: sorted(map(repr, con.sql(f"SELECT * FROM state_{d.name}").fetchall())) for d in DESCRIPTORS}
+    # batch_id: known only while the writing checkpoint is retained
+    return {d.name: sorted(map(repr, con.sql(f"SELECT * EXCLUDE (batch_id) FROM state_{d.name}").fetchall()))
+            for d in DESCRIPTORS}
 
 
 def store_config(clock: list[int]):
