@@ -25,10 +25,15 @@ with the secrets of the command line and of the pyiceberg configuration scrubbed
 from __future__ import annotations
 
 import contextlib
+import csv
+import datetime
+import decimal
+import enum
 import functools
 import json
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -37,6 +42,8 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from catalog.iceberg_table import IcebergStateTable
     from catalog.table_ref import TableRef
 
@@ -81,6 +88,18 @@ Namespace = Annotated[str, typer.Option(help="Iceberg namespace of the state tab
 Branch = Annotated[str, typer.Option(help="Line of checkpoints to use: main, or the name of a fork.")]
 Checkpoint = Annotated[int | None, typer.Option(help="Checkpoint id (see `icestate checkpoints`). "
                                                 "Default: the newest.")]
+Savepoint = Annotated[str | None, typer.Option(help="Read this savepoint instead of a checkpoint.")]
+
+
+class OutputFormat(enum.StrEnum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+
+
+Output = Annotated[OutputFormat, typer.Option(
+    "--format", help="How rows are printed: a table for people, CSV (nested values as JSON), or JSON (a list of "
+                     "objects per result).")]
 
 
 def _open_table(warehouse: str | None, catalog: str | None, properties: list[str] | None, namespace: str,
@@ -247,32 +266,103 @@ def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
+def _emit(rows: pa.Table, fmt: OutputFormat, title: str | None = None, shown: dict[str, Callable] | None = None,
+          ) -> None:
+    """Print ``rows`` in ``fmt``: a rich table (``shown`` formats chosen columns for people; values
+    are the users' data, printed as they are, never as console markup), CSV with a header (nested
+    values as JSON), or JSON (``{"title": ..., "rows": [...]}`` when titled, else the list)."""
+    records = rows.to_pylist()
+    if fmt is OutputFormat.json:
+        print(json.dumps(records if title is None else {"title": title, "rows": records}, default=_json_value))
+        return
+    if fmt is OutputFormat.csv:
+        if title is not None:
+            print(f"# {title}")
+        out = csv.writer(sys.stdout, lineterminator="\n")
+        out.writerow(rows.column_names)
+        for record in records:
+            out.writerow([_csv_value(v) for v in record.values()])
+        sys.stdout.flush()
+        return
+    shown = shown or {}
+    out = Table(title=title)
+    for col in rows.column_names:
+        out.add_column(Text(col))
+    for record in records:
+        out.add_row(*[Text(shown[c](v) if c in shown and v is not None else str(v)) for c, v in record.items()])
+    console.print(out)
+
+
+def _json_value(value: Any) -> Any:
+    """A value JSON has no type of: times in ISO 8601, whole decimals (DuckDB's sums) as integers,
+    other decimals as exact strings, bytes as text."""
+    if isinstance(value, datetime.datetime | datetime.date | datetime.time):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return int(value) if value == value.to_integral_value() else str(value)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    return str(value)
+
+
+def _csv_value(value: Any) -> Any:
+    if isinstance(value, dict | list):
+        return json.dumps(value, default=_json_value)
+    return "" if value is None else _json_value(value) if isinstance(value, bytes | datetime.date) else value
+
+
+def _size(n: int) -> str:
+    """Bytes for people: 1.2 MB."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _track(items: Iterable[Any], what: str, total: int | None = None) -> Iterable[Any]:
+    """``items`` with a progress bar on standard error when it is a terminal (gone when done)."""
+    from rich.progress import track
+
+    return track(items, description=what, total=total, console=err_console, transient=True,
+                 disable=not err_console.is_terminal)
+
+
 @_command()
 def checkpoints(table: TableName, warehouse: TableWarehouse = None, catalog: CatalogName = None,
-                properties: CatalogProperties = None, namespace: Namespace = "state", branch: Branch = "main") -> None:
-    """List the retained checkpoints of a state table, oldest first.
+                properties: CatalogProperties = None, namespace: Namespace = "state", branch: Branch = "main",
+                output: Output = OutputFormat.table) -> None:
+    """List the retained checkpoints of a state table, oldest first, with their size.
 
-    Each checkpoint is an Iceberg snapshot; the list shows its stream batch, the number of
-    tasks that wrote it and its properties.
+    Each checkpoint is an Iceberg snapshot: the list shows its stream batch, commit time, the
+    tasks that wrote it, the rows and bytes it added and the table's at it, its savepoints,
+    whether a repair wrote it, and its properties. Savepoints older than the retained
+    checkpoints follow them.
 
     Example: icestate checkpoints --table demo_user_activity
     """
+    import pyarrow as pa
+
+    from catalog import inspection
+
     with _open_table(warehouse, catalog, properties, namespace, table, branch=branch) as t:
-        listed = t.list_checkpoints()
-    out = Table(title=f"{namespace}.{table} ({branch})")
-    for col in ("checkpoint", "batch", "parallelism", "max parallelism", "snapshot", "properties"):
-        out.add_column(col)
-    for c in listed:
-        out.add_row(str(c.checkpoint_id), str(c.batch_id), str(c.parallelism), str(c.max_parallelism),
-                    str(c.snapshot_id), Text(json.dumps(c.properties)))
-    console.print(out)
+        listed = inspection.checkpoints(t)
+        given = {c.checkpoint_id: c.properties for c in [*t.list_checkpoints(), *t.savepoints().values()]}
+    ids = listed.column("checkpoint_id").to_pylist()
+    listed = listed.append_column("properties", pa.array([json.dumps(given.get(i, {})) for i in ids]))
+    if output is OutputFormat.table:  # what fits a terminal; CSV and JSON have every column
+        listed = listed.select(["checkpoint_id", "batch_id", "committed_at", "operation", "parallelism", "rows_added",
+                                "bytes_added", "rows", "bytes", "files", "savepoints", "snapshot_id", "properties"])
+    sizes = {c: _size for c in ("bytes_added", "bytes")}
+    _emit(listed, output, f"{namespace}.{table} ({branch})", shown={
+        **sizes, "committed_at": lambda v: v.strftime("%Y-%m-%d %H:%M:%S %Z"), "savepoints": ", ".join})
 
 
 @_command()
 def sql(
     query: Annotated[str, typer.Argument(
-        help="SQL (DuckDB) over the views state_<variable> (the live state of each state variable, one row "
-             "per key) and entries (the raw stored entries).")],
+        help="SQL (DuckDB) over the views state_<variable> (the live state of each state variable), entries (the "
+             "raw stored entries), checkpoints, segments and key_groups, and changes_<variable> with --changes-from.")],
     table: TableName,
     warehouse: TableWarehouse = None,
     catalog: CatalogName = None,
@@ -280,31 +370,169 @@ def sql(
     namespace: Namespace = "state",
     checkpoint: Checkpoint = None,
     branch: Branch = "main",
-    savepoint: Annotated[str | None, typer.Option(
-        help="Read this savepoint instead of a checkpoint.")] = None,
+    savepoint: Savepoint = None,
+    changes_from: Annotated[int | None, typer.Option(
+        help="Also make the views changes_<variable>: what changed from this checkpoint to the one read.")] = None,
+    output: Output = OutputFormat.table,
 ) -> None:
     """Query a state table with SQL, at its newest checkpoint or at an older one or a savepoint.
 
-    Each state variable is a view named state_<variable> with the key columns and the
-    value as v_<variable>. Nothing is restored and no job needs to run.
+    Each state variable is a view named state_<variable>: the key columns, the value as
+    v_<variable> (a struct's fields as v_<variable>.field), mk_<variable> for a map's user key,
+    list_position for a list's elements, and where each row came from (key_group,
+    checkpoint_id, batch_id, expire_at_ms). Nothing is restored, no job needs to run, and the
+    query can read nothing but these views.
 
     Example: icestate sql --table demo_user_activity "SELECT user, v_events.n FROM state_events ORDER BY 2 DESC LIMIT 5"
     """
     from catalog.sql import connect
 
     with _open_table(warehouse, catalog, properties, namespace, table, checkpoint_id=checkpoint, branch=branch,
-                     savepoint=savepoint) as t:
-        result = connect(t).sql(query)
+                     savepoint=savepoint) as t, err_console.status("reading the state"):
+        result = connect(t, changes_from=changes_from).sql(query)
         if result is None:  # a statement without rows
             return
-        columns, rows = result.columns, result.fetchall()
-    out = Table()
-    for col in columns:
-        out.add_column(Text(col))
-    for row in rows:
-        # Values are the users' data, printed as they are (no console markup).
-        out.add_row(*[Text(str(v)) for v in row])
-    console.print(out)
+        rows = result.to_arrow_table()
+    _emit(rows, output)
+
+
+@_command()
+def key(
+    table: TableName,
+    values: Annotated[list[str], typer.Option(
+        "--key", metavar="COLUMN=VALUE", show_default=False,
+        help="A key column's value, once per key column, e.g. --key user=u-7 (numbers, true/false, 2026-11-25, "
+             "2026-11-25 10:00:00 as the column's type).")],
+    warehouse: TableWarehouse = None,
+    catalog: CatalogName = None,
+    properties: CatalogProperties = None,
+    namespace: Namespace = "state",
+    checkpoint: Checkpoint = None,
+    branch: Branch = "main",
+    savepoint: Savepoint = None,
+    history: Annotated[bool, typer.Option(
+        "--history", help="Show the key's state at every retained checkpoint instead of one.")] = False,
+    output: Output = OutputFormat.table,
+) -> None:
+    """Show one key's state in every state variable, at a checkpoint or across all retained ones.
+
+    Reads only the parts of the files that can hold the key. Each row says which checkpoint
+    and stream batch wrote it; with --history, each row also says the checkpoint it was read at.
+
+    Example: icestate key --table demo_user_activity --key user=u-7 --history
+    """
+    from catalog import inspection
+
+    texts = dict(_key_value(v) for v in values)
+    with _open_table(warehouse, catalog, properties, namespace, table, checkpoint_id=checkpoint, branch=branch,
+                     savepoint=savepoint) as t:
+        parsed = inspection.parse_key(t, texts)
+        if history:
+            found = inspection.key_history(t, parsed, progress=lambda c: _track(c, "reading checkpoints"))
+        else:
+            found = inspection.key_state(t, parsed)
+    shown = ", ".join(f"{k}={v}" for k, v in texts.items())
+    for name, rows in found.items():
+        _emit(rows, output, f"{name} of {shown}" + (" (history)" if history else ""))
+
+
+def _key_value(item: str) -> tuple[str, str]:
+    name, sep, value = item.partition("=")
+    if not sep or not name:
+        raise typer.BadParameter(f"expected COLUMN=VALUE, got {item!r}", param_hint="'--key'")
+    return name, value
+
+
+@_command()
+def diff(
+    table: TableName,
+    start: Annotated[int, typer.Option(
+        "--from", show_default=False, help="The older checkpoint id (see `icestate checkpoints`).")],
+    end: Annotated[int | None, typer.Option(
+        "--to", show_default=False, help="The newer checkpoint id. Default: the newest.")] = None,
+    state: Annotated[list[str] | None, typer.Option(
+        "--state", show_default=False, help="Only this state variable (repeatable). Default: every one.")] = None,
+    warehouse: TableWarehouse = None,
+    catalog: CatalogName = None,
+    properties: CatalogProperties = None,
+    namespace: Namespace = "state",
+    branch: Branch = "main",
+    summary: Annotated[bool, typer.Option(
+        "--summary", help="Only count the changes per state variable and kind.")] = False,
+    output: Output = OutputFormat.table,
+) -> None:
+    """Show what changed between two checkpoints: per key, what was inserted, updated or deleted.
+
+    Each change has the value before and after (a list compares as the whole list; a map per
+    user key) and the checkpoints that wrote them. Between two checkpoints of one line, only
+    the keys written after the older one are read.
+
+    Example: icestate diff --table demo_user_activity --from 3 --to 5
+    """
+    import pyarrow as pa
+
+    from catalog import inspection
+
+    with _open_table(warehouse, catalog, properties, namespace, table, branch=branch) as t:
+        names = state or [d.name for d in t.layout.descriptors]
+        feeds = {name: inspection.changes(t, name, start, end) for name in _track(names, "comparing")}
+    span = f"{start} -> {'newest' if end is None else end}"
+    if summary:
+        counts = [{"state": name, "change_type": kind, "keys": rows.column("change_type").to_pylist().count(kind)}
+                  for name, rows in feeds.items() for kind in (inspection.INSERT, inspection.UPDATE, inspection.DELETE)]
+        _emit(pa.Table.from_pylist(counts), output, f"changes {span}")
+        return
+    for name, rows in feeds.items():
+        _emit(rows, output, f"{name}: changes {span} ({rows.num_rows})")
+
+
+@_command(name="describe-rescale")
+def describe_rescale(
+    table: TableName,
+    parallelism: Annotated[int, typer.Option(
+        show_default=False, help="The number of tasks to describe.")],
+    warehouse: TableWarehouse = None,
+    catalog: CatalogName = None,
+    properties: CatalogProperties = None,
+    namespace: Namespace = "state",
+    checkpoint: Checkpoint = None,
+    branch: Branch = "main",
+    output: Output = OutputFormat.table,
+) -> None:
+    """Show what each task would own if the job restarted with --parallelism tasks.
+
+    Per task: its key groups, the rows and bytes of state in them, the files it would read
+    and its share of the largest task's bytes (skew). A restart at any parallelism copies
+    nothing: tasks read their key groups from the same files.
+
+    Example: icestate describe-rescale --table demo_user_activity --parallelism 8
+    """
+    import pyarrow as pa
+
+    from catalog import inspection
+    from statestore.keygroups import compute_key_group_range_for_task
+
+    with _open_table(warehouse, catalog, properties, namespace, table, checkpoint_id=checkpoint, branch=branch) as t:
+        n = t.layout.max_parallelism
+        if not 1 <= parallelism <= n:
+            raise typer.BadParameter(f"must be between 1 and the table's max parallelism {n}",
+                                     param_hint="'--parallelism'")
+        groups = inspection.key_groups(t).to_pylist()
+        files = inspection.segments(t).to_pylist()
+        now = t.current_checkpoint()
+    tasks = []
+    for i in range(parallelism):
+        r = compute_key_group_range_for_task(n, parallelism, i)
+        mine = groups[r.start:r.end + 1]
+        tasks.append({"task": i, "key_groups": f"{r.start}-{r.end}", "count": len(r),
+                      "rows": sum(g["rows"] for g in mine), "bytes": sum(g["bytes"] for g in mine),
+                      "files": sum(1 for f in files if f["key_group_min"] <= r.end and f["key_group_max"] >= r.start)})
+    largest = max(t["bytes"] for t in tasks) or 1
+    for task in tasks:
+        task["of_largest"] = round(task["bytes"] / largest, 3)
+    was = "no checkpoint" if now is None else f"checkpoint {now.checkpoint_id} written by {now.parallelism} task(s)"
+    _emit(pa.Table.from_pylist(tasks), output, f"{namespace}.{table} at {parallelism} task(s) ({was})",
+          shown={"bytes": _size})
 
 
 @_command()
@@ -461,3 +689,72 @@ def compact(
             if follow is None:
                 return
             time.sleep(follow)
+
+
+@_command()
+def ui(
+    warehouse: TableWarehouse = None,
+    catalog: CatalogName = None,
+    properties: CatalogProperties = None,
+    namespace: Namespace = "state",
+    host: Annotated[str, typer.Option(
+        help="Address to listen on. The page has no login: keep the loopback address unless everyone who "
+             "can reach this machine may read the state.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8765,
+    open_browser: Annotated[bool, typer.Option(
+        "--open/--no-open", help="Open the page in the default web browser.")] = True,
+) -> None:
+    """Browse the state tables of a namespace in a web browser, until stopped (Ctrl-C).
+
+    Shows each table's checkpoints over time, its savepoints and forks, how its state
+    spreads over key groups, one key's state and history, what changed between two
+    checkpoints, and the answers of SQL queries. Read-only: nothing on the page writes.
+
+    Example: icestate ui --warehouse ./warehouse
+    """
+    import ipaddress
+    import threading
+    import webbrowser
+
+    from werkzeug.serving import make_server
+
+    from catalog.defaults import DEFAULT_CATALOG_FILE
+    from catalog.table_ref import redacted
+    from catalog.ui import create_app, state_table_names
+
+    # Where the tables are; the table name is a stand-in (the page names the tables).
+    ref = _table_ref(warehouse, catalog, properties, namespace, "any", "main")
+    if ref.warehouse is not None and not os.path.isfile(os.path.join(ref.warehouse, DEFAULT_CATALOG_FILE)):
+        raise typer.BadParameter(f"{ref.warehouse} holds no state tables (no {DEFAULT_CATALOG_FILE}): give the "
+                                 "warehouse directory the job wrote", param_hint="'--warehouse'")
+    remote = " ".join(filter(None, (f"catalog {ref.catalog_name}",
+                                    redacted(ref.catalog_properties).get(WAREHOUSE_PROPERTY))))
+    where = f"{ref.warehouse or remote}, namespace {namespace}"
+
+    def names() -> list[str]:
+        with contextlib.closing(ref.catalog()) as cat:
+            return state_table_names(cat, namespace)
+
+    def opener(name: str, branch: str = "main") -> IcebergStateTable:
+        return _open_table(warehouse, catalog, properties, namespace, name, branch)
+
+    app = create_app(opener, names, where=where, scrub=lambda text: _scrubbed(text, catalog, properties),
+                     tracebacks=DEBUG["traceback"])
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    if not loopback:
+        err_console.print(f"warning: listening on {host}, not on loopback: the page has no login, so anyone who can "
+                          "reach this address can read the state of these tables", markup=False)
+    server = make_server(host, port, app, threaded=True)
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{server.server_port}/"
+    console.print(f"state browser of {where} at [bold]{url}[/bold] (Ctrl-C stops it)", highlight=False)
+    if open_browser:
+        threading.Timer(0.5, webbrowser.open, [url]).start()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()

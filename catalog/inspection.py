@@ -30,7 +30,7 @@ so an entry that expires in between is no change (a restore at that instant sees
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -39,21 +39,20 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from catalog import key_text
 from catalog.retention import checkpoint_id_of, line
 from statestore.descriptors import StateDescriptor, StateKind
 from statestore.entries import read_entries, variable_entry_schema
 from statestore.errors import CorruptSegmentError, StateNotDeclaredError
 from statestore.keygroups import assign_key_groups
-from statestore.layout import CHECKPOINT_ID, EXPIRE_AT_MS, KEY_GROUP
-from statestore.resolve import ORD, survivors
+from statestore.layout import CHECKPOINT_ID, KEY_GROUP
+from statestore.resolve import BATCH_ID, ORD, shown, survivors
 from statestore.segment import SegmentReader
 from statestore.table import CheckpointInfo, SegmentFile
 
 if TYPE_CHECKING:
     from catalog.iceberg_table import IcebergStateTable
 
-BATCH_ID = "batch_id"
-LIST_POSITION = "list_position"
 CHANGE_TYPE = "change_type"
 INSERT, UPDATE, DELETE = "insert", "update", "delete"
 BEFORE, AFTER = "before", "after"
@@ -228,20 +227,8 @@ def _live(table: IcebergStateTable, desc: StateDescriptor, files: list[SegmentFi
 
 def _shown(live: pl.DataFrame, desc: StateDescriptor, keys: list[str], batches: dict[int, int | None]) -> pa.Table:
     """Surviving entries as the view shows them (``live_state``)."""
-    columns = [*keys]
-    if desc.kind is StateKind.MAP:
-        columns.append(desc.user_key_column)
-    columns.append(desc.value_column)
-    if desc.kind is StateKind.LIST:
-        live = live.sort(ORD).with_columns(
-            (pl.col(ORD).rank("ordinal").over(keys) - 1).cast(pl.Int64).alias(LIST_POSITION))
-        columns += [LIST_POSITION, ORD]
-    live = live.with_columns(
-        pl.col(CHECKPOINT_ID).cast(pl.Int64),
-        pl.col(CHECKPOINT_ID).replace_strict(batches, default=None, return_dtype=pl.Int64).alias(BATCH_ID))
-    columns += [KEY_GROUP, CHECKPOINT_ID, BATCH_ID, EXPIRE_AT_MS]
-    shown = {column: sql_name(name) for column, name in desc.display_columns().items()}
-    return live.select(columns).rename(shown).to_arrow()
+    names = {column: sql_name(name) for column, name in desc.display_columns().items()}
+    return shown(live, desc, keys, batches).rename(names).to_arrow()
 
 
 def _batches(table: IcebergStateTable, info: CheckpointInfo | None) -> dict[int, int | None]:
@@ -289,6 +276,21 @@ def key_frame(table: IcebergStateTable, key: Mapping[str, Any]) -> pl.DataFrame:
     return pl.from_arrow(keys).with_columns(pl.Series(KEY_GROUP, kgs, dtype=pl.Int32))
 
 
+def parse_key(table: IcebergStateTable, texts: Mapping[str, str]) -> dict[str, Any]:
+    """A key typed as text, by key column name, as values of the key columns' own types
+    (``catalog.key_text``).
+
+    Raises:
+        ValueError: ``texts`` does not name exactly the key columns, or a text is not a value of
+            its column's type.
+    """
+    schema = table.layout.key_schema
+    if set(texts) != set(schema.names):
+        raise ValueError(f"a key of state table {table.identifier} has the columns {schema.names}; "
+                         f"got {sorted(texts)}")
+    return key_text.parse_key(schema, [texts[name] for name in schema.names])
+
+
 def key_state(table: IcebergStateTable, key: Mapping[str, Any], checkpoint_id: int | None = None,
               now_ms: int | None = None, *, reader: SegmentReader | None = None) -> dict[str, pa.Table]:
     """One key's live state at a checkpoint: per variable its rows of ``live_state`` (none when
@@ -302,14 +304,17 @@ def key_state(table: IcebergStateTable, key: Mapping[str, Any], checkpoint_id: i
             for d in table.layout.descriptors}
 
 
-def key_history(table: IcebergStateTable, key: Mapping[str, Any], now_ms: int | None = None) -> dict[str, pa.Table]:
+def key_history(table: IcebergStateTable, key: Mapping[str, Any], now_ms: int | None = None,
+                progress: Callable[[Iterable[CheckpointInfo]], Iterable[CheckpointInfo]] = iter,
+                ) -> dict[str, pa.Table]:
     """One key's state at every retained checkpoint of the table's line, oldest first: per
     variable the rows of ``key_state`` at each, led by the checkpoint read (``checkpoint_id_at``,
-    ``batch_id_at``, ``committed_at``). A checkpoint where the key has no state adds no row."""
+    ``batch_id_at``, ``committed_at``). A checkpoint where the key has no state adds no row.
+    ``progress`` wraps the iteration over the checkpoints (a progress bar's ``track``)."""
     reader = SegmentReader(table.filesystem)
     now = _now(now_ms)
     parts: dict[str, list[pa.Table]] = {d.name: [] for d in table.layout.descriptors}
-    for info in table.list_checkpoints():
+    for info in progress(table.list_checkpoints()):
         for name, rows in key_state(table, key, info.checkpoint_id, now, reader=reader).items():
             at = {AT_CHECKPOINT: pa.array([info.checkpoint_id] * rows.num_rows, pa.int64()),
                   AT_BATCH: pa.array([info.batch_id] * rows.num_rows, pa.int64()),

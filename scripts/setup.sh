@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything the project needs on a fresh machine (Python 3.11+, package registries):
-# Java for Spark and PostgreSQL for the catalog tests if missing, a virtual environment in .venv, the project with its test extras.
+# Java for Spark, PostgreSQL for the catalog tests and Chromium for the state browser's tests if missing,
+# a virtual environment in .venv, the project with its test extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v java >/dev/null 2>&1; then
@@ -21,6 +22,15 @@ if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb 
   echo "create_main_cluster = off" | $SUDO tee /etc/postgresql-common/createcluster.d/icestate-no-main.conf >/dev/null
   $SUDO apt-get update -q
   $SUDO apt-get install -y -q postgresql
+fi
+# Debian's Chromium and its driver for the browser tests of `icestate ui` (tests/catalog/test_ui.py
+# drives /usr/bin/chromium with Playwright; Playwright's own browser downloads are never used).
+if [ ! -x /usr/bin/chromium ]; then
+  echo "chromium not found: installing Debian's chromium and chromium-driver"
+  export DEBIAN_FRONTEND=noninteractive
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -q
+  $SUDO apt-get install -y -q chromium chromium-driver
 fi
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

@@ -36,9 +36,19 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=HELP)
 app.add_typer(tables)
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import version
+
+        print(f"icestate {version('icestate')}")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(debug: Annotated[bool, typer.Option(
         "--debug", help="On an error, show its traceback (secrets scrubbed) before the one-line message.")] = False,
+         _version: Annotated[bool, typer.Option(
+             "--version", is_eager=True, callback=_print_version, help="Print the version and exit.")] = False,
          ) -> None:
     DEBUG["traceback"] = debug
 

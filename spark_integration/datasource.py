@@ -30,14 +30,14 @@ Options (names are case-insensitive, like every Spark option):
   ``min(max_parallelism, 8)``; ranges left without data after pruning are dropped;
 * ``pushdown``: ``true`` (default) or ``false``, see "Spark requirements".
 
-Schema (the ``state_<name>`` tables of ``catalog.sql.connect`` plus ``key_group``):
+Schema: the SQL view ``state_<name>``'s (``catalog.inspection.live_state``,
+``statestore.resolve.shown``), one row per live key (value, reducing, aggregating; for the last
+two ``v_<name>`` is the stored accumulator), per map entry, or per list element:
 
-* value, reducing, aggregating: ``key_group int, <keys>, v_<name>, expire_at_ms long``
-  (one row per live key; for reducing and aggregating state ``v_<name>`` is the stored
-  accumulator);
-* map: ``key_group, <keys>, mk_<name>, v_<name>, expire_at_ms`` (one row per live entry);
-* list: ``key_group, <keys>, v_<name>, expire_at_ms, ord long`` (one row per live element;
-  ``ord`` orders the elements of a key).
+* ``<keys>``, ``mk_<name>`` (maps), ``v_<name>``, ``list_position`` and ``ord`` (lists: the
+  element's index from 0, and its stored order), then ``key_group int``, ``checkpoint_id long``
+  and ``batch_id long`` (the checkpoint and stream batch that wrote the row; the batch is null
+  once that checkpoint is no longer retained) and ``expire_at_ms long``.
 
 Arrow types become Spark types through pyspark's ``from_arrow_type`` (structs are Spark
 structs, naive timestamps ``TIMESTAMP_NTZ``). A user-given schema may select a subset of
@@ -122,7 +122,7 @@ from statestore.entries import read_entries, variable_entry_schema
 from statestore.errors import CheckpointNotFoundError
 from statestore.keygroups import KeyGroupRange, assign_key_groups, compute_key_group_range_for_task
 from statestore.layout import KEY_GROUP, StateLayout
-from statestore.resolve import ORD, entry_columns, resolve, view_columns
+from statestore.resolve import shown, shown_types, survivors
 from statestore.segment import SegmentReader
 from statestore.table import SegmentFile
 
@@ -301,15 +301,10 @@ def _int_option(opts: Mapping[str, str], name: str, minimum: int | None) -> int 
 
 
 def state_arrow_schema(layout: StateLayout, desc: StateDescriptor) -> pa.Schema:
-    """The Arrow schema of the resolved state of ``desc`` (key_group, keys, view columns)."""
-    keys = layout.key_names
-    types = {f.name: f.type for f in layout.entry_schema}
-    types[ORD] = pa.int64()
-    fields = [pa.field(KEY_GROUP, pa.int32(), nullable=False)]
-    fields += [pa.field(f.name, f.type, nullable=False) for f in layout.key_schema]
-    shown = desc.display_columns()  # v_<name>, mk_<name> with the variable's own name
-    fields += [pa.field(shown.get(c, c), types[c]) for c in view_columns(desc, keys)[len(keys):]]
-    return pa.schema(fields)
+    """The Arrow schema of the resolved state of ``desc``: the SQL view ``state_<name>``'s
+    (``statestore.resolve.shown_types``, value and map key named after the variable)."""
+    names = desc.display_columns()  # v_<name>, mk_<name> with the variable's own name
+    return pa.schema([f.with_name(names.get(f.name, f.name)) for f in shown_types(desc, layout.key_schema)])
 
 
 def state_spark_schema(layout: StateLayout, desc: StateDescriptor) -> StructType:
@@ -406,6 +401,7 @@ class ReadSpec:
     output_schema: pa.Schema  # exactly what Spark expects
     now_ms: int
     checkpoint_id: int | None
+    batches: dict[int, int | None]  # checkpoint id -> stream batch id (``batch_id`` column)
 
     @property
     def key_names(self) -> list[str]:
@@ -467,8 +463,8 @@ def _resolve_chunk(spec: ReadSpec, reader: SegmentReader, segments: Sequence[Seg
     entries = read_entries(reader, segments, key_groups, spec.source_schema, state=desc.name)
     if not entries.height:
         return None
-    keys = [KEY_GROUP, *spec.key_names]
-    view = resolve(entries.select(entry_columns(desc, keys)), desc, keys, spec.now_ms).rename(desc.display_columns())
+    survived = survivors(entries, desc, [KEY_GROUP, *spec.key_names], spec.now_ms)
+    view = shown(survived, desc, spec.key_names, spec.batches).rename(desc.display_columns())
     if key_filter is not None:
         wanted = pl.from_arrow(key_filter).cast({k: view.schema[k] for k in spec.key_names})
         view = view.join(wanted, on=spec.key_names, how="semi")
@@ -578,6 +574,7 @@ class IcestateReader(DataSourceReader):
             layout = table.layout
             desc = options.descriptor(layout)
             current = table.current_checkpoint()
+            batches = {c.checkpoint_id: c.batch_id for c in [*table.list_checkpoints(), *filter(None, [current])]}
             self._segments: list[SegmentFile] | None = table.segments(KeyGroupRange.of(0, layout.max_parallelism - 1))
             filesystem = table.filesystem
         self.max_parallelism = layout.max_parallelism
@@ -587,7 +584,7 @@ class IcestateReader(DataSourceReader):
             filesystem=filesystem, key_schema=layout.key_schema, descriptor=_plain_descriptor(desc),
             source_schema=_source_schema(layout, desc), output_schema=_requested_schema(schema, full, desc),
             now_ms=options.now_ms if options.now_ms is not None else time.time_ns() // 1_000_000,
-            checkpoint_id=None if current is None else current.checkpoint_id,
+            checkpoint_id=None if current is None else current.checkpoint_id, batches=batches,
         )
         self.pushed = _Pushed()
         self.key_filter: pa.Table | None = None

@@ -16,10 +16,13 @@ entries (``view_as_entries``) older than anything new, so views merge with fresh
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import polars as pl
+import pyarrow as pa
 
 from statestore.descriptors import StateDescriptor, StateKind
-from statestore.layout import EXPIRE_AT_MS, OP, OP_APPEND, OP_DELETE, OP_PUT
+from statestore.layout import CHECKPOINT_ID, EXPIRE_AT_MS, KEY_GROUP, OP, OP_APPEND, OP_DELETE, OP_PUT
 
 ORD = "ord"
 CLEAR_ORD = "_clear_ord"
@@ -140,3 +143,47 @@ def view_columns(desc: StateDescriptor, keys: list[str]) -> list[str]:
     if desc.kind is StateKind.MAP:
         return [*keys, desc.user_key_column, desc.value_column, EXPIRE_AT_MS]
     return [*keys, desc.value_column, EXPIRE_AT_MS]
+
+
+# --- live state as people see it (SQL views, the data source, the state browser) -------------
+
+LIST_POSITION = "list_position"
+BATCH_ID = "batch_id"
+# Where a row came from: its key group, and the checkpoint and stream batch that wrote it.
+PROVENANCE_COLUMNS = (KEY_GROUP, CHECKPOINT_ID, BATCH_ID, EXPIRE_AT_MS)
+
+
+def shown_columns(desc: StateDescriptor, keys: list[str]) -> list[str]:
+    """The columns of ``shown`` (stored names): the keys, the map user key, the value, a list
+    element's position and ``ord``, then ``PROVENANCE_COLUMNS``."""
+    middle = [desc.user_key_column] if desc.kind is StateKind.MAP else []
+    middle.append(desc.value_column)
+    if desc.kind is StateKind.LIST:
+        middle += [LIST_POSITION, ORD]
+    return [*keys, *middle, *PROVENANCE_COLUMNS]
+
+
+def shown_types(desc: StateDescriptor, key_schema: pa.Schema) -> pa.Schema:
+    """The Arrow schema of ``shown`` (stored names; keys, key group and checkpoint non-null)."""
+    types = {LIST_POSITION: pa.int64(), ORD: pa.int64(), KEY_GROUP: pa.int32(), CHECKPOINT_ID: pa.int64(),
+             BATCH_ID: pa.int64(), EXPIRE_AT_MS: pa.int64(), desc.value_column: desc.value_type}
+    if desc.kind is StateKind.MAP:
+        types[desc.user_key_column] = desc.user_key_type
+    keys = [pa.field(f.name, f.type, nullable=False) for f in key_schema]
+    rest = shown_columns(desc, key_schema.names)[len(keys):]
+    return pa.schema([*keys, *(pa.field(c, types[c], nullable=c not in (KEY_GROUP, CHECKPOINT_ID)) for c in rest)])
+
+
+def shown(survived: pl.DataFrame, desc: StateDescriptor, keys: list[str],
+          batches: Mapping[int, int | None]) -> pl.DataFrame:
+    """``survivors`` (resolved with the key group among the keys) as the views show them: one
+    row per key, map entry or list element, in ``shown_columns``; ``list_position`` numbers a
+    list's elements from 0, ``batch_id`` is the stream batch of the writing checkpoint
+    (``batches``; null for a checkpoint not in it)."""
+    if desc.kind is StateKind.LIST:
+        survived = survived.sort(ORD).with_columns(
+            (pl.col(ORD).rank("ordinal").over([KEY_GROUP, *keys]) - 1).cast(pl.Int64).alias(LIST_POSITION))
+    survived = survived.with_columns(
+        pl.col(CHECKPOINT_ID).cast(pl.Int64),
+        pl.col(CHECKPOINT_ID).replace_strict(dict(batches), default=None, return_dtype=pl.Int64).alias(BATCH_ID))
+    return survived.select(shown_columns(desc, keys))

@@ -11,16 +11,20 @@ line of a child process: they travel in the configuration file or the environmen
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
 from catalog.cli import tables as app
-from tests.catalog.catalog_helpers import commit_next
+from statestore import StateStore
+from statestore.keygroups import assign_key_groups
+from tests.catalog.catalog_helpers import MAX_PARALLELISM, commit_next
 from tests.catalog.conftest import Place
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -226,3 +230,108 @@ def test_a_secret_of_the_configuration_is_never_shown(s3_place, tmp_path):
         assert PLANTED not in out.stdout + out.stderr, f"{what}: {out.stderr}"
         assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr, f"{what}: {out.stderr}"
     assert "127.0.0.1:9" in outs["unreachable"].stderr, outs["unreachable"].stderr
+
+
+# --- inspection commands ------------------------------------------------------------------
+
+
+def stored_checkpoints(place: Place) -> dict[str, int]:
+    """Two checkpoints written by a store (keys in their real key groups): u1 = 1001 and u9 = 1009
+    (batch 10), then u1 = 2001 (batch 20). Returns the key group of each key."""
+    table = place.open()
+    store = StateStore(table)
+    users = pa.table({"user": ["u1", "u9"]})
+    store.get_state("count").update_batch(users, [1001, 1009])
+    store.checkpoint(batch_id=10, properties={"note": "hi"})
+    store.get_state("count").update_batch(users.slice(0, 1), [2001])
+    store.checkpoint(batch_id=20)
+    table.close()
+    return dict(zip(["u1", "u9"], assign_key_groups(users, MAX_PARALLELISM).tolist(), strict=True))
+
+
+def test_checkpoints_show_time_rows_and_bytes_as_table_csv_and_json(place):
+    groups = stored_checkpoints(place)
+    where = [*place.cli_args(), "--table", "op"]
+    as_json = invoke("checkpoints", *where, "--format", "json")
+    assert as_json.exit_code == 0, as_json.output
+    listed = json.loads(as_json.stdout)
+    assert [r["checkpoint_id"] for r in listed["rows"]] == [1, 2]
+    assert [r["batch_id"] for r in listed["rows"]] == [10, 20]
+    assert [r["rows_added"] for r in listed["rows"]] == [2, 1] and listed["rows"][1]["rows"] == 3
+    assert [r["parallelism"] for r in listed["rows"]] == [1, 1] and groups
+    assert all(r["bytes_added"] > 0 and r["committed_at"].startswith("20") for r in listed["rows"])
+    assert json.loads(listed["rows"][0]["properties"]) == {"note": "hi"}
+    as_csv = invoke("checkpoints", *where, "--format", "csv")
+    assert as_csv.exit_code == 0, as_csv.output
+    lines = as_csv.stdout.splitlines()
+    assert lines[1].startswith("checkpoint_id,batch_id,committed_at") and len(lines) == 4
+    as_table = invoke("checkpoints", *where)
+    assert as_table.exit_code == 0, as_table.output
+    assert all(word in as_table.output for word in (" kB", " UTC", "note")), as_table.output
+
+
+def test_sql_reads_the_inspection_views_and_a_change_feed(place):
+    groups = stored_checkpoints(place)
+    where = [*place.cli_args(), "--table", "op"]
+    out = invoke("sql", *where, "--format", "json", "SELECT count(*) AS n, sum(rows) AS r FROM key_groups")
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout) == [{"n": 16, "r": 3}]
+    changed = invoke("sql", *where, "--changes-from", "1", "--format", "json",
+                     'SELECT change_type, "user", before, after FROM changes_count')
+    assert changed.exit_code == 0, changed.output
+    assert json.loads(changed.stdout) == [{"change_type": "update", "user": "u1", "before": 1001, "after": 2001}]
+    assert groups
+
+
+def test_key_command_shows_state_and_history(place):
+    groups = stored_checkpoints(place)
+    where = [*place.cli_args(), "--table", "op"]
+    now = invoke("key", *where, "--key", "user=u1", "--format", "json")
+    assert now.exit_code == 0, now.output
+    count, seen = (json.loads(line) for line in now.stdout.splitlines())
+    assert count["title"] == "count of user=u1" and [r["v_count"] for r in count["rows"]] == [2001]
+    assert seen["rows"] == []
+    history = invoke("key", *where, "--key", "user=u1", "--history", "--format", "json")
+    assert history.exit_code == 0, history.output
+    rows = json.loads(history.stdout.splitlines()[0])["rows"]
+    assert [(r["checkpoint_id_at"], r["v_count"], r["batch_id"], r["key_group"]) for r in rows] == [
+        (1, 1001, 10, groups["u1"]), (2, 2001, 20, groups["u1"])]
+    bad = invoke("key", *where, "--key", "who=u1")
+    assert bad.exit_code == 1 and "has the columns ['user']" in bad.output
+    malformed = invoke("key", *where, "--key", "u1")
+    assert malformed.exit_code == 2 and "COLUMN=VALUE" in malformed.output
+
+
+def test_diff_command(place):
+    groups = stored_checkpoints(place)
+    where = [*place.cli_args(), "--table", "op"]
+    out = invoke("diff", *where, "--from", "1", "--format", "csv")
+    assert out.exit_code == 0, out.output
+    assert out.stdout.splitlines()[:3] == ["# count: changes 1 -> newest (1)",
+                                           "change_type,user,key_group,before,after,before_checkpoint_id,"
+                                           "after_checkpoint_id", f"update,u1,{groups['u1']},1001,2001,1,2"]
+    summary = invoke("diff", *where, "--from", "1", "--to", "2", "--summary", "--format", "json")
+    assert summary.exit_code == 0, summary.output
+    counts = {(r["state"], r["change_type"]): r["keys"] for r in json.loads(summary.stdout)["rows"]}
+    assert counts[("count", "update")] == 1 and counts[("count", "insert")] == 0 and counts[("seen", "delete")] == 0
+    gone = invoke("diff", *where, "--from", "7")
+    assert gone.exit_code == 1 and "checkpoint 7 is not retained" in gone.output
+
+
+def test_describe_rescale_command(place):
+    groups = stored_checkpoints(place)
+    where = [*place.cli_args(), "--table", "op"]
+    out = invoke("describe-rescale", *where, "--parallelism", "4", "--format", "json")
+    assert out.exit_code == 0, out.output
+    described = json.loads(out.stdout)
+    tasks = described["rows"]
+    assert [t["key_groups"] for t in tasks] == ["0-3", "4-7", "8-11", "12-15"]
+    # u1's entries twice (two checkpoints), u9's once.
+    rows = [0] * 4
+    rows[groups["u1"] // 4] += 2
+    rows[groups["u9"] // 4] += 1
+    assert [t["rows"] for t in tasks] == rows and max(t["of_largest"] for t in tasks) == 1.0
+    assert all(t["files"] >= (1 if t["rows"] else 0) for t in tasks)
+    assert "written by 1 task(s)" in described["title"]
+    bad = invoke("describe-rescale", *where, "--parallelism", "17")
+    assert bad.exit_code == 2 and "max parallelism 16" in bad.output

@@ -164,7 +164,9 @@ def _state_dump(ref) -> dict:
             out = {}
             for desc in state.layout.descriptors:
                 rel = con.sql(f'SELECT * FROM "state_{desc.name}"').to_arrow_table()
-                rel = rel.drop_columns([c for c in ("ord", "expire_at_ms") if c in rel.column_names])
+                # Where each row came from depends on the run's checkpoints, not on the state.
+                where = ("ord", "expire_at_ms", "checkpoint_id", "batch_id")
+                rel = rel.drop_columns([c for c in where if c in rel.column_names])
                 rows = [_plain(r) for r in rel.to_pylist()]
                 out[desc.name] = sorted(rows, key=lambda r: json.dumps(r, sort_keys=True, default=str))
         finally:

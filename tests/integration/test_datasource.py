@@ -170,7 +170,7 @@ def _spark_rows(df) -> list[dict]:
     got = df if isinstance(df, pa.Table) else df.toArrow()
     kgs = assign_key_groups(got.select(["user"]), N)
     assert got.column("key_group").to_pylist() == kgs.tolist()
-    return _sorted_rows(got.drop_columns(["key_group"]))
+    return _sorted_rows(got)
 
 
 def _reader(warehouse: str, **extra) -> IcestateReader:
@@ -196,11 +196,11 @@ def test_newest_checkpoint_matches_duckdb_for_every_state_kind(icestate, warehou
         assert _spark_rows(got[state]) == _sql_rows(warehouse, state), state
 
     schema = {state: df.schema for state, df in frames.items()}
-    assert schema["count"].simpleString() == "struct<key_group:int,user:string,v_count:bigint,expire_at_ms:bigint>"
+    where = "key_group:int,checkpoint_id:bigint,batch_id:bigint,expire_at_ms:bigint"
+    assert schema["count"].simpleString() == f"struct<user:string,v_count:bigint,{where}>"
     assert schema["pages"].simpleString() == (
-        "struct<key_group:int,user:string,v_pages:string,expire_at_ms:bigint,ord:bigint>")
-    assert schema["seen"].simpleString() == (
-        "struct<key_group:int,user:string,mk_seen:string,v_seen:int,expire_at_ms:bigint>")
+        f"struct<user:string,v_pages:string,list_position:bigint,ord:bigint,{where}>")
+    assert schema["seen"].simpleString() == f"struct<user:string,mk_seen:string,v_seen:int,{where}>"
     assert schema["profile"]["v_profile"].dataType == T.StructType(
         [T.StructField("name", T.StringType()), T.StructField("age", T.IntegerType())])
     assert not schema["count"]["key_group"].nullable and not schema["count"]["user"].nullable
@@ -390,7 +390,7 @@ def test_catalog_options_instead_of_warehouse(warehouse: str):
     })
     reader = source.reader(source.schema())
     rows, _ = _read_in_process(reader)
-    assert _sorted_rows(pa.Table.from_pylist(rows).drop_columns(["key_group"])) == _sql_rows(warehouse, "count")
+    assert _sorted_rows(pa.Table.from_pylist(rows)) == _sql_rows(warehouse, "count")
 
 
 def test_pushdown_option_off_gives_a_reader_without_push_filters(warehouse: str):
@@ -443,7 +443,8 @@ def test_empty_table_reads_no_rows(icestate, warehouse: str):
     IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name="empty").close()
     df = icestate.read.format("icestate").options(warehouse=warehouse, table="empty", state="pages").load()
     assert df.count() == 0
-    assert df.columns == ["key_group", "user", "v_pages", "expire_at_ms", "ord"]
+    assert df.columns == ["user", "v_pages", "list_position", "ord", "key_group", "checkpoint_id", "batch_id",
+                          "expire_at_ms"]
 
 
 def test_savepoints_and_forks_read_like_checkpoints(icestate, warehouse: str, tmp_path: Path):
