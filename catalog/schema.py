@@ -31,12 +31,16 @@ from statestore.descriptors import (
     ReducingStateDescriptor,
     StateDescriptor,
     StateKind,
+    TtlConfig,
+    TtlUpdateType,
     ValueStateDescriptor,
     column_stem,
 )
 from statestore.errors import StateFunctionUnavailableError, StateTableMismatchError
 from statestore.layout import KEY_GROUP, StateLayout
 
+# The key of a state's TTL in the recorded layout (``layout_properties``).
+TTL_KEY = "ttl"
 # Partition field ids start here in Iceberg (spec rule); a fresh spec uses the first one.
 _FIRST_PARTITION_FIELD_ID = 1000
 _FIX = (
@@ -84,12 +88,17 @@ def layout_properties(layout: StateLayout, recorded_layout: str | None = None) -
     """
     states = {s["name"]: s for s in _recorded_states(recorded_layout)}
     for d in layout.descriptors:
-        if d.name in states:
-            continue  # validated equal (kind, canonical types): keep the recorded spelling
-        states[d.name] = {
-            "name": d.name, "kind": d.kind.value, "value_type": str(d.value_type),
-            "user_key_type": None if d.user_key_type is None else str(d.user_key_type),
-        }
+        if d.name not in states:  # else validated equal (kind, canonical types): keep the recorded spelling
+            states[d.name] = {
+                "name": d.name, "kind": d.kind.value, "value_type": str(d.value_type),
+                "user_key_type": None if d.user_key_type is None else str(d.user_key_type),
+            }
+        # The TTL the operator declares now (it may change between runs, as in Spark): readers of
+        # the recorded layout (inspection, repairs) expire and write entries as the stream does.
+        if d.ttl is None:
+            states[d.name].pop(TTL_KEY, None)
+        else:
+            states[d.name][TTL_KEY] = {"ttl_ms": d.ttl.ttl_ms, "update_type": d.ttl.update_type.value}
     return {
         stored_keys.MAX_PARALLELISM: str(layout.max_parallelism),
         stored_keys.KEY_SCHEMA: json.dumps([{"name": f.name, "type": str(f.type)} for f in layout.key_schema]),
@@ -222,14 +231,18 @@ def _descriptor(state: dict, schema: Schema) -> StateDescriptor:
     name, kind = state["name"], StateKind(state["kind"])
     stem = column_stem(name)
     value_type = _column_type(schema, f"v_{stem}", state.get("value_type"))
+    recorded_ttl = state.get(TTL_KEY)
+    ttl = None if recorded_ttl is None else TtlConfig(int(recorded_ttl["ttl_ms"]),
+                                                      TtlUpdateType(recorded_ttl["update_type"]))
     if kind is StateKind.MAP:
-        return MapStateDescriptor(name, value_type,
+        return MapStateDescriptor(name, value_type, ttl=ttl,
                                   key_type=_column_type(schema, f"mk_{stem}", state.get("user_key_type")))
     if kind is StateKind.REDUCING:
-        return ReducingStateDescriptor(name, value_type, reduce_fn=_StoredFunctionUnavailable(name))
+        return ReducingStateDescriptor(name, value_type, ttl=ttl, reduce_fn=_StoredFunctionUnavailable(name))
     if kind is StateKind.AGGREGATING:
-        return AggregatingStateDescriptor(name, value_type, agg_fn=_StoredFunctionUnavailable(name))
-    return {StateKind.VALUE: ValueStateDescriptor, StateKind.LIST: ListStateDescriptor}[kind](name, value_type)
+        return AggregatingStateDescriptor(name, value_type, ttl=ttl, agg_fn=_StoredFunctionUnavailable(name))
+    return {StateKind.VALUE: ValueStateDescriptor, StateKind.LIST: ListStateDescriptor}[kind](name, value_type,
+                                                                                               ttl=ttl)
 
 
 class _StoredFunctionUnavailable(AggregateFunction):

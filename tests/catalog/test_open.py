@@ -15,7 +15,13 @@ from pyiceberg.transforms import IdentityTransform, TruncateTransform
 
 from catalog import IcebergStateTable, default_catalog
 from statestore import stored_keys
-from statestore.descriptors import ListStateDescriptor, ReducingStateDescriptor, ValueStateDescriptor
+from statestore.descriptors import (
+    ListStateDescriptor,
+    ReducingStateDescriptor,
+    TtlConfig,
+    TtlUpdateType,
+    ValueStateDescriptor,
+)
 from statestore.errors import StateFunctionUnavailableError, StateTableMismatchError
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import StateLayout
@@ -174,3 +180,25 @@ def test_open_existing_rebuilds_the_recorded_layout(open_table, warehouse):
     assert open_table().iceberg_table.metadata_location == metadata_location
     with pytest.raises(ValueError, match=r"no state table state\.nope"):
         IcebergStateTable.open_existing(warehouse=warehouse, table_name="nope")
+
+
+def test_the_recorded_layout_keeps_each_states_current_ttl(open_table, warehouse):
+    """Inspection and repairs read the recorded layout: a TTL that was not recorded made their
+    entries never expire, and the state browser could not show it."""
+    def layout(ttl: TtlConfig | None) -> StateLayout:
+        return StateLayout.of(KEY_SCHEMA, [ValueStateDescriptor("count", pa.int64(), ttl=ttl), DESCRIPTORS[1]],
+                              MAX_PARALLELISM)
+
+    def recorded() -> list:
+        with IcebergStateTable.open_existing(warehouse=warehouse, table_name="op") as t:
+            return [d.ttl for d in t.layout.descriptors]
+
+    open_table(layout(TtlConfig(5000))).close()
+    assert recorded() == [TtlConfig(5000), None]
+    location = open_table(layout(TtlConfig(5000))).iceberg_table.metadata_location
+    open_table(layout(TtlConfig(5000))).close()  # the same TTL: nothing written
+    assert open_table(layout(TtlConfig(5000))).iceberg_table.metadata_location == location
+    open_table(layout(TtlConfig(9000, TtlUpdateType.ON_READ_AND_WRITE))).close()  # changed between runs
+    assert recorded() == [TtlConfig(9000, TtlUpdateType.ON_READ_AND_WRITE), None]
+    open_table(layout(None)).close()
+    assert recorded() == [None, None]
