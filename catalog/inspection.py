@@ -345,17 +345,23 @@ def changes(table: IcebergStateTable, variable: str, from_checkpoint: int, to_ch
         CheckpointNotFoundError: a checkpoint is not retained on the table's line.
     """
     desc = descriptor(table, variable)
-    keys = table.layout.key_names
-    now = _now(now_ms)
-    reader = SegmentReader(table.filesystem)
     _, old_files = table.segments_at(from_checkpoint)
     new_info, new_files = table.segments_at(to_checkpoint)
-    touched = None  # every key: checkpoints of different lines
-    if new_info is not None and _descends(table, new_info, from_checkpoint):
-        touched = _written_after(table, desc, new_files, from_checkpoint, reader)
-    before = _live(table, desc, old_files, now, touched, reader)
-    after = _live(table, desc, new_files, now, touched, reader)
-    return _diff(before, after, desc, keys)
+    descends = new_info is not None and _descends(table, new_info, from_checkpoint)
+    # Checkpoints of different lines compare every key.
+    return files_changes(table, desc, old_files, new_files, from_checkpoint if descends else None, _now(now_ms))
+
+
+def files_changes(table: IcebergStateTable, desc: StateDescriptor, old_files: list[SegmentFile],
+                  new_files: list[SegmentFile], written_after: int | None, now_ms: int) -> pa.Table:
+    """``changes`` between two sets of segments: with ``written_after``, the new files are the old
+    ones plus segments of later checkpoints, and only the keys those wrote are compared (a
+    repair's dry run compares its own uncommitted segments so)."""
+    reader = SegmentReader(table.filesystem)
+    touched = None if written_after is None else _written_after(table, desc, new_files, written_after, reader)
+    before = _live(table, desc, old_files, now_ms, touched, reader)
+    after = _live(table, desc, new_files, now_ms, touched, reader)
+    return _diff(before, after, desc, table.layout.key_names)
 
 
 def _descends(table: IcebergStateTable, info: CheckpointInfo, from_checkpoint: int) -> bool:
