@@ -536,6 +536,167 @@ def describe_rescale(
 
 
 @_command()
+def repair(
+    table: TableName,
+    reason: Annotated[str, typer.Option(show_default=False, help="What the repair does and why: recorded with it.")],
+    put: Annotated[list[str] | None, typer.Option(
+        "--put", metavar="STATE=SQL", show_default=False,
+        help="Set state to the rows a query selects over the newest checkpoint's views: the key columns and "
+             "v_<state> (mk_<state> for a map; a list's whole list), e.g. \"count=SELECT user, v_count - 1 AS "
+             "v_count FROM state_count WHERE user = 'u-7'\". Repeatable.")] = None,
+    put_parquet: Annotated[list[str] | None, typer.Option(
+        "--put-parquet", metavar="STATE=FILE", show_default=False,
+        help="Set state to the rows of a Parquet file (same columns as --put): a bulk load. Repeatable.")] = None,
+    delete: Annotated[list[str] | None, typer.Option(
+        "--delete", metavar="STATE=SQL", show_default=False,
+        help="Delete the state of the keys a query selects (with mk_<state> for a map: only those entries). "
+             "Repeatable.")] = None,
+    delete_key: Annotated[list[str] | None, typer.Option(
+        "--delete-key", metavar="COLUMN=VALUE", show_default=False,
+        help="Delete one key's state in every state variable, e.g. a poisoned key: once per key column.")] = None,
+    by: Annotated[str | None, typer.Option(show_default=False, help="Who repairs. Default: your user name.")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Show what would change (the change feed) and commit nothing.")] = False,
+    warehouse: TableWarehouse = None,
+    catalog: CatalogName = None,
+    properties: CatalogProperties = None,
+    namespace: Namespace = "state",
+    branch: Branch = "main",
+    output: Output = OutputFormat.table,
+) -> None:
+    """Change state while the stream is stopped, committed as a checkpoint the stream resumes from.
+
+    The repair builds on the newest checkpoint: it keeps that checkpoint's stream batch, so the
+    stream's next batch runs on the repaired state. Who, why and how many rows are recorded in
+    the checkpoint (icestate checkpoints shows it). It is refused if anything committed after
+    that checkpoint while it ran. Try it with --dry-run first.
+
+    Example: icestate repair --table demo_user_activity --reason "drop bot" --delete-key user=bot-1 --dry-run
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from catalog import inspection
+    from catalog.repair import Repair
+
+    with _open_table(warehouse, catalog, properties, namespace, table, branch=branch) as t, \
+            Repair(t, reason=reason, by=by) as fix:
+        for state, query in map(_assignment, put or []):
+            fix.put(state, fix.sql(query))
+        for state, path in map(_assignment, put_parquet or []):
+            fix.put(state, pq.read_table(path))
+        for state, query in map(_assignment, delete or []):
+            fix.delete(state, fix.sql(query))
+        if delete_key:
+            key = inspection.parse_key(t, dict(_key_value(v) for v in delete_key))
+            fix.delete_keys(pa.table({name: [value] for name, value in key.items()}))
+        if dry_run:
+            for name, rows in fix.dry_run().items():
+                _emit(rows, output, f"{name}: would change ({rows.num_rows})")
+            return
+        info = fix.commit()
+    committed = pa.table({"checkpoint_id": [info.checkpoint_id], "batch_id": [info.batch_id],
+                          "rows": [info.properties[inspection.SUMMARY_REPAIR_ROWS]]})
+    _emit(committed, output, "repair committed")
+
+
+def _assignment(item: str) -> tuple[str, str]:
+    """``STATE=TEXT`` of a --put or --delete option."""
+    name, sep, text = item.partition("=")
+    if not sep or not name or not text.strip():
+        raise typer.BadParameter(f"expected STATE=..., got {item!r}")
+    return name, text
+
+
+@_command()
+def migrate(
+    table: TableName,
+    state: Annotated[str, typer.Option(show_default=False, help="The state variable whose value type changes.")],
+    add_field: Annotated[list[str] | None, typer.Option(
+        "--add-field", metavar="FIELD:TYPE", show_default=False,
+        help="Add a field to the struct value (a.b for a field of a nested struct), e.g. note:string. Types: "
+             f"{', '.join(SIMPLE_TYPES)}. Repeatable.")] = None,
+    widen: Annotated[list[str] | None, typer.Option(
+        "--widen", metavar="FIELD:TYPE", show_default=False,
+        help="Widen a field (int to long, float to double; 'value' for a value that is not a struct), e.g. n:long. "
+             "Repeatable.")] = None,
+    warehouse: TableWarehouse = None,
+    catalog: CatalogName = None,
+    properties: CatalogProperties = None,
+    namespace: Namespace = "state",
+) -> None:
+    """Widen a state variable's value type in place, as Iceberg evolves a schema (no file rewritten).
+
+    Old entries read with the new type (added fields null). Stop the stream first, then resume
+    it with the processor's new declaration.
+
+    Example: icestate migrate --table demo_user_activity --state events --add-field source:string
+    """
+    from catalog import inspection
+    from catalog.repair import migrate as evolve
+
+    if not add_field and not widen:
+        raise typer.BadParameter("say what changes: --add-field or --widen", param_hint="'--add-field'")
+    with _open_table(warehouse, catalog, properties, namespace, table) as t:
+        new_type = inspection.descriptor(t, state).value_type
+        for item in add_field or []:
+            path, dtype = _field_change(item, "--add-field")
+            new_type = _with_field(new_type, path, dtype, add=True)
+        for item in widen or []:
+            path, dtype = _field_change(item, "--widen")
+            new_type = dtype if path == ["value"] and not _is_struct(new_type) else \
+                _with_field(new_type, path, dtype, add=False)
+        evolve(t, state, new_type)
+    console.print(f"state {state!r} of {namespace}.{table} now holds {new_type}")
+
+
+# Value types a --add-field or --widen names, by their Spark SQL names.
+SIMPLE_TYPES = {"string": "string", "long": "int64", "bigint": "int64", "int": "int32", "integer": "int32",
+                "short": "int16", "byte": "int8", "double": "float64", "float": "float32", "boolean": "bool",
+                "date": "date32", "timestamp": "timestamp[us, tz=UTC]", "binary": "binary"}
+
+
+def _field_change(item: str, option: str) -> tuple[list[str], pa.DataType]:
+    import pyarrow as pa
+
+    name, sep, type_name = item.partition(":")
+    if not sep or not name or type_name.strip().lower() not in SIMPLE_TYPES:
+        raise typer.BadParameter(f"expected FIELD:TYPE with a type of {', '.join(SIMPLE_TYPES)}; got {item!r}",
+                                 param_hint=f"'{option}'")
+    spelled = SIMPLE_TYPES[type_name.strip().lower()]
+    dtype = pa.timestamp("us", tz="UTC") if spelled.startswith("timestamp") else pa.type_for_alias(spelled)
+    return name.split("."), dtype
+
+
+def _is_struct(dtype: pa.DataType) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_struct(dtype)
+
+
+def _with_field(dtype: pa.DataType, path: list[str], new: pa.DataType, *, add: bool) -> pa.DataType:
+    """``dtype`` (a struct) with the field at ``path`` added or given type ``new``."""
+    import pyarrow as pa
+
+    if not pa.types.is_struct(dtype):
+        raise typer.BadParameter(f"the value is {dtype}, not a struct: it has no field {'.'.join(path)}")
+    names = [f.name for f in dtype]
+    head, rest = path[0], path[1:]
+    if rest:
+        if head not in names:
+            raise typer.BadParameter(f"the value has no struct field {head!r} (it has {names})")
+        inner = _with_field(dtype.field(head).type, rest, new, add=add)
+        return pa.struct([f.with_type(inner) if f.name == head else f for f in dtype])
+    if add:
+        if head in names:
+            raise typer.BadParameter(f"the value already has a field {head!r}")
+        return pa.struct([*dtype, pa.field(head, new)])
+    if head not in names:
+        raise typer.BadParameter(f"the value has no field {head!r} to widen (it has {names})")
+    return pa.struct([f.with_type(new) if f.name == head else f for f in dtype])
+
+
+@_command()
 def savepoint(
     name: Annotated[str, typer.Argument(help="Name of the new savepoint, e.g. before-upgrade.")],
     table: TableName,

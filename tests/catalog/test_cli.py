@@ -18,13 +18,14 @@ import sys
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
 from catalog.cli import tables as app
-from statestore import StateStore
+from statestore import StateLayout, StateStore, ValueStateDescriptor
 from statestore.keygroups import assign_key_groups
-from tests.catalog.catalog_helpers import MAX_PARALLELISM, commit_next
+from tests.catalog.catalog_helpers import KEY_SCHEMA, MAX_PARALLELISM, commit_next
 from tests.catalog.conftest import Place
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -335,3 +336,51 @@ def test_describe_rescale_command(place):
     assert "written by 1 task(s)" in described["title"]
     bad = invoke("describe-rescale", *where, "--parallelism", "17")
     assert bad.exit_code == 2 and "max parallelism 16" in bad.output
+
+
+def test_repair_command_dry_run_then_commit(place, tmp_path):
+    groups = stored_checkpoints(place)
+    where = [*place.cli_args(), "--table", "op"]
+    fix = ["--reason", "halve u1", "--by", "ops", "--delete-key", "user=u9",
+           "--put", "count=SELECT user, v_count // 2 AS v_count FROM state_count WHERE user = 'u1'"]
+    planned = invoke("repair", *where, *fix, "--dry-run", "--format", "json")
+    assert planned.exit_code == 0, planned.output
+    feeds = {json.loads(line)["title"]: json.loads(line)["rows"] for line in planned.stdout.splitlines()}
+    assert feeds["count: would change (2)"] == [
+        *sorted([{"change_type": "update", "user": "u1", "key_group": groups["u1"], "before": 2001, "after": 1000,
+                  "before_checkpoint_id": 2, "after_checkpoint_id": 3},
+                 {"change_type": "delete", "user": "u9", "key_group": groups["u9"], "before": 1009, "after": None,
+                  "before_checkpoint_id": 1, "after_checkpoint_id": None}], key=lambda r: r["key_group"])]
+    listed = json.loads(invoke("checkpoints", *where, "--format", "json").stdout)["rows"]
+    assert [r["checkpoint_id"] for r in listed] == [1, 2]  # the dry run committed nothing
+    done = invoke("repair", *where, *fix)
+    assert done.exit_code == 0 and "repair committed" in done.output, done.output
+    listed = json.loads(invoke("checkpoints", *where, "--format", "json").stdout)["rows"]
+    assert (listed[-1]["operation"], listed[-1]["batch_id"], listed[-1]["repair_reason"]) == ("repair", 20, "halve u1")
+    values = json.loads(invoke("sql", *where, "--format", "json", "SELECT user, v_count FROM state_count").stdout)
+    assert values == [{"user": "u1", "v_count": 1000}]
+    bulk = tmp_path / "bulk.parquet"
+    pq.write_table(pa.table({"user": ["a", "b"], "v_count": [1, 2]}), bulk)
+    loaded = invoke("repair", *where, "--reason", "bulk load", "--put-parquet", f"count={bulk}")
+    assert loaded.exit_code == 0, loaded.output
+    bad = invoke("repair", *where, "--reason", "typo", "--put", "count=SELECT user FROM state_count")
+    assert bad.exit_code == 1 and "lack column(s) ['v_count']" in bad.output
+
+
+def test_migrate_command_adds_a_field_and_widens(place):
+    table = place.open(StateLayout.of(KEY_SCHEMA, [ValueStateDescriptor("point", pa.struct([("n", pa.int32())]))],
+                                      MAX_PARALLELISM))
+    store = StateStore(table)
+    store.get_state("point").update_batch(pa.table({"user": ["u1"]}), [{"n": 1}])
+    store.checkpoint()
+    table.close()
+    where = [*place.cli_args(), "--table", "op"]
+    done = invoke("migrate", *where, "--state", "point", "--add-field", "note:string", "--widen", "n:long")
+    assert done.exit_code == 0, done.output
+    assert "struct<n: int64, note: string>" in done.output
+    rows = json.loads(invoke("sql", *where, "--format", "json", "SELECT v_point FROM state_point").stdout)
+    assert rows == [{"v_point": {"n": 1, "note": None}}]
+    narrowing = invoke("migrate", *where, "--state", "point", "--widen", "n:int")
+    assert narrowing.exit_code == 1 and "changes from int64 to int32" in narrowing.output
+    unknown = invoke("migrate", *where, "--state", "point", "--add-field", "x:decimal")
+    assert unknown.exit_code == 2 and "FIELD:TYPE" in unknown.output

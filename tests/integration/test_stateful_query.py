@@ -21,6 +21,7 @@ from pyspark.sql.streaming import StreamingQueryListener
 
 from catalog import IcebergStateTable, connect
 from catalog.defaults import default_catalog
+from catalog.repair import Repair
 from spark_integration import Deduplicate, RunningAggregate, StateLocation
 from statestore.errors import (
     SchemaMismatchError,
@@ -192,6 +193,38 @@ def test_replayed_batch_is_not_applied_twice(spark, tmp_path, where):
     assert state_counts(loc) == counts(batches)
     after = output_rows(loc, "out.profile")
     assert sorted(after.to_pylist(), key=str) == sorted(before.to_pylist(), key=str)
+
+
+def test_a_repair_while_the_query_is_stopped_is_where_the_resumed_stream_goes_on(spark, tmp_path, where):
+    """Issue 15: a repair (a count fixed, a poisoned key deleted, a key bulk-loaded) committed
+    while no query runs; the query resumes on the same checkpointLocation, its next batch builds
+    on the repaired state and its outputs show it."""
+    batches = key_batches(3, 40, 11)
+    input_dir = tmp_path / "in"
+    loc, cp = where(), str(tmp_path / "cp")
+    write_batches(input_dir, batches[:2])
+    run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=loc, checkpoint=cp)
+    assert state_counts(loc) == counts(batches[:2])
+    with IcebergStateTable.open_existing(warehouse=loc.warehouse, table_name=loc.table) as table, \
+            Repair(table, reason="k0000 counted twice; k0001 is a bot") as repair:
+        repair.put("count", pa.table({"key": ["k0000", "new"], "v_count": [{"n": 1000}, {"n": 5}]}))
+        repair.delete_keys(pa.table({"key": ["k0001"]}))
+        fixed = repair.commit()
+    assert fixed.batch_id == 1
+    write_batches(input_dir, batches)
+    runner = run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=loc,
+                        checkpoint=cp, output_table="out.counts")
+    assert [r.batch_id for r in runner.reports] == [2]
+    expected = counts(batches)
+    late = counts(batches[2:])
+    expected["k0000"] = 1000 + late.get("k0000", 0)
+    expected.pop("k0001")
+    if "k0001" in late:
+        expected["k0001"] = late["k0001"]  # counted afresh after the delete
+    expected["new"] = 5
+    assert state_counts(loc) == expected
+    emitted = {r["key"]: r["count"] for r in output_rows(loc, "out.counts").to_pylist()}
+    assert emitted["k0000"] == expected["k0000"] and emitted.get("k0001") == late.get("k0001")
 
 
 def test_a_state_table_out_of_step_with_its_query_refuses_to_run(spark, tmp_path, where):
