@@ -472,6 +472,7 @@ def diff(
     import pyarrow as pa
 
     from catalog import inspection
+    from statestore.changes import DELETE, INSERT, UPDATE
 
     with _open_table(warehouse, catalog, properties, namespace, table, branch=branch) as t:
         names = state or [d.name for d in t.layout.descriptors]
@@ -479,7 +480,7 @@ def diff(
     span = f"{start} -> {'newest' if end is None else end}"
     if summary:
         counts = [{"state": name, "change_type": kind, "keys": rows.column("change_type").to_pylist().count(kind)}
-                  for name, rows in feeds.items() for kind in (inspection.INSERT, inspection.UPDATE, inspection.DELETE)]
+                  for name, rows in feeds.items() for kind in (INSERT, UPDATE, DELETE)]
         _emit(pa.Table.from_pylist(counts), output, f"changes {span}")
         return
     for name, rows in feeds.items():

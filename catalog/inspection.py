@@ -41,21 +41,19 @@ import pyarrow.parquet as pq
 
 from catalog import key_text
 from catalog.retention import checkpoint_id_of, line
-from statestore.descriptors import StateDescriptor, StateKind
-from statestore.entries import read_entries, variable_entry_schema
+from statestore import changes as changes_module
+from statestore.descriptors import StateDescriptor
+from statestore.entries import variable_entry_schema
 from statestore.errors import CorruptSegmentError, StateNotDeclaredError
 from statestore.keygroups import assign_key_groups
-from statestore.layout import CHECKPOINT_ID, KEY_GROUP
-from statestore.resolve import BATCH_ID, ORD, shown, survivors
+from statestore.layout import KEY_GROUP
+from statestore.resolve import BATCH_ID, shown
 from statestore.segment import SegmentReader
 from statestore.table import CheckpointInfo, SegmentFile
 
 if TYPE_CHECKING:
     from catalog.iceberg_table import IcebergStateTable
 
-CHANGE_TYPE = "change_type"
-INSERT, UPDATE, DELETE = "insert", "update", "delete"
-BEFORE, AFTER = "before", "after"
 # The checkpoint a history row was read at (its own checkpoint_id says which one wrote it).
 AT_CHECKPOINT, AT_BATCH, AT_TIME = "checkpoint_id_at", "batch_id_at", "committed_at"
 # Operations a checkpoint's summary records (``operation`` of ``checkpoints``).
@@ -217,12 +215,9 @@ def _live(table: IcebergStateTable, desc: StateDescriptor, files: list[SegmentFi
           keys: pl.DataFrame | None, reader: SegmentReader) -> pl.DataFrame:
     """The surviving entries of ``desc`` (every column, ``statestore.resolve.survivors``)."""
     layout = table.layout
-    if keys is None:
-        kgs = np.arange(layout.max_parallelism, dtype=np.int64)
-    else:
-        kgs = np.unique(keys.get_column(KEY_GROUP).to_numpy()).astype(np.int64)
-    entries = read_entries(reader, files, kgs, variable_entry_schema(layout, desc), state=desc.name, keys=keys)
-    return survivors(entries, desc, [KEY_GROUP, *layout.key_names], now)
+    every = np.arange(layout.max_parallelism, dtype=np.int64)
+    return changes_module.live_entries(reader, variable_entry_schema(layout, desc), desc, layout.key_names, files,
+                                       every, now, keys)
 
 
 def _shown(live: pl.DataFrame, desc: StateDescriptor, keys: list[str], batches: dict[int, int | None]) -> pa.Table:
@@ -354,14 +349,16 @@ def changes(table: IcebergStateTable, variable: str, from_checkpoint: int, to_ch
 
 def files_changes(table: IcebergStateTable, desc: StateDescriptor, old_files: list[SegmentFile],
                   new_files: list[SegmentFile], written_after: int | None, now_ms: int) -> pa.Table:
-    """``changes`` between two sets of segments: with ``written_after``, the new files are the old
-    ones plus segments of later checkpoints, and only the keys those wrote are compared (a
-    repair's dry run compares its own uncommitted segments so)."""
-    reader = SegmentReader(table.filesystem)
-    touched = None if written_after is None else _written_after(table, desc, new_files, written_after, reader)
-    before = _live(table, desc, old_files, now_ms, touched, reader)
-    after = _live(table, desc, new_files, now_ms, touched, reader)
-    return _diff(before, after, desc, table.layout.key_names)
+    """``changes`` between two sets of segments (``statestore.changes.changes_between``): with
+    ``written_after``, the new files are the old ones plus segments of later checkpoints, and
+    only the keys those wrote are compared (a repair's dry run compares its own uncommitted
+    segments so)."""
+    layout = table.layout
+    feed = changes_module.changes_between(
+        SegmentReader(table.filesystem), variable_entry_schema(layout, desc), desc, layout.key_names, old_files,
+        new_files, np.arange(layout.max_parallelism, dtype=np.int64), now_ms, written_after)
+    shown = {c: sql_name(n) for c, n in desc.display_columns().items() if c != desc.value_column}
+    return feed.rename(shown).to_arrow()
 
 
 def _descends(table: IcebergStateTable, info: CheckpointInfo, from_checkpoint: int) -> bool:
@@ -375,40 +372,3 @@ def _descends(table: IcebergStateTable, info: CheckpointInfo, from_checkpoint: i
         parent = snapshot.parent_snapshot_id
         snapshot = None if parent is None else metadata.snapshot_by_id(parent)
     return False
-
-
-def _written_after(table: IcebergStateTable, desc: StateDescriptor, files: list[SegmentFile], checkpoint_id: int,
-                   reader: SegmentReader) -> pl.DataFrame:
-    """The keys (with key groups) of ``desc`` that entries newer than ``checkpoint_id`` wrote.
-    A segment (or compaction output) holds no entry newer than the checkpoint it is named after."""
-    newer = [s for s in files if s.checkpoint_id > checkpoint_id]
-    layout = table.layout
-    kgs = np.arange(layout.max_parallelism, dtype=np.int64)
-    entries = read_entries(reader, newer, kgs, variable_entry_schema(layout, desc), state=desc.name)
-    return (entries.filter(pl.col(CHECKPOINT_ID) > checkpoint_id)
-            .select(KEY_GROUP, *layout.key_names).unique())
-
-
-def _diff(before: pl.DataFrame, after: pl.DataFrame, desc: StateDescriptor, keys: list[str]) -> pa.Table:
-    """The change feed of two sides' surviving entries (``changes``)."""
-    v = desc.value_column
-    by = [KEY_GROUP, *keys]
-    if desc.kind is StateKind.LIST:
-        before, after = (frame.sort(ORD).group_by(by, maintain_order=True).agg(
-            pl.col(v), pl.col(CHECKPOINT_ID).max()) for frame in (before, after))
-    elif desc.kind is StateKind.MAP:
-        by.append(desc.user_key_column)
-    sides = [frame.select(*by, pl.col(v).alias(side),
-                          pl.col(CHECKPOINT_ID).cast(pl.Int64).alias(f"{side}_checkpoint_id"),
-                          pl.lit(True).alias(f"_{side}"))
-             for frame, side in ((before, BEFORE), (after, AFTER))]
-    joined = sides[0].join(sides[1], on=by, how="full", coalesce=True, nulls_equal=True)
-    was, now = pl.col(f"_{BEFORE}").fill_null(False), pl.col(f"_{AFTER}").fill_null(False)
-    kind = (pl.when(~was).then(pl.lit(INSERT)).when(~now).then(pl.lit(DELETE)).otherwise(pl.lit(UPDATE)))
-    changed = joined.filter(~(was & now) | ~pl.col(BEFORE).eq_missing(pl.col(AFTER)))
-    shown = {c: sql_name(n) for c, n in desc.display_columns().items() if c != v}
-    ordered = changed.with_columns(kind.alias(CHANGE_TYPE)).sort(by)
-    columns = [CHANGE_TYPE, *keys, *([desc.user_key_column] if desc.kind is StateKind.MAP else []), KEY_GROUP,
-               BEFORE, AFTER, f"{BEFORE}_checkpoint_id", f"{AFTER}_checkpoint_id"]
-    return ordered.select(columns).rename(shown).to_arrow()
-

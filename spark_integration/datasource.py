@@ -28,7 +28,17 @@ Options (names are case-insensitive, like every Spark option):
 * ``partitions``: how many Spark partitions (contiguous key-group ranges, Flink's
   ``compute_key_group_range_for_task``) to split the key-group space into, default
   ``min(max_parallelism, 8)``; ranges left without data after pruning are dropped;
-* ``pushdown``: ``true`` (default) or ``false``, see "Spark requirements".
+* ``pushdown``: ``true`` (default) or ``false``, see "Spark requirements";
+* ``readChangeFeed``: ``true`` reads the change feed instead of the state, as Spark's state
+  reader does: per step from a checkpoint of the line to the next one, in stream batches
+  ``changeStartBatchId`` to ``changeEndBatchId`` (inclusive; default the newest), or in
+  checkpoints ``changeStartCheckpoint`` to ``changeEndCheckpoint``. The checkpoint before the
+  first step must be retained (or be none: the table's first checkpoint). Columns:
+  ``batch_id``, ``checkpoint_id`` (the step), ``change_type`` (``insert``, ``update`` or
+  ``delete``: where Spark's feed says ``update`` for a put, this one tells an insert apart), the
+  key columns, ``mk_<name>`` (maps), ``key_group``, ``before`` and ``after`` (a list compares as
+  the whole list), ``before_checkpoint_id``, ``after_checkpoint_id`` (``statestore.changes``).
+  A step reads only the key groups and keys its checkpoint wrote.
 
 Schema: the SQL view ``state_<name>``'s (``catalog.inspection.live_state``,
 ``statestore.resolve.shown``), one row per live key (value, reducing, aggregating; for the last
@@ -111,6 +121,7 @@ except ImportError:  # pragma: no cover - pyspark 4.0: readers without pushdown 
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import StructField, StructType
 
+from statestore.changes import change_types, changes_between
 from statestore.descriptors import (
     ListStateDescriptor,
     MapStateDescriptor,
@@ -121,8 +132,8 @@ from statestore.descriptors import (
 from statestore.entries import read_entries, variable_entry_schema
 from statestore.errors import CheckpointNotFoundError
 from statestore.keygroups import KeyGroupRange, assign_key_groups, compute_key_group_range_for_task
-from statestore.layout import KEY_GROUP, StateLayout
-from statestore.resolve import shown, shown_types, survivors
+from statestore.layout import CHECKPOINT_ID, KEY_GROUP, StateLayout
+from statestore.resolve import BATCH_ID, shown, shown_types, survivors
 from statestore.segment import SegmentReader
 from statestore.table import SegmentFile
 
@@ -153,10 +164,17 @@ OPT_SAVEPOINT = "savepoint"
 OPT_NOW_MS = "now_ms"
 OPT_PARTITIONS = "partitions"
 OPT_PUSHDOWN = "pushdown"
+# The change feed, named as Spark's state reader names it (batch ids), or by checkpoint ids.
+OPT_CHANGE_FEED = "readchangefeed"
+OPT_CHANGE_START_BATCH = "changestartbatchid"
+OPT_CHANGE_END_BATCH = "changeendbatchid"
+OPT_CHANGE_START_CHECKPOINT = "changestartcheckpoint"
+OPT_CHANGE_END_CHECKPOINT = "changeendcheckpoint"
 CATALOG_PREFIX = "catalog."
 CATALOG_NAME = "catalog.name"
 KNOWN_OPTIONS = (OPT_TABLE, OPT_PATH, OPT_NAMESPACE, OPT_WAREHOUSE, OPT_STATE, OPT_CHECKPOINT, OPT_BRANCH,
-                 OPT_SAVEPOINT, OPT_NOW_MS, OPT_PARTITIONS, OPT_PUSHDOWN)
+                 OPT_SAVEPOINT, OPT_NOW_MS, OPT_PARTITIONS, OPT_PUSHDOWN, OPT_CHANGE_FEED, OPT_CHANGE_START_BATCH,
+                 OPT_CHANGE_END_BATCH, OPT_CHANGE_START_CHECKPOINT, OPT_CHANGE_END_CHECKPOINT)
 
 # Key types whose pushed literals (str, bytes, int, bool, date) hash and compare exactly.
 _PUSHABLE_KEY = (pa.types.is_string, pa.types.is_binary, pa.types.is_integer, pa.types.is_boolean,
@@ -177,6 +195,7 @@ class ReadOptions:
     partitions: int | None
     pushdown: bool
     savepoint: str | None = None
+    change_feed: ChangeFeedRange | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReadOptions:
@@ -233,7 +252,7 @@ class ReadOptions:
         return cls(
             ref=ref, state=opts.get(OPT_STATE) or None, checkpoint_id=_int_option(opts, OPT_CHECKPOINT, minimum=1),
             now_ms=_int_option(opts, OPT_NOW_MS, minimum=None), partitions=partitions, pushdown=pushdown == "true",
-            savepoint=opts.get(OPT_SAVEPOINT) or None,
+            savepoint=opts.get(OPT_SAVEPOINT) or None, change_feed=ChangeFeedRange.parse(opts),
         )
 
     @property
@@ -284,6 +303,52 @@ class ReadOptions:
             ) from None
 
 
+@dataclass(frozen=True)
+class ChangeFeedRange:
+    """Option ``readChangeFeed``: the steps to read, by stream batch (Spark's
+    ``changeStartBatchId``/``changeEndBatchId``, inclusive) or by checkpoint id."""
+
+    start: int
+    end: int | None
+    by_batch: bool
+
+    @classmethod
+    def parse(cls, opts: Mapping[str, str]) -> ChangeFeedRange | None:
+        wanted = str(opts.get(OPT_CHANGE_FEED, "false")).strip().lower()
+        if wanted not in ("true", "false"):
+            raise ValueError(f"icestate data source: option readChangeFeed must be 'true' or 'false', got {wanted!r}")
+        given = [o for o in (OPT_CHANGE_START_BATCH, OPT_CHANGE_END_BATCH, OPT_CHANGE_START_CHECKPOINT,
+                             OPT_CHANGE_END_CHECKPOINT) if opts.get(o) not in (None, "")]
+        if wanted == "false":
+            if given:
+                raise ValueError(f"icestate data source: option(s) {given} need readChangeFeed=true")
+            return None
+        if opts.get(OPT_CHECKPOINT) or opts.get(OPT_SAVEPOINT):
+            raise ValueError("icestate data source: readChangeFeed reads the changes between checkpoints; options "
+                             "checkpoint and savepoint do not apply (use changeStartBatchId/changeEndBatchId)")
+        by_batch = OPT_CHANGE_START_BATCH in opts or OPT_CHANGE_END_BATCH in opts
+        by_checkpoint = OPT_CHANGE_START_CHECKPOINT in opts or OPT_CHANGE_END_CHECKPOINT in opts
+        if by_batch == by_checkpoint:
+            raise ValueError("icestate data source: readChangeFeed=true needs changeStartBatchId (and optionally "
+                             "changeEndBatchId), as Spark's state reader, or changeStartCheckpoint (and optionally "
+                             "changeEndCheckpoint); not both kinds")
+        start_opt, end_opt = ((OPT_CHANGE_START_BATCH, OPT_CHANGE_END_BATCH) if by_batch else
+                              (OPT_CHANGE_START_CHECKPOINT, OPT_CHANGE_END_CHECKPOINT))
+        start = _int_option(opts, start_opt, minimum=0)
+        if start is None:
+            raise ValueError(f"icestate data source: readChangeFeed=true needs option {start_opt}")
+        end = _int_option(opts, end_opt, minimum=start)
+        return cls(start, end, by_batch)
+
+    def picks(self, info: Any) -> bool:
+        value = info.batch_id if self.by_batch else info.checkpoint_id
+        return value is not None and value >= self.start and (self.end is None or value <= self.end)
+
+    def describe(self) -> str:
+        what = "batches" if self.by_batch else "checkpoints"
+        return f"{what} {self.start} to {'the newest' if self.end is None else self.end}"
+
+
 def _int_option(opts: Mapping[str, str], name: str, minimum: int | None) -> int | None:
     raw = opts.get(name)
     if raw is None or str(raw).strip() == "":
@@ -309,8 +374,20 @@ def state_arrow_schema(layout: StateLayout, desc: StateDescriptor) -> pa.Schema:
 
 def state_spark_schema(layout: StateLayout, desc: StateDescriptor) -> StructType:
     """``state_arrow_schema`` as Spark types (pyspark's Arrow conversion)."""
+    return _as_spark(state_arrow_schema(layout, desc), desc)
+
+
+def change_feed_arrow_schema(layout: StateLayout, desc: StateDescriptor) -> pa.Schema:
+    """The Arrow schema of the change feed of ``desc`` (option ``readChangeFeed``): the batch and
+    checkpoint of each step, then ``statestore.changes``'s columns (map key named after the variable)."""
+    names = desc.display_columns()
+    step = [pa.field(BATCH_ID, pa.int64()), pa.field(CHECKPOINT_ID, pa.int64(), nullable=False)]
+    return pa.schema([*step, *(f.with_name(names.get(f.name, f.name)) for f in change_types(desc, layout.key_schema))])
+
+
+def _as_spark(schema: pa.Schema, desc: StateDescriptor) -> StructType:
     fields = []
-    for f in state_arrow_schema(layout, desc):
+    for f in schema:
         try:
             spark_type = from_arrow_type(f.type)
         except Exception as e:  # pyspark raises PySparkTypeError for types Spark has no equivalent of
@@ -649,6 +726,112 @@ class IcestateFilteringReader(IcestateReader):
         return returned
 
 
+# ------------------------------------------------------------------------------------ change feed
+
+
+@dataclass(frozen=True)
+class ChangePartition(InputPartition):
+    """One Spark partition of the change feed: the key groups ``[start, end]`` of one step, from
+    the checkpoint before (``old_segments``; ``after_checkpoint`` its id) to checkpoint
+    ``checkpoint_id`` of stream batch ``batch_id`` (``new_segments``)."""
+
+    index: int
+    batch_id: int | None
+    checkpoint_id: int
+    after_checkpoint: int
+    start: int
+    end: int
+    old_segments: tuple[SegmentFile, ...]
+    new_segments: tuple[SegmentFile, ...]
+
+
+def plan_change_partitions(steps: Sequence[tuple[Any, int, list[SegmentFile], list[SegmentFile]]],
+                           max_parallelism: int, partitions: int) -> list[ChangePartition]:
+    """Each step (checkpoint info, the id of the checkpoint before it (0: none), its files, the
+    files before) split into key-group ranges; a range that no segment newer than the step's
+    previous checkpoint covers has no change and is dropped."""
+    out: list[ChangePartition] = []
+    for info, before, new, old in steps:
+        for r in (compute_key_group_range_for_task(max_parallelism, partitions, i) for i in range(partitions)):
+            newer = [s for s in new if s.checkpoint_id > before and _covers(s, r, None)]
+            if not newer:
+                continue
+            out.append(ChangePartition(
+                len(out), info.batch_id, info.checkpoint_id, before, r.start, r.end,
+                tuple(s for s in old if _covers(s, r, None)), tuple(s for s in new if _covers(s, r, None))))
+    return out
+
+
+def read_change_partition(spec: ReadSpec, partition: ChangePartition) -> Iterator[pa.RecordBatch]:
+    """The change feed rows of one partition (``statestore.changes.changes_between``)."""
+    desc = spec.descriptor
+    kgs = np.arange(partition.start, partition.end + 1, dtype=np.int64)
+    feed = changes_between(SegmentReader(spec.filesystem), spec.source_schema, desc, spec.key_names,
+                           partition.old_segments, partition.new_segments, kgs, spec.now_ms, partition.after_checkpoint)
+    if not feed.height:
+        return
+    feed = feed.rename(desc.display_columns()).with_columns(
+        pl.lit(partition.batch_id, dtype=pl.Int64).alias(BATCH_ID),
+        pl.lit(partition.checkpoint_id, dtype=pl.Int64).alias(CHECKPOINT_ID))
+    yield from _to_output(feed.to_arrow(), spec.output_schema).to_batches(max_chunksize=BATCH_ROWS_MAX)
+
+
+class IcestateChangeFeedReader(DataSourceReader):
+    """Reads the change feed of one variable over a range of checkpoints (option ``readChangeFeed``):
+    per step from a checkpoint to the next one of the line, what each key's state became."""
+
+    def __init__(self, options: ReadOptions, schema: StructType):
+        wanted = options.change_feed
+        with options.opened_table() as table:
+            layout = table.layout
+            desc = options.descriptor(layout)
+            steps = _change_steps(table, wanted)
+            filesystem = table.filesystem
+        full = change_feed_arrow_schema(layout, desc)
+        self.spec = ReadSpec(
+            filesystem=filesystem, key_schema=layout.key_schema, descriptor=_plain_descriptor(desc),
+            source_schema=_source_schema(layout, desc), output_schema=_requested_schema(schema, full, desc),
+            now_ms=options.now_ms if options.now_ms is not None else time.time_ns() // 1_000_000,
+            checkpoint_id=None, batches={})
+        count = options.partitions or min(layout.max_parallelism, DEFAULT_PARTITIONS_MAX)
+        self._partitions = plan_change_partitions(steps, layout.max_parallelism, count)
+
+    def partitions(self) -> list[ChangePartition]:
+        return self._partitions
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        if not isinstance(partition, ChangePartition):
+            return iter(())
+        return read_change_partition(self.spec, partition)
+
+
+def _change_steps(table: IcebergStateTable, wanted: ChangeFeedRange) -> list[tuple[Any, int, list, list]]:
+    """(checkpoint, id of the one before it, its segments, those before) of every checkpoint of
+    the line in ``wanted``; the first one's predecessor must be retained (or it must be the
+    table's first checkpoint)."""
+    line = table.list_checkpoints()
+    picked = [i for i, info in enumerate(line) if wanted.picks(info)]
+    retained = f"retained: batches {[c.batch_id for c in line]}, checkpoints {[c.checkpoint_id for c in line]}"
+    if not picked:
+        raise CheckpointNotFoundError(
+            f"icestate data source: readChangeFeed: no retained checkpoint of {wanted.describe()} on branch "
+            f"{table.branch!r} of state table {table.identifier} ({retained})")
+    steps = []
+    for i in picked:
+        info = line[i]
+        if i > 0:
+            before, old = line[i - 1].checkpoint_id, table.segments_at(line[i - 1].checkpoint_id)[1]
+        elif table.iceberg_table.metadata.snapshot_by_id(info.snapshot_id).parent_snapshot_id is None:
+            before, old = 0, []  # the table's first checkpoint: everything in it is new
+        else:
+            raise CheckpointNotFoundError(
+                f"icestate data source: readChangeFeed: the checkpoint before checkpoint {info.checkpoint_id} (batch "
+                f"{info.batch_id}) is no longer retained, so its changes cannot be told; start the feed one step later "
+                f"({retained})")
+        steps.append((info, before, table.segments_at(info.checkpoint_id)[1], old))
+    return steps
+
+
 def _column_of(f: Filter) -> str | None:
     attribute = getattr(f, "attribute", None)
     if attribute is None and isinstance(f, Not):
@@ -680,10 +863,15 @@ class IcestateDataSource(DataSource):
     def schema(self) -> StructType:
         options = ReadOptions.parse(self.options)
         with options.opened_table() as table:
-            return state_spark_schema(table.layout, options.descriptor(table.layout))
+            desc = options.descriptor(table.layout)
+            if options.change_feed is not None:
+                return _as_spark(change_feed_arrow_schema(table.layout, desc), desc)
+            return state_spark_schema(table.layout, desc)
 
-    def reader(self, schema: StructType) -> IcestateReader:
+    def reader(self, schema: StructType) -> DataSourceReader:
         options = ReadOptions.parse(self.options)
+        if options.change_feed is not None:
+            return IcestateChangeFeedReader(options, schema)
         cls = IcestateFilteringReader if options.pushdown and FILTER_PUSHDOWN_AVAILABLE else IcestateReader
         return cls(options, schema)
 

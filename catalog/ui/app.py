@@ -43,6 +43,7 @@ from catalog.ui import charts
 from catalog.ui.grids import of_table
 from catalog.ui.sql_box import SqlBox, SqlError
 from statestore import stored_keys
+from statestore.changes import CHANGE_TYPE, DELETE, INSERT, UPDATE
 from statestore.errors import CatalogUnavailableError, CheckpointNotFoundError, StateNotDeclaredError
 
 if TYPE_CHECKING:
@@ -193,11 +194,11 @@ def diff_page(name: str) -> tuple[str, int]:
                 error = "choose the two retained checkpoints to compare, from and to (a line needs two)"
             else:
                 result = inspection.changes(table, variable, before, after)
-    counts = None if result is None else Counter(result.column(inspection.CHANGE_TYPE).to_pylist())
+    counts = None if result is None else Counter(result.column(CHANGE_TYPE).to_pylist())
     page = render_template(
         "diff.html", name=name, branch=branch, line=line, tab="diff", variables=variables, variable=variable,
         before=before, after=after, result=None if result is None else of_table(result), counts=counts,
-        change_types=(inspection.INSERT, inspection.UPDATE, inspection.DELETE), error=error)
+        change_types=(INSERT, UPDATE, DELETE), error=error)
     return page, 400 if error else 200
 
 

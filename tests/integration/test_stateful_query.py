@@ -22,7 +22,7 @@ from pyspark.sql.streaming import StreamingQueryListener
 from catalog import IcebergStateTable, connect
 from catalog.defaults import default_catalog
 from catalog.repair import Repair
-from spark_integration import Deduplicate, RunningAggregate, StateLocation
+from spark_integration import Deduplicate, RunningAggregate, StateLocation, register
 from statestore.errors import (
     SchemaMismatchError,
     StateOutOfStepError,
@@ -104,6 +104,46 @@ def test_same_processor_same_output_as_spark_transform_with_state(spark, tmp_pat
                checkpoint=str(tmp_path / "cp-ours"), foreach_batch=collect)
     assert len(spark_rows) > 50
     assert sorted(ours) == sorted(spark_rows)
+
+
+def test_the_change_feed_per_batch_equals_spark_state_readers(spark, tmp_path, where):
+    """Issue 15: option readChangeFeed with Spark's changeStartBatchId/changeEndBatchId gives, per
+    batch, each key's new count: what Spark's own state reader's change feed gives for Spark's
+    transformWithState on the same input (its rows are all updates: a count never deletes)."""
+    input_dir = write_batches(tmp_path / "in", key_batches(4, 50, 17))
+    changelog = "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"
+    spark.conf.set(PROVIDER_CONF, ROCKSDB)
+    spark.conf.set(changelog, "true")
+    try:
+        out = stream(spark, input_dir).groupBy("key").transformWithState(CountProcessor(), "key string, count long",
+                                                                          "Update", "None")
+        q = (out.writeStream.format("noop").option("checkpointLocation", str(tmp_path / "cp-spark"))
+             .trigger(availableNow=True).start())
+        q.awaitTermination(300)
+        assert q.exception() is None
+        theirs = (spark.read.format("statestore").option("path", str(tmp_path / "cp-spark"))
+                  .option("stateVarName", "count").option("readChangeFeed", "true").option("changeStartBatchId", 1)
+                  .option("changeEndBatchId", 3).load()
+                  .selectExpr("batch_id", "change_type", "key.key AS key", "value.n AS n").collect())
+    finally:
+        spark.conf.unset(PROVIDER_CONF)
+        spark.conf.unset(changelog)
+    loc = where()
+    run_to_end(spark, input_dir, CountProcessor(), "key string, count long", location=loc,
+               checkpoint=str(tmp_path / "cp-ours"))
+    register(spark)
+    ours = (spark.read.format("icestate").option("warehouse", loc.warehouse).option("table", loc.table)
+            .option("state", "count").option("readChangeFeed", "true").option("changeStartBatchId", 1)
+            .option("changeEndBatchId", 3).load())
+    assert ours.columns[:3] == ["batch_id", "checkpoint_id", "change_type"]
+    rows = ours.selectExpr("batch_id", "change_type", "key", "after.n AS n", "before.n AS was").collect()
+    assert {r.batch_id for r in rows} == {1, 2, 3} and len(theirs) > 20
+    assert sorted((r.batch_id, r.key, r.n) for r in rows) == sorted((r.batch_id, r.key, r.n) for r in theirs)
+    assert {r.change_type for r in theirs} == {"update"}
+    assert all((r.change_type == "insert") == (r.was is None) for r in rows)
+    with pytest.raises(Exception, match="no retained checkpoint of batches 7 to the newest"):
+        (spark.read.format("icestate").option("warehouse", loc.warehouse).option("table", loc.table)
+         .option("readChangeFeed", "true").option("changeStartBatchId", 7).load().collect())
 
 
 def test_state_and_outputs_after_several_batches(spark, tmp_path, where):
