@@ -100,3 +100,33 @@ def test_bench_restart_reads_runs_end_to_end(tmp_path, monkeypatch):
     # a few keys per key group: the partial views hold those keys, the whole ones every key
     assert local["partial"]["few_keys"]["cache_size_bytes"] * 10 < local["whole"]["few_keys"]["cache_size_bytes"]
     assert (tmp_path / "bench_restart_reads_quick.png").stat().st_size > 0
+
+
+def test_bench_inspect_runs_end_to_end(tmp_path, monkeypatch):
+    """The inspection benchmark at tiny sizes without Spark: every measure of ours runs and reads
+    what the input implies, with about one segment per unit per checkpoint; those of
+    ``catalog.inspection`` are measured or recorded as not available, never missing."""
+    pytest.importorskip("matplotlib")
+    from benchmarks import bench_inspect
+
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    app = typer.Typer()
+    app.command()(bench_inspect.main)
+    args = ["--keys", "2000", "--checkpoints", "4", "--repeat", "1", "--skip-spark"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "bench_inspect.json").read_text())
+    assert results["config"]["keys"] == 2000 and results["spark"]["status"] == "skipped"
+    assert results["ours"]["build"]["segments_per_unit"] == [4] * results["ours"]["build"]["units"]
+    measures = results["ours"]["measures"]
+    for name in ("views_all", "views_all_warm", "views_key", "views_key_warm", "views_history",
+                 "views_history_warm", "store_all", "store_all_warm", "store_all_scan", "store_key",
+                 "store_key_warm"):
+        assert measures[name]["status"] == "ok" and measures[name]["ok"], (name, measures[name])
+        assert measures[name]["best_s"] > 0
+    assert measures["views_all"]["rows"] == 2000 and measures["views_history"]["rows"] == 4
+    for name in ("inspection_all", "inspection_key", "inspection_history_batches"):
+        assert measures[name]["status"] in ("ok", bench_inspect.NOT_AVAILABLE), (name, measures[name])
+        assert measures[name]["status"] != "ok" or measures[name]["ok"], (name, measures[name])
+    assert [r["row"] for r in results["rows"]][:2] == ["all", "all_warm"]
+    assert (tmp_path / "bench_inspect.png").stat().st_size > 0
