@@ -200,7 +200,8 @@ def test_browse_tables_checkpoints_and_charts(browser, server, warehouse):
     assert [r["Checkpoint"] for r in checkpoints] == ["4", "3", "2", "1"]
     assert page.locator("#checkpoints tr.selected td").first.inner_text() == "4"
     body = page.locator("main").inner_text()
-    assert "before-v2" in body and "v2" in body and "pages" in body and "not recorded" in body  # TTL: not stored
+    assert "before-v2" in body and "v2" in body and "pages" in body
+    assert "1 d (on create and write)" in body and "none" in body.split()  # the TTL of pages; the others have none
     shot(page, "table")
 
     page.locator("#checkpoints").get_by_role("link", name="1", exact=True).click()
