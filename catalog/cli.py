@@ -202,6 +202,9 @@ def _pyiceberg_config() -> Any:
     return Config()
 
 
+# The prefix of the properties the state store and its queries record (the table view of
+# ``checkpoints`` shows the users' own only).
+STORED_PREFIX = "icestate."
 # Set by the program's ``--debug`` option (``spark_integration.cli``): failures show their traceback.
 DEBUG = {"traceback": False}
 
@@ -289,8 +292,16 @@ def _emit(rows: pa.Table, fmt: OutputFormat, title: str | None = None, shown: di
     for col in rows.column_names:
         out.add_column(Text(col))
     for record in records:
-        out.add_row(*[Text(shown[c](v) if c in shown and v is not None else str(v)) for c, v in record.items()])
+        out.add_row(*[Text(shown[c](v) if c in shown and v is not None else _for_people(v))
+                      for c, v in record.items()])
     console.print(out)
+
+
+def _for_people(value: Any) -> str:
+    """A value in a table for people: times to the second, in UTC."""
+    if isinstance(value, datetime.datetime) and value.tzinfo is not None:
+        return value.astimezone(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return str(value)
 
 
 def _json_value(value: Any) -> Any:
@@ -349,13 +360,13 @@ def checkpoints(table: TableName, warehouse: TableWarehouse = None, catalog: Cat
         listed = inspection.checkpoints(t)
         given = {c.checkpoint_id: c.properties for c in [*t.list_checkpoints(), *t.savepoints().values()]}
     ids = listed.column("checkpoint_id").to_pylist()
-    listed = listed.append_column("properties", pa.array([json.dumps(given.get(i, {})) for i in ids]))
-    if output is OutputFormat.table:  # what fits a terminal; CSV and JSON have every column
+    if output is OutputFormat.table:  # what fits a terminal; CSV and JSON have every column and property
+        given = {i: {k: v for k, v in p.items() if not k.startswith(STORED_PREFIX)} for i, p in given.items()}
         listed = listed.select(["checkpoint_id", "batch_id", "committed_at", "operation", "parallelism", "rows_added",
-                                "bytes_added", "rows", "bytes", "files", "savepoints", "snapshot_id", "properties"])
-    sizes = {c: _size for c in ("bytes_added", "bytes")}
-    _emit(listed, output, f"{namespace}.{table} ({branch})", shown={
-        **sizes, "committed_at": lambda v: v.strftime("%Y-%m-%d %H:%M:%S %Z"), "savepoints": ", ".join})
+                                "bytes_added", "rows", "bytes", "files", "savepoints", "snapshot_id"])
+    listed = listed.append_column("properties", pa.array([json.dumps(given.get(i, {})) for i in ids]))
+    _emit(listed, output, f"{namespace}.{table} ({branch})",
+          shown={"bytes_added": _size, "bytes": _size, "savepoints": ", ".join})
 
 
 @_command()
@@ -525,7 +536,7 @@ def describe_rescale(
     for i in range(parallelism):
         r = compute_key_group_range_for_task(n, parallelism, i)
         mine = groups[r.start:r.end + 1]
-        tasks.append({"task": i, "key_groups": f"{r.start}-{r.end}", "count": len(r),
+        tasks.append({"task": i, "key_groups": f"{r.start}-{r.end}", "groups": len(r),
                       "rows": sum(g["rows"] for g in mine), "bytes": sum(g["bytes"] for g in mine),
                       "files": sum(1 for f in files if f["key_group_min"] <= r.end and f["key_group_max"] >= r.start)})
     largest = max(t["bytes"] for t in tasks) or 1
