@@ -1,74 +1,82 @@
-"""Runs a notebook's code cells without Jupyter, the way a kernel would, and can write
-what each cell shows back into the notebook (its committed outputs).
+"""Executes a notebook in a real Jupyter kernel (nbclient driving ipykernel), as Jupyter's
+"Restart and run all" does, and can write its outputs back into the file: the outputs each
+committed notebook carries, images included (``image/png``).
 
-The cells run top to bottom in one namespace. A cell's last expression is evaluated and
-shown as its result (its ``repr``, as a kernel's plain-text display); a lazy DuckDB
-relation is fetched, as displaying it would. Printed text is kept as the cell's stream
-output. Refresh a notebook's outputs with the project's venv, from the repository root:
+The kernel is ipykernel's own kernelspec, whose command is this interpreter
+(``sys.executable``, the project's venv when run as below): no kernelspec needs installing,
+and a user-level or system-wide ``python3`` spec pointing at another Python is never used.
+It starts in the repository root, so notebooks name files as the README does. Refresh the
+committed outputs of notebooks, from the repository root:
 
-    python -m tests.integration.notebook_runner notebooks/store_without_spark.ipynb
+    .venv/bin/python -m tests.integration.notebook_runner notebooks/quickstart.ipynb [...]
 """
 
 from __future__ import annotations
 
-import ast
-import contextlib
-import io
-import json
 import sys
-from dataclasses import dataclass, field
+import time
 from pathlib import Path
 
-import duckdb
+import nbformat
+import zmq
+from jupyter_client.kernelspec import NATIVE_KERNEL_NAME, KernelSpecManager
+from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[2]
+# Seconds one cell may run (a cell runs a whole streaming query at most).
+CELL_TIMEOUT = 600
+# What child processes write straight to the kernel's file descriptors (Spark's JVM logging as
+# it starts) goes to this program's standard error, not into the notebook's outputs; what the
+# cells print, shell lines (``!icestate ...``) included, is kept.
+KERNEL_ARGUMENTS = ["--IPKernelApp.capture_fd_output=False"]
 
 
-@dataclass
-class NotebookRun:
-    namespace: dict
-    shown: list = field(default_factory=list)  # each code cell's result (None: it showed nothing)
+def kernel_manager() -> KernelManager:
+    """A manager of a kernel run by this interpreter: ipykernel's bundled ``python3`` spec only
+    (no kernel directory is searched, so no installed spec can stand in for it), its channels
+    encrypted with CurveZMQ keys where libzmq and the kernel support them."""
+    specs = KernelSpecManager(kernel_dirs=[], ensure_native_kernel=True)
+    km = KernelManager(kernel_name=NATIVE_KERNEL_NAME, kernel_spec_manager=specs)
+    if _curve_supported():  # encrypted channels, as the kernel asks for over TCP
+        km.curve_publickey, km.curve_secretkey = zmq.curve_keypair()
+    return km
 
 
-def run_cell(source: str, namespace: dict, name: str):
-    """Run one cell; return its last expression's value (None when it ends in a statement)."""
-    tree = ast.parse(source)
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    exec(compile(tree, name, "exec"), namespace)
-    if last is None:
-        return None
-    value = eval(compile(ast.Expression(last.value), name, "eval"), namespace)
-    if isinstance(value, duckdb.DuckDBPyRelation):
-        value.fetchall()  # a relation is lazy: fetching runs its query, as displaying it would
-    return value
+def _curve_supported() -> bool:
+    """Whether libzmq, the kernel (ipykernel 7+) and its manager all take CurveZMQ keys."""
+    from ipykernel.kernelapp import IPKernelApp
+
+    return (zmq.has("curve") and "curve_secretkey" in IPKernelApp.class_trait_names()
+            and "curve_publickey" in KernelManager.class_trait_names())
 
 
-def run_notebook(path: Path, write_outputs: bool = False) -> NotebookRun:
-    """Run every code cell of ``path``; with ``write_outputs`` store what each showed in the file."""
-    notebook = json.loads(path.read_text())
-    run = NotebookRun({"__name__": "__notebook__"})
-    code_cells = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
-    for number, cell in enumerate(code_cells, start=1):
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            value = run_cell("".join(cell["source"]), run.namespace, path.name)
-        run.shown.append(value)
-        cell["execution_count"] = number
-        cell["outputs"] = _outputs(printed.getvalue(), value, number)
-    if write_outputs:
-        path.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
-    return run
+def run_notebook(path: str | Path, write: bool = False) -> nbformat.NotebookNode:
+    """Execute every cell of the notebook ``path`` top to bottom in a new kernel (working
+    directory: the repository root) and return the executed notebook; with ``write``, store
+    it, outputs included, in ``path``.
 
-
-def _outputs(printed: str, value, number: int) -> list[dict]:
-    outputs = []
-    if printed:
-        outputs.append({"name": "stdout", "output_type": "stream", "text": printed.splitlines(keepends=True)})
-    if value is not None:
-        outputs.append({"data": {"text/plain": repr(value).splitlines(keepends=True)}, "execution_count": number,
-                        "metadata": {}, "output_type": "execute_result"})
-    return outputs
+    Raises:
+        nbclient.exceptions.CellExecutionError: a cell raised (a failed ``assert`` included);
+            the file is then left as it was.
+        nbclient.exceptions.CellTimeoutError: a cell ran longer than ``CELL_TIMEOUT``.
+    """
+    path = Path(path)
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(notebook, km=kernel_manager(), kernel_name=NATIVE_KERNEL_NAME, timeout=CELL_TIMEOUT,
+                            record_timing=False, resources={"metadata": {"path": str(ROOT)}},
+                            extra_arguments=KERNEL_ARGUMENTS)
+    client.execute(cleanup_kc=True)  # the kernel is shut down at the end, also after an error
+    if write:
+        nbformat.validate(notebook)
+        nbformat.write(notebook, path)
+    return notebook
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(f"usage: {sys.executable} -m tests.integration.notebook_runner notebooks/NAME.ipynb [...]")
     for arg in sys.argv[1:]:
-        run_notebook(Path(arg), write_outputs=True)
-        print(f"executed {arg}")
+        started = time.perf_counter()
+        run_notebook(arg, write=True)
+        print(f"executed {arg} in {time.perf_counter() - started:.1f} s, outputs written")
