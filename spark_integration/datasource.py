@@ -10,7 +10,10 @@ entries expired at ``now_ms`` are invisible)::
     df = (spark.read.format("icestate")
           .option("warehouse", "/data/wh").option("table", "clicks").option("state", "count")
           .load())
-    df.filter("user = 'u-7'").show()     # reads only the segments of u-7's key group
+    df.filter("user = 'u-7'").show()     # Spark filters the rows of a full read
+    (spark.read.format("icestate").option("warehouse", "/data/wh").option("table", "clicks")
+     .option("pushdown", "true").load()
+     .filter("user = 'u-7'").show())     # reads only the segments of u-7's key group
 
 Options (names are case-insensitive, like every Spark option):
 
@@ -28,7 +31,12 @@ Options (names are case-insensitive, like every Spark option):
 * ``partitions``: how many Spark partitions (contiguous key-group ranges, Flink's
   ``compute_key_group_range_for_task``) to split the key-group space into, default
   ``min(max_parallelism, 8)``; ranges left without data after pruning are dropped;
-* ``pushdown``: ``true`` (default) or ``false``, see "Spark requirements";
+* ``pushdown``: ``false`` (default) or ``true``: filters on the keys and key groups pushed into
+  the read (see "Filter pushdown"). Off by default because Spark 4.1 to 4.3 keep the read a
+  pushdown planned on the data source instance of the ``load()`` (``PythonScanBuilder`` calls
+  ``ds.setReadInfo``; Spark's main branch keeps it in the scan instead): a later query of the
+  same DataFrame without a pushable filter (``df.count()``, an ``OR`` of keys) then reads only
+  the first query's keys. With ``pushdown=true``, give each filtered query its own ``load()``;
 * ``readChangeFeed``: ``true`` reads the change feed instead of the state, as Spark's state
   reader does: per step from a checkpoint of the line to the next one, in stream batches
   ``changeStartBatchId`` to ``changeEndBatchId`` (inclusive; default the newest), or in
@@ -69,8 +77,8 @@ Spark requirements (pyspark 4.3, checked in its sources ``pyspark/sql/worker/*``
   reader has no pushdown) and is called only when ``spark.sql.python.filterPushdown.enabled``
   is true. That conf defaults to **false**, and a reader that implements ``pushFilters``
   then fails planning with ``DATA_SOURCE_PUSHDOWN_DISABLED``. ``register(spark)`` sets the
-  conf to true; in a session where that is not wanted, pass ``.option("pushdown", "false")``
-  (a reader without ``pushFilters``: a full scan, Spark filters every row).
+  conf to true, which ``.option("pushdown", "true")`` needs; the default reader has no
+  ``pushFilters`` (a full scan, Spark filters every row) and works either way.
 * ``spark.sql.execution.arrow.pyspark.enabled`` is **not** needed: a Python data source
   always hands Arrow batches to the JVM. ``read()`` here yields ``pyarrow.RecordBatch``es,
   whose schema Spark requires to equal ``to_arrow_schema(schema, timezone="UTC")`` exactly
@@ -235,7 +243,7 @@ class ReadOptions:
                 "SQLite catalog) or Iceberg catalog properties as 'catalog.*' options "
                 "(e.g. catalog.type, catalog.uri, catalog.warehouse; catalog.name names the catalog)"
             )
-        pushdown = str(opts.get(OPT_PUSHDOWN, "true")).strip().lower()
+        pushdown = str(opts.get(OPT_PUSHDOWN, "false")).strip().lower()
         if pushdown not in ("true", "false"):
             raise ValueError(f"icestate data source: option pushdown must be 'true' or 'false', got {pushdown!r}")
         partitions = _int_option(opts, OPT_PARTITIONS, minimum=1)
