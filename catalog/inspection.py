@@ -98,11 +98,12 @@ def checkpoints(table: IcebergStateTable) -> pa.Table:
     metadata = table.iceberg_table.metadata
     on_line = {checkpoint_id_of(s): s for s in line(metadata, table.branch) if checkpoint_id_of(s) is not None}
     named: dict[int, list[str]] = {}
-    for name, info in table.savepoints().items():
+    savepoints = table.savepoints()
+    for name, info in savepoints.items():
         named.setdefault(info.snapshot_id, []).append(name)
     infos = [(info, True) for info in table.list_checkpoints()]
     seen = {info.snapshot_id for info, _ in infos}
-    for info in sorted(table.savepoints().values(), key=lambda i: i.checkpoint_id):
+    for info in sorted(savepoints.values(), key=lambda i: i.checkpoint_id):
         if info.snapshot_id not in seen and on_line.get(info.checkpoint_id) is None:
             infos.append((info, False))
             seen.add(info.snapshot_id)
