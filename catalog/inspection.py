@@ -47,6 +47,7 @@ from statestore.entries import variable_entry_schema
 from statestore.errors import CorruptSegmentError, StateNotDeclaredError
 from statestore.keygroups import assign_key_groups
 from statestore.layout import KEY_GROUP
+from statestore.paths import parse_compaction_name
 from statestore.resolve import BATCH_ID, shown
 from statestore.segment import SegmentReader
 from statestore.table import CheckpointInfo, SegmentFile
@@ -344,6 +345,11 @@ def changes(table: IcebergStateTable, variable: str, from_checkpoint: int, to_ch
     _, old_files = table.segments_at(from_checkpoint)
     new_info, new_files = table.segments_at(to_checkpoint)
     descends = new_info is not None and _descends(table, new_info, from_checkpoint)
+    # A compaction planned after ``from_checkpoint`` may have dropped tombstones written after it
+    # (a whole unit merged keeps survivors only): the keys they deleted left no newer entry.
+    compacted = any(parse_compaction_name(s.path) is not None and s.checkpoint_id > from_checkpoint
+                    for s in new_files)
+    descends = descends and not compacted
     # Checkpoints of different lines compare every key.
     return files_changes(table, desc, old_files, new_files, from_checkpoint if descends else None, _now(now_ms))
 

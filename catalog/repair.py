@@ -226,6 +226,9 @@ class Repair:
                 f"rows for state {desc.name!r} lack column(s) {named}: give the key columns {layout.key_names}"
                 + (f", {shown.get(mk, mk)}" if mk and with_value else "")
                 + (f" and {shown[desc.value_column]} ({_value_type(desc)})" if with_value else ""))
+        if with_value and mk and frame.get_column(mk).null_count():
+            raise ValueError(f"rows for state {desc.name!r} have null map keys in {shown[mk]}: a map entry needs "
+                             "its user key")
         if with_value and frame.get_column(desc.value_column).null_count():
             raise ValueError(f"rows for state {desc.name!r} have null values in {shown[desc.value_column]}: "
                              "delete those keys instead")

@@ -240,7 +240,7 @@ def _descriptor(state: dict, schema: Schema) -> StateDescriptor:
     if kind is StateKind.REDUCING:
         return ReducingStateDescriptor(name, value_type, ttl=ttl, reduce_fn=_StoredFunctionUnavailable(name))
     if kind is StateKind.AGGREGATING:
-        return AggregatingStateDescriptor(name, value_type, ttl=ttl, agg_fn=_StoredFunctionUnavailable(name))
+        return AggregatingStateDescriptor(name, value_type=value_type, ttl=ttl, agg_fn=_StoredFunctionUnavailable(name))
     return {StateKind.VALUE: ValueStateDescriptor, StateKind.LIST: ListStateDescriptor}[kind](name, value_type,
                                                                                                ttl=ttl)
 

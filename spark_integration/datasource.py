@@ -801,7 +801,7 @@ class IcestateChangeFeedReader(DataSourceReader):
             source_schema=_source_schema(layout, desc), output_schema=_requested_schema(schema, full, desc),
             now_ms=options.now_ms if options.now_ms is not None else time.time_ns() // 1_000_000,
             checkpoint_id=None, batches={})
-        count = options.partitions or min(layout.max_parallelism, DEFAULT_PARTITIONS_MAX)
+        count = min(options.partitions or DEFAULT_PARTITIONS_MAX, layout.max_parallelism)
         self._partitions = plan_change_partitions(steps, layout.max_parallelism, count)
 
     def partitions(self) -> list[ChangePartition]:
@@ -829,7 +829,7 @@ def _change_steps(table: IcebergStateTable, wanted: ChangeFeedRange) -> list[tup
         info = line[i]
         if i > 0:
             before, old = line[i - 1].checkpoint_id, table.segments_at(line[i - 1].checkpoint_id)[1]
-        elif table.iceberg_table.metadata.snapshot_by_id(info.snapshot_id).parent_snapshot_id is None:
+        elif all(s.checkpoint_id >= info.checkpoint_id for s in table.segments_at(info.checkpoint_id)[1]):
             before, old = 0, []  # the table's first checkpoint: everything in it is new
         else:
             raise CheckpointNotFoundError(

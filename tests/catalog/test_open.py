@@ -202,3 +202,15 @@ def test_the_recorded_layout_keeps_each_states_current_ttl(open_table, warehouse
     assert recorded() == [TtlConfig(9000, TtlUpdateType.ON_READ_AND_WRITE), None]
     open_table(layout(None)).close()
     assert recorded() == [None, None]
+
+
+def test_a_table_with_aggregating_state_opens_with_its_recorded_layout(open_table, warehouse):
+    """Found by review: the recorded layout's aggregating descriptor took its value type as TTL."""
+    from statestore.descriptors import AggregatingStateDescriptor, AverageAggregate
+
+    layout = StateLayout.of(KEY_SCHEMA, [AggregatingStateDescriptor("avg", agg_fn=AverageAggregate())],
+                            MAX_PARALLELISM)
+    open_table(layout).close()
+    with IcebergStateTable.open_existing(warehouse=warehouse, table_name="op") as existing:
+        recorded = existing.layout.descriptor("avg")
+        assert recorded.value_type == AverageAggregate.accumulator_type and recorded.ttl is None

@@ -221,3 +221,9 @@ def test_migration_adds_a_struct_field_and_widens_types(table, place):
         migrate(resumed, "point", pa.struct([("n", pa.int64())]))
     with pytest.raises(SchemaMismatchError, match="changes from int64 to int32"):
         migrate(resumed, "count", pa.int32())
+
+
+def test_a_map_entry_without_its_user_key_is_refused(table):
+    repair = Repair(table, reason="bad map rows", now_ms=NOW)
+    with pytest.raises(ValueError, match="null map keys in mk_seen"):
+        repair.put("seen", pa.table({"user": ["u1"], "mk_seen": pa.array([None], pa.string()), "v_seen": [5]}))

@@ -491,3 +491,24 @@ def test_savepoints_and_forks_read_like_checkpoints(icestate, warehouse: str, tm
     assert on_main == {r["user"]: r["v_count"] for r in _spark_rows(_load(icestate, warehouse, state="count"))}
     with pytest.raises(Exception, match="checkpoint and savepoint"):
         _load(icestate, wh, state="count", savepoint="sp", checkpoint=1).collect()
+
+
+def test_the_change_feed_refuses_a_first_step_whose_previous_checkpoint_expired(tmp_path):
+    """Found by review: expiry leaves the oldest retained snapshot without a parent, which was
+    taken for the table's first checkpoint, and its whole state came back as inserts."""
+    wh = str(tmp_path / "retained")
+    with IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op", retain_checkpoints=2) as table:
+        store = StateStore(table)
+        for batch in range(4):
+            store.get_state("count").update_batch(pa.table({"user": [f"u{batch}"]}), [batch])
+            store.checkpoint(batch_id=batch)
+
+    def reader(start: int) -> object:
+        source = IcestateDataSource({"warehouse": wh, "table": "op", "state": "count", "readChangeFeed": "true",
+                                     "changeStartBatchId": str(start)})
+        return source.reader(source.schema())
+
+    with pytest.raises(CheckpointNotFoundError, match="is no longer retained"):
+        reader(2)
+    planned = reader(3).partitions()
+    assert {p.batch_id for p in planned} == {3}
