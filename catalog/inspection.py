@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from catalog import key_text
-from catalog.retention import checkpoint_id_of, line
+from catalog.retention import checkpoint_id_of, line, operator_files_of
 from statestore import changes as changes_module
 from statestore.descriptors import StateDescriptor
 from statestore.entries import variable_entry_schema
@@ -50,6 +50,7 @@ from statestore.layout import KEY_GROUP
 from statestore.paths import parse_compaction_name
 from statestore.resolve import BATCH_ID, shown
 from statestore.segment import SegmentReader
+from statestore.stored_keys import QUERY_ID
 from statestore.table import CheckpointInfo, SegmentFile
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ CHECKPOINTS_SCHEMA = pa.schema([
     ("operation", pa.string()), ("rows_added", pa.int64()), ("bytes_added", pa.int64()), ("rows", pa.int64()),
     ("bytes", pa.int64()), ("files", pa.int64()), ("savepoints", pa.list_(pa.string())),
     ("on_line", pa.bool_()), ("repair_by", pa.string()), ("repair_reason", pa.string()),
+    ("operator", pa.string()), ("query_id", pa.string()), ("operator_state_files", pa.int32()),
 ])
 SEGMENTS_SCHEMA = pa.schema([
     ("file", pa.string()), ("checkpoint_id", pa.int64()), ("unit", pa.int32()), ("key_group_min", pa.int32()),
@@ -95,7 +97,9 @@ def checkpoints(table: IcebergStateTable) -> pa.Table:
     """One row per retained checkpoint of the table's line, oldest first, then one per savepoint
     whose checkpoint is no longer on it (``on_line`` false). Rows and bytes come from the
     checkpoint's Iceberg snapshot summary: ``rows_added``/``bytes_added`` what it wrote,
-    ``rows``/``bytes``/``files`` the whole table at it."""
+    ``rows``/``bytes``/``files`` the whole table at it; ``operator`` is the stateful operator
+    (the state table), ``query_id`` the streaming query that wrote it (none for a checkpoint
+    written outside a query), ``operator_state_files`` its non-keyed operator state files."""
     metadata = table.iceberg_table.metadata
     on_line = {checkpoint_id_of(s): s for s in line(metadata, table.branch) if checkpoint_id_of(s) is not None}
     named: dict[int, list[str]] = {}
@@ -122,6 +126,8 @@ def checkpoints(table: IcebergStateTable) -> pa.Table:
             "files": _int(summary.get("total-data-files")), "savepoints": sorted(named.get(info.snapshot_id, [])),
             "on_line": kept, "repair_by": info.properties.get(SUMMARY_REPAIR_BY),
             "repair_reason": info.properties.get(SUMMARY_REPAIR_REASON),
+            "operator": table.identifier, "query_id": info.properties.get(QUERY_ID),
+            "operator_state_files": len(operator_files_of(snapshot)) if snapshot is not None else 0,
         })
     return pa.Table.from_pylist(rows, schema=CHECKPOINTS_SCHEMA)
 

@@ -260,6 +260,9 @@ def test_checkpoints_segments_and_key_groups_agree_with_the_metadata(open_table)
     assert all(r["operation"] == "checkpoint" and r["on_line"] for r in listed)
     assert [r["parallelism"] for r in listed] == [2, 3, 3, 3]
     assert all(r["rows_added"] > 0 and r["bytes_added"] > 0 and r["files"] > 0 for r in listed)
+    # The operator is the state table; written outside a query: no query id, no operator state.
+    assert {(r["operator"], r["query_id"], r["operator_state_files"]) for r in listed} == \
+        {(table.identifier, None, 0)}
     newest = listed[-1]
     files = inspection.segments(table)
     assert files.num_rows == newest["files"]

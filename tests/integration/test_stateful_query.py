@@ -19,7 +19,7 @@ import pytest
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQueryListener
 
-from catalog import IcebergStateTable, connect
+from catalog import IcebergStateTable, connect, inspection
 from catalog.defaults import default_catalog
 from catalog.repair import Repair
 from spark_integration import Deduplicate, RunningAggregate, StateLocation, register
@@ -162,6 +162,9 @@ def test_state_and_outputs_after_several_batches(spark, tmp_path, where):
     table = IcebergStateTable.open_existing(warehouse=loc.warehouse, table_name=loc.table)
     try:
         assert [(c.batch_id, c.parallelism) for c in table.list_checkpoints()] == [(0, 2), (1, 2), (2, 2)]
+        # The inspection table names the operator and the query that wrote each checkpoint.
+        listed = inspection.checkpoints(table).to_pylist()
+        assert {(r["operator"], r["query_id"]) for r in listed} == {(table.identifier, runner.query_id)}
     finally:
         table.close()
 
