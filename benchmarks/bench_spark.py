@@ -116,6 +116,8 @@ def main(
     results_name: str = typer.Option("", help="name of the results JSON and plot in benchmarks/results (default "
                                               "spark_bench, spark_bench_quick with --quick): a partial run (--only, "
                                               "--restart-keys...) should not overwrite the recorded full run"),
+    sink: str = typer.Option("checksum", help="what each batch's output goes to: checksum (checked against the "
+                                              "input) or noop (computed and dropped, as the floor is defined)"),
     s3_latency_ms: float = typer.Option(20, help="latency per request of the S3 proxy (the -s3 implementations)"),
     worker: Path | None = typer.Option(None, hidden=True, help="internal: run one job file"),
 ) -> None:
@@ -165,10 +167,10 @@ def main(
                       "small": {"events": small_events, "keys": small_keys, "batches": batches,
                                 "runs": "every implementation; the transformWithState peers run on this one only"},
                       "restart": {"keys": restart_keys}},
-            "ours_available": ours_reason is None, "ours_unavailable_reason": ours_reason,
+            "sink": sink, "ours_available": ours_reason is None, "ours_unavailable_reason": ours_reason,
             "workloads": sorted(scenarios),
             "throughput": run_throughput(runner, impls, {k: d for k, d in datasets.items() if k in on}, ours_reason,
-                                         reruns, tws_main),
+                                         reruns, tws_main, sink),
         }
         if session_impls:
             results["sessions"] = run_sessions(runner, session_impls, datasets["small"], ours_reason, reruns,

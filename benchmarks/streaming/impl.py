@@ -38,6 +38,9 @@ class Impl:
     ours: bool = False
     per_key_jvm_calls: bool = False  # one JVM round trip per key: run on the small data set only
     remote: bool = False  # state on S3 (moto behind our latency proxy, started by the bench process)
+    # What its output is checked against: "running" counts (the stateful jobs), "per-batch" counts
+    # (the stateless floor: the same keyed count of each batch alone), or None (rows not counted).
+    verify: str | None = "running"
 
 
 def start_update_query(out: Any, ctx: RunContext) -> Any:

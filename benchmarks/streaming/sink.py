@@ -31,3 +31,20 @@ class ChecksumSink:
             "sum_id_count": row["sum_id_count"] or 0, "sample": {r["key"]: r["count"] for r in row["sample"]},
             "sink_s": time.perf_counter() - t0,
         })
+
+
+class NoopSink:
+    """foreachBatch sink that computes the batch's output and drops it (Spark's ``noop``
+    format): the floor as the performance issue defines it. Records only the time per batch;
+    the runs with ``ChecksumSink`` are the ones whose output is checked."""
+
+    def __init__(self, sample_keys: list[str] | None = None) -> None:
+        self.batches: list[dict] = []
+
+    def __call__(self, batch_df: Any, batch_id: int) -> None:
+        t0 = time.perf_counter()
+        batch_df.write.format("noop").mode("overwrite").save()
+        self.batches.append({"batch_id": batch_id, "sink_s": time.perf_counter() - t0})
+
+
+SINKS = {"checksum": ChecksumSink, "noop": NoopSink}

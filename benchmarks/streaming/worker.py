@@ -22,7 +22,7 @@ from benchmarks.streaming.impl import SOURCE_SCHEMA, RunContext
 from benchmarks.streaming.registry import IMPLS, SESSION_IMPLS
 from benchmarks.streaming.session import ROCKSDB, spark_session
 from benchmarks.streaming.sessions import SessionSink, digest
-from benchmarks.streaming.sink import ChecksumSink
+from benchmarks.streaming.sink import SINKS
 
 
 def _batch_record(p: dict) -> dict:
@@ -34,6 +34,27 @@ def _batch_record(p: dict) -> dict:
             "state_commit_ms": op.get("commitTimeMs"), "state_memory_bytes": op.get("memoryUsedBytes"),
             "state_shuffle_partitions": op.get("numShufflePartitions"),
             "state_store_instances": op.get("numStateStoreInstances")}
+
+
+def _ours_breakdown(query: Any) -> list[dict]:
+    """Where each of our batches' time went (``BatchReport``): the driver's plan, the Spark job
+    of the tasks (with the callback), the commit; per task its open, processing, flush, output
+    and CPU milliseconds (tasks run two at a time on local[2])."""
+    from spark_integration import runner_of
+
+    out = []
+    for r in runner_of(query).reports:
+        if r.skipped:
+            continue
+        tasks = list(r.tasks.values())
+        out.append({"batch_id": r.batch_id, "duration_ms": r.duration_ms, "plan_ms": r.plan_ms,
+                    "tasks_ms": r.tasks_ms, "callback_ms": r.callback_ms, "commit_ms": r.commit_ms,
+                    "state_commit_ms": (r.state or {}).get("commitTimeMs"),
+                    **{f"task_{k}": sum(t.get(k, 0) for t in tasks)
+                       for k in ("elapsed_ms", "open_ms", "process_ms", "flush_ms", "output_ms", "cpu_ms",
+                                 "bytes_read", "files_opened")},
+                    "task_pids": {task: t.get("pid") for task, t in sorted(r.tasks.items())}})
+    return out
 
 
 def _epoch(timestamp: str) -> float:
@@ -59,7 +80,7 @@ def _run_stream(job: dict) -> dict:
     impl = IMPLS[job["impl"]]
     spark, session_s, import_s = _session_and_import(job, impl)
     source = spark.readStream.schema(SOURCE_SCHEMA).option("maxFilesPerTrigger", 1).parquet(job["source"])
-    sink = ChecksumSink(job["sample_keys"])
+    sink = SINKS[job.get("sink", "checksum")](job["sample_keys"])
     ctx = RunContext(job["checkpoint"], job["warehouse"], job["table"], job["parallelism"], sink)
     meter = CpuMeter()
     start_epoch, t0 = time.time(), time.perf_counter()
@@ -71,10 +92,11 @@ def _run_stream(job: dict) -> dict:
         raise RuntimeError(str(query.exception()))
     batches = [_batch_record(json.loads(p.json)) for p in query.recentProgress]
     batches = [b for b in batches if b["input_rows"] > 0]
+    ours = _ours_breakdown(query) if impl.ours else None
     spark.stop()
     first_end = _epoch(batches[0]["timestamp"]) + batches[0]["batch_ms"] / 1e3 if batches else None
     return {"session_s": session_s, "import_s": import_s, "wall_s": wall_s, "batches": batches, "sink": sink.batches,
-            "cpu": cpu,
+            "cpu": cpu, "ours_batches": ours,
             "start_to_first_batch_end_s": first_end - start_epoch if first_end else None}
 
 
