@@ -57,6 +57,7 @@ from spark_integration.tasks import (
     PART,
     RESULT_ARROW,
     TASK,
+    TOKENS_KEPT,
     BatchPlan,
     ReportParam,
     run_partition,
@@ -235,6 +236,9 @@ class StatefulRunner:
         self.connect = is_connect(spark)
         self.table = location.open(layout)
         self.task_tokens: dict[int, tuple[int, str]] = {}
+        # Each task's committed tokens of this run, newest last (``tasks.TOKENS_KEPT``): a
+        # worker whose store's flush is among them catches up instead of restoring.
+        self.task_history: dict[int, tuple[tuple[int, str], ...]] = {}
         # Routing, built once (a runner's parallelism and columns never change).
         self._part_values = partition_values(location.parallelism)
         self._beats_frame: DataFrame | None = None
@@ -376,7 +380,8 @@ class StatefulRunner:
                                      batch_id=batch_id, properties=self._properties(plan, report, beacon))
         state_commit_ms = (time.perf_counter() - state_commit) * 1000
         for task, stats in report.tasks.items():
-            self.task_tokens[task] = (plan.checkpoint_id, stats["token"])
+            self.task_tokens[task] = token = (plan.checkpoint_id, stats["token"])
+            self.task_history[task] = (*self.task_history.get(task, ())[1 - TOKENS_KEPT:], token)
         report.state = self.state_figures(plan, report, state_commit_ms)
         write_beacon(self.beacon, dataclasses.replace(beacon, state=report.state))
         kill_if_asked("state_committed", batch_id)
@@ -463,7 +468,8 @@ class StatefulRunner:
             input_columns=tuple(self.input_schema.names), output_schema=self.output_schema, batch_id=batch_id,
             checkpoint_id=self.table.next_checkpoint_id(),
             base_checkpoint_id=None if info is None else info.checkpoint_id,
-            task_tokens=dict(self.task_tokens), processing_time_ms=processing_time, watermark_ms=watermark,
+            task_tokens=dict(self.task_tokens), task_history=dict(self.task_history),
+            processing_time_ms=processing_time, watermark_ms=watermark,
             late_watermark_ms=late_watermark,
             time_mode=self.time_mode, event_time_column=self.event_time_column, output_dir=output_dir,
             output_io=self.table.checkpoint_view().io if self.output is None else self.output.io_properties,

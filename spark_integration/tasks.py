@@ -62,6 +62,9 @@ R_PAYLOAD = "__icestate_r_payload"
 FILE_CACHE_STATS = ("file_cache_hits", "file_cache_misses", "file_cache_bytes_fetched", "file_cache_bytes_written",
                     "file_cache_evictions", "file_cache_refetched")
 RESULT_ARROW = pa.schema([(R_TASK, pa.int32()), (R_KIND, pa.string()), (R_PAYLOAD, pa.string())])
+# Committed tokens of each task a plan carries (``BatchPlan.task_history``): a store whose
+# last flush is older than these restores instead of catching up.
+TOKENS_KEPT = 32
 
 
 class ReportParam(AccumulatorParam):
@@ -104,6 +107,9 @@ class BatchPlan:
     output_io: dict[str, str] = field(default_factory=dict, repr=False)  # the output table's storage
     store_config: StoreConfig = field(default_factory=StoreConfig)
     inline_outputs: bool = False  # the output rows are the tasks' result; reports go to an accumulator
+    # Each task's committed tokens of the run, oldest first, ending with ``task_tokens``' (at
+    # most ``TOKENS_KEPT``): which flushes of a worker's store the driver committed.
+    task_history: dict[int, tuple[tuple[int, str], ...]] = field(default_factory=dict)
     api: str = "row"              # a StatefulProcessor's: "row" (transformWithState) or "pandas"
     timezone: str = "UTC"         # the session's, for pandas timestamps
 
@@ -183,6 +189,7 @@ def task_store(plan: BatchPlan, task: int) -> _TaskStore:
 
 def _reconcile(ts: _TaskStore, plan: BatchPlan, task: int) -> None:
     committed = plan.task_tokens.get(task)
+    history = plan.task_history.get(task, ())
     current = ts.token
     pending, ts.pending = ts.pending, None
     # The batch's base checkpoint, as the driver shipped it. Only this task writes its key
@@ -190,25 +197,36 @@ def _reconcile(ts: _TaskStore, plan: BatchPlan, task: int) -> None:
     # the same entries), so moving forward keeps every cached view valid.
     ts.store.table.advance(plan.view)
     if pending is not None:
-        if committed == pending:
+        if pending == committed or pending in history:
             ts.store.checkpoint_complete(pending[0])
             current = ts.token = pending
         else:
             ts.store.checkpoint_aborted(pending[0])
             current = None  # its memtable holds a batch that was not committed
+    if current is not None and current != committed and current in history and ts.store.catch_up():
+        # The task ran in other workers since this store's last committed flush (Spark
+        # gives a task to any idle worker): their committed flushes are the only writes of
+        # its key groups since, so reading those segments brings the cache up to date.
+        current = ts.token = committed
+        ts.timers = TimerService(ts.store) if ts.timers is not None else None
     if current is None or current != committed:
         _reset(ts, plan, task)
 
 
 def _evict(plan: BatchPlan) -> None:
     """Close stores this worker no longer needs: those of other runs (a restarted query) and
-    those of this run that are known stale (another worker ran their task since)."""
+    those of this run whose flush is older than the plan's history of their task (they
+    would restore rather than catch up). A store whose task ran in another worker since
+    stays: it catches up when its task comes back."""
     for key, ts in list(_STORES.items()):
         run, task = key
         if run != plan.run_id:
             if ts.location == plan.table:
                 _drop(key)  # a finished run of the same query (another query's stores stay)
-        elif ts.pending is None and not ts.dirty and ts.token != plan.task_tokens.get(task):
+        elif ts.pending is not None and ts.pending[0] >= plan.checkpoint_id:
+            continue  # flushed in this batch: its commit is still to come
+        elif not ts.dirty and (latest := ts.pending or ts.token) != plan.task_tokens.get(task) \
+                and latest not in plan.task_history.get(task, ()):
             _drop(key)
 
 
@@ -268,13 +286,16 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
          ) -> tuple[list[tuple], pa.Table | None]:
     started, cpu_started = time.perf_counter(), time.process_time()
     _freeze_imports_once()
+    kept = _STORES.get((plan.run_id, task))
+    before = None if kept is None else kept.store.stats()  # what bringing it up to date reads counts too
     ts = task_store(plan, task)
     opened = time.perf_counter()
     ts.dirty = True
     store = ts.store
     ts.clock.now_ms = plan.processing_time_ms
     token = uuid.uuid4().hex
-    before = store.stats()
+    if ts is not kept:
+        before = store.stats()
     fired_before = ts.timers.fired if ts.timers is not None else 0
 
     if HEARTBEAT in rows.column_names:

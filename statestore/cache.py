@@ -81,6 +81,10 @@ class KeyGroupCache:
     def size_bytes(self) -> int:
         return self._size_bytes
 
+    def key_groups(self) -> list[int]:
+        """The cached key groups, in no particular order."""
+        return list(self._groups)
+
     def get(self, key_group: int) -> CachedKeyGroup | None:
         group = self._groups.get(key_group)
         if group is not None:

@@ -53,11 +53,11 @@ from statestore.descriptors import StateDescriptor, StateKind
 from statestore.entries import read_entries, variable_entry_schema
 from statestore.file_cache import FileCache, FileCacheCounters, file_cache_for
 from statestore.keygroups import KeyGroupRange
-from statestore.layout import EXPIRE_AT_MS, KEY_GROUP, STATE
+from statestore.layout import CHECKPOINT_ID, EXPIRE_AT_MS, KEY_GROUP, STATE
 from statestore.memtable import KG, Memtable
 from statestore.resolve import ORD, entry_columns, live_rows, merge, resolve, view_columns
 from statestore.segment import SegmentReader
-from statestore.table import StateTable
+from statestore.table import SegmentFile, StateTable
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,37 @@ class StateReader:
             group.applied[name] = max(0, applied - len(parts))
             self._cache.resized(kg)
         self._point_index.clear()
+        self._trim()
+
+    def catch_up(self, newer: Sequence[SegmentFile], after_checkpoint_id: int) -> None:
+        """Bring the cached views forward by the entries of ``newer``: segments of the task's
+        key groups that the checkpoint the views hold exactly (``after_checkpoint_id``) did not
+        have, all written after it (``StateStore.catch_up`` checks that). Their entries become
+        ``pending`` parts of the views they touch, applied at the next read as a committed
+        flush of this store's own would be."""
+        self._point_index.clear()
+        cached = sorted(self._cache.key_groups())
+        if not newer or not cached:
+            return
+        # Apply what the views still miss first: the store's own committed entries carry
+        # memtable ords, above any entry read from a segment, and would win over newer ones.
+        for desc in self.layout.descriptors:
+            stale = [kg for kg in cached if self._is_stale(kg, desc.name)]
+            if stale:
+                self._refresh(stale, desc.name)
+        entries = read_entries(self._segments, newer, np.asarray(cached, dtype=np.int64), self._entry_schema)
+        entries = entries.filter(pl.col(CHECKPOINT_ID) > after_checkpoint_id)
+        for desc in self.layout.descriptors:
+            part = entries.filter(pl.col(STATE) == desc.name)
+            if not part.height:
+                continue
+            cols = entry_columns(desc, self.key_names)
+            part = part.select([pl.col(KEY_GROUP).cast(pl.Int32).alias(KG), *cols])
+            for (kg,), frame in part.partition_by(KG, as_dict=True).items():
+                group = self._cache.peek(kg)
+                if group is not None and desc.name in group.views:
+                    group.pending.setdefault(desc.name, []).append(frame)
+                    self._cache.resized(kg)
         self._trim()
 
     def reset(self) -> None:

@@ -68,6 +68,10 @@ class StateStore:
         self._handles: dict[str, KeyedState] = {}
         # checkpoint id -> memtable watermark of a flush whose commit is not settled yet
         self._outstanding: dict[int, int] = {}
+        # The committed checkpoint the store's content is, with its segments of the task's key
+        # groups (``catch_up``); a flush's such segments wait in ``_flushing`` for its commit.
+        self._exact: tuple[int, frozenset[str]] | None = self._exact_now()
+        self._flushing: dict[int, frozenset[str]] = {}
         self._current_key: tuple | None = None
         self._current_key_group: int | None = None
         self._key_checks = [(f.name, *key_value_check(f.type)) for f in self.layout.key_schema]
@@ -224,11 +228,15 @@ class StateStore:
         self._outstanding[checkpoint_id] = self._memtable.watermark()
         self.reader.flushed(checkpoint_id)
         if entries is None:
+            self._flushing[checkpoint_id] = self._exact_now()[1]
             return []
+        base = self._exact_now()[1]
         try:
-            return write_segments(self._table, entries, checkpoint_id, self.task_index,
-                                  self.config.row_group_rows_min, self.config.row_group_rows_max,
-                                  file_cache=self.reader.file_cache, counters=self.reader.file_cache_counters)
+            written = write_segments(self._table, entries, checkpoint_id, self.task_index,
+                                     self.config.row_group_rows_min, self.config.row_group_rows_max,
+                                     file_cache=self.reader.file_cache, counters=self.reader.file_cache_counters)
+            self._flushing[checkpoint_id] = base | {s.path for s in written}
+            return written
         except BaseException as e:
             # The storage failed (an object store out of reach, a full disk): nothing was
             # committed, the memtable keeps every entry, and the next flush writes them again.
@@ -248,6 +256,8 @@ class StateStore:
         if checkpoint_id not in self._outstanding:
             raise ValueError(f"checkpoint {checkpoint_id} was not flushed by this store (or already completed)")
         dropped = self._memtable.drop_before(self._outstanding.pop(checkpoint_id))
+        flushed = self._flushing.pop(checkpoint_id, None)
+        self._exact = None if flushed is None else (checkpoint_id, flushed)
         current = self._table.current_checkpoint()
         if current is None or current.checkpoint_id < checkpoint_id:
             self._table.restore(checkpoint_id)
@@ -260,6 +270,7 @@ class StateStore:
         """The commit of ``checkpoint_id`` failed: keep its entries for the next checkpoint.
         The files ``flush`` wrote are garbage for the table's retention to delete."""
         self._outstanding.pop(checkpoint_id, None)
+        self._flushing.pop(checkpoint_id, None)
         self.reader.aborted(checkpoint_id)
 
     def checkpoint(self, batch_id: int | None = None, properties: dict[str, str] | None = None) -> CheckpointInfo:
@@ -283,7 +294,41 @@ class StateStore:
         self._check_open()
         info = self._table.restore(checkpoint_id)
         self._reset()
+        self._exact = self._exact_now()
         return info
+
+    def catch_up(self) -> bool:
+        """Continue, keeping the cache, from the checkpoint the table has been moved to (a
+        newer one of the same line): when the store holds exactly the state of a committed
+        checkpoint (restored, or its own flush completed, and nothing written since) and every
+        segment of its key groups then is still there, the only change to its key groups is
+        the segments added since (another store's flushes for the same task, such as a Spark
+        task that ran in another worker), and their entries are applied to the cached views
+        (``StateReader.catch_up``): a few checkpoints' segments are read, not the whole state.
+
+        Returns False, changing nothing, when it cannot: a write or an unsettled flush since,
+        or a segment gone (a compaction replaced it, and a compaction of a whole unit drops
+        tombstones, so a deletion made since may no longer be found among newer entries).
+        Then ``restore`` the checkpoint instead."""
+        self._check_open()
+        self.seal()
+        if self._exact is None or self._outstanding or self._memtable.entry_count():
+            return False
+        at, then = self._exact
+        now = self._table.segments(self.key_group_range)
+        paths = {s.path for s in now}
+        if not then <= paths:
+            return False
+        self.reader.catch_up([s for s in now if s.path not in then], at)
+        self._exact = self._exact_now()
+        return True
+
+    def _exact_now(self) -> tuple[int, frozenset[str]]:
+        """The opened checkpoint and the paths of its segments of the task's key groups: what
+        the store holds exactly while it holds no write (``catch_up``)."""
+        info = self._table.current_checkpoint()
+        return (0 if info is None else info.checkpoint_id,
+                frozenset(s.path for s in self._table.segments(self.key_group_range)))
 
     def close(self) -> None:
         """Forget the store's state. The process's file cache stays for the other stores of
@@ -315,6 +360,8 @@ class StateStore:
         self.reader.reset()
         self._memtable.reset()
         self._outstanding.clear()
+        self._flushing.clear()
+        self._exact = None
         for handle in self._handles.values():
             handle.seal_overlay()
         self._current_key = self._current_key_group = None

@@ -317,3 +317,43 @@ def test_compaction_of_a_fork_leaves_main_untouched(tmp_path):
     fork_store.close()
     store.close()
     table.close()
+
+
+def test_a_store_does_not_catch_up_over_a_compaction_that_dropped_a_tombstone(tmp_path):
+    """Two stores of one task (two Spark workers): A holds checkpoint 1; B deletes a key in
+    checkpoint 2 and a whole-unit compaction drops the tombstone with the entries it hides.
+    A cannot find that deletion among the entries newer than checkpoint 1, so it refuses to
+    catch up and restores; without the compaction it catches up reading one segment."""
+    warehouse = str(tmp_path / "wh")
+    a_table = IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name="op")
+    a = StateStore(a_table)
+    a.get_state("v").update_batch(keys(["x", "y"]), [1, 2])
+    a.checkpoint(batch_id=0)
+    assert a.get_state("v").get_batch(keys(["x", "y"])).to_pylist() == [1, 2]  # A's cache holds both
+    b_table = IcebergStateTable.open_existing(warehouse=warehouse, table_name="op")
+    b = StateStore(b_table)
+    b.get_state("v").clear_batch(keys(["x"]))
+    b.get_state("v").update_batch(keys(["y"]), [3])
+    b.checkpoint(batch_id=1)
+
+    a_table.restore()  # the newest checkpoint, as the driver ships it
+    files = a.stats()["segment_files_opened"]
+    assert a.catch_up()
+    assert a.get_state("v").get_batch(keys(["x", "y"])).to_pylist() == [None, 3]
+    assert a.stats()["segment_files_opened"] == files + 1  # checkpoint 2's segment alone
+
+    a.get_state("v").update_batch(keys(["y"]), [4])
+    a.checkpoint(batch_id=2)
+    b_table.restore()
+    assert b.catch_up()
+    b.get_state("v").clear_batch(keys(["y"]))
+    assert not b.catch_up(), "a store with writes since holds no checkpoint exactly"
+    b.checkpoint(batch_id=3)
+    result = compact(IcebergStateTable.open_existing(warehouse=warehouse, table_name="op"))
+    assert result is not None
+    a_table.restore()
+    assert not a.catch_up(), "the compaction removed segments A's state was read from, and dropped the tombstone"
+    a.restore()
+    assert a.get_state("v").get_batch(keys(["x", "y"])).to_pylist() == [None, None]
+    for t in (a_table, b_table):
+        t.close()

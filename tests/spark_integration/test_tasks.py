@@ -71,6 +71,7 @@ class Driver:
         info = self.table.current_checkpoint()
         self.batch_id = 0 if info is None else info.batch_id + 1
         self.tokens: dict[int, tuple[int, str]] = {}
+        self.history: dict[int, tuple[tuple[int, str], ...]] = {}
 
     def plan(self, processing_time_ms: int = 0, watermark_ms: int = -1, late_watermark_ms: int | None = None,
              ) -> BatchPlan:
@@ -81,7 +82,7 @@ class Driver:
             input_columns=tuple(self.input_schema.names), output_schema=self.output_schema, batch_id=self.batch_id,
             checkpoint_id=self.table.next_checkpoint_id(),
             base_checkpoint_id=None if info is None else info.checkpoint_id,
-            task_tokens=dict(self.tokens), processing_time_ms=processing_time_ms,
+            task_tokens=dict(self.tokens), task_history=dict(self.history), processing_time_ms=processing_time_ms,
             watermark_ms=watermark_ms,
             late_watermark_ms=watermark_ms if late_watermark_ms is None else late_watermark_ms,
             time_mode=self.time_mode, event_time_column=self.event_time_column,
@@ -104,7 +105,8 @@ class Driver:
         self.table.commit_checkpoint(plan.checkpoint_id, segments, parallelism=self.location.parallelism,
                                      batch_id=plan.batch_id)
         for task, s in stats.items():
-            self.tokens[task] = (plan.checkpoint_id, s["token"])
+            self.tokens[task] = token = (plan.checkpoint_id, s["token"])
+            self.history[task] = (*self.history.get(task, ())[1 - tasks.TOKENS_KEPT:], token)
         self.batch_id += 1
         return stats
 
@@ -239,6 +241,24 @@ def test_a_task_staying_in_its_worker_keeps_its_store_and_cache(location, worker
         assert {k: id(v) for k, v in workers.use(1).items()} == {k: id(v) for k, v in kept.items()}
         assert all(s["bytes_read"] == 0 and s["files_opened"] == 0 for s in stats.values())  # served from cache
     assert state_counts(location, driver.layout, all_keys()) == [4] * 6
+
+
+def test_a_task_back_in_a_worker_reads_only_the_segments_written_since(location, workers, drivers):
+    """Spark gives a task to any idle worker: a store whose task ran elsewhere meanwhile
+    catches up from the checkpoint it holds, reading only the segments its task wrote since
+    (one per checkpoint), instead of its whole state again."""
+    driver = drivers(location, RunningAggregate("count"))
+    run_batch(driver, workers, all_keys(), worker_of=lambda t: 0)
+    run_batch(driver, workers, all_keys(), worker_of=lambda t: 1)
+    stores = [dict(workers.use(w)) for w in (0, 1)]
+    for b in range(4):
+        stats = run_batch(driver, workers, all_keys(), worker_of=lambda t, b=b: b % 2)
+        assert {k: id(v) for k, v in workers.use(b % 2).items()} == {k: id(v) for k, v in stores[b % 2].items()}
+        assert all(s["files_opened"] == 1 for s in stats.values()), stats  # the other worker's last segment
+    stats = run_batch(driver, workers, all_keys(), worker_of=lambda t: 1)  # staying: nothing read
+    assert all(s["files_opened"] == 0 for s in stats.values())
+    assert state_counts(location, driver.layout, all_keys()) == [7] * 6
+    assert sql_counts(location) == dict.fromkeys(all_keys(), 7)
 
 
 # ---------------------------------------------------------------------------- (b) retried attempts

@@ -512,6 +512,43 @@ class PartialViewsMachine(StoreMachine):
         self.store.prefetch(self.keys_table(keys))
 
 
+class TwoWorkersMachine(StoreMachine):
+    """Two stores over one table taking turns, as two Spark workers that run one task in turn
+    (Spark gives a task to any idle worker; each keeps its store between batches).
+    ``switch_worker`` commits what the working store holds (a task ends with its flush
+    committed), then the other worker's store takes over at the newest checkpoint: it
+    catches up from the checkpoint it last held exactly (``StateStore.catch_up``: only the
+    entries written since are read), or restores when that checkpoint is not on the newest
+    line (a restore to an older checkpoint went back past it). Every invariant then reads
+    through the store that took over: caught-up views must equal the model exactly, for
+    every kind of state, with tombstones, list replacements, map removals and TTL."""
+
+    CONFIG: ClassVar[dict] = {"view_partial_rows_min": 0, "view_partial_share_max": 1e9,
+                              "view_partial_reads_max": 2}
+    idle: tuple | None = None  # (table, store, checkpoint it holds exactly) of the other worker
+
+    @rule(data=st.data())
+    def switch_worker(self, data):
+        self.checkpoint(data)
+        layout = self.layout()
+        if self.idle is None:
+            table = DirectoryStateTable(self.dir, layout, retain_checkpoints=RETAIN_CHECKPOINTS)
+            store = StateStore(table, config=StoreConfig(clock_ms=lambda: self.now_ms, **self.CONFIG))
+            event("switch to a worker without a store")
+        else:
+            table, store, at = self.idle
+            table.restore(self.head)  # the driver ships the newest checkpoint
+            if at in self.line(self.head):
+                assert store.catch_up(), "no compaction here: a store on the line always catches up"
+                event("switch: caught up")
+            else:
+                store.restore(self.head)
+                event("switch: restored (its checkpoint is off the newest line)")
+        self.idle = (self.table, self.store, self.head)
+        self.table, self.store = table, store
+        self.states = {d.name: store.get_state(d.name) for d in DESCRIPTORS}
+
+
 MODEL_SETTINGS = settings(
     max_examples=8, stateful_step_count=50, derandomize=True, database=None, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -527,6 +564,8 @@ TestSmallCache = SmallCacheMachine.TestCase
 TestSmallCache.settings = settings(MODEL_SETTINGS, max_examples=5, stateful_step_count=30)
 TestPartialViews = PartialViewsMachine.TestCase
 TestPartialViews.settings = settings(MODEL_SETTINGS, max_examples=6)
+TestTwoWorkers = TwoWorkersMachine.TestCase
+TestTwoWorkers.settings = settings(MODEL_SETTINGS, max_examples=8)
 
 
 
