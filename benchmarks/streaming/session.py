@@ -7,6 +7,7 @@ fresh process that builds exactly one session.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -30,9 +31,19 @@ SPARK_CONF = {
 }
 
 
+# Extra Spark settings for every job of a run, as JSON (a configuration experiment, e.g.
+# '{"spark.sql.execution.arrow.maxRecordsPerBatch": "100000"}'); recorded in the results.
+EXTRA_CONF_ENV = "ICESTATE_BENCH_SPARK_CONF"
+
+
+def extra_conf() -> dict[str, str]:
+    return {k: str(v) for k, v in json.loads(os.environ.get(EXTRA_CONF_ENV) or "{}").items()}
+
+
 def spark_session(job: dict, provider: str | None) -> Any:
     """A local[2] session for ``job`` (its ``impl``, ``driver_memory`` and ``scratch`` folder),
-    with ``provider`` as the state store provider class (None leaves Spark's default)."""
+    with ``provider`` as the state store provider class (None leaves Spark's default) and the
+    run's extra settings (``ICESTATE_BENCH_SPARK_CONF``)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
@@ -42,6 +53,7 @@ def spark_session(job: dict, provider: str | None) -> Any:
             "spark.local.dir": str(Path(job["scratch"]) / "spark-local")}
     if provider:
         conf[PROVIDER_CONF] = provider
+    conf.update(extra_conf())
     builder = SparkSession.builder.master("local[2]").appName(f"bench-spark-{job['impl']}")
     for key, value in conf.items():
         builder = builder.config(key, value)
@@ -61,4 +73,4 @@ def spark_machine_info() -> dict:
     base = machine_info()
     return {"python": base["python"], "pyspark": pyspark.__version__, "java": java[0] if java else None,
             "cpus": base["cpus"], "mem_total_kib": int(mem) if mem else None, "platform": base["platform"],
-            "spark_conf": {**SPARK_CONF, "master": "local[2]"}}
+            "spark_conf": {**SPARK_CONF, **extra_conf(), "master": "local[2]"}}
