@@ -1,8 +1,9 @@
 """Smoke test of the benchmarks, so that a change that breaks one fails CI rather than the next
 benchmark run: every module of ``benchmarks`` imports, and ``bench_store``, ``remote_storage``
 and ``bench_restart_reads`` (moto's S3 server and our proxy, started by the run) run end to end through
-their command lines at tiny sizes (no Spark), writing their JSON and plots to a temporary
-folder, never over the recorded results.
+their command lines at tiny sizes (no Spark), as does the throughput scenario of ``bench_spark``
+(the stateless floor and our vectorized processor, in Spark processes of their own), writing
+their JSON and plots to a temporary folder, never over the recorded results.
 """
 
 from __future__ import annotations
@@ -130,3 +131,30 @@ def test_bench_inspect_runs_end_to_end(tmp_path, monkeypatch):
         assert measures[name]["status"] != "ok" or measures[name]["ok"], (name, measures[name])
     assert [r["row"] for r in results["rows"]][:2] == ["all", "all_warm"]
     assert (tmp_path / "bench_inspect.png").stat().st_size > 0
+
+
+def test_bench_spark_throughput_runs_end_to_end(tmp_path, monkeypatch):
+    """The streaming benchmark's throughput scenario at ``--quick`` sizes (real Spark, one
+    process per job): Spark's stateless floor and our vectorized processor on the same files,
+    both outputs checked against the input (the floor's per batch, ours as running counts), our
+    per-batch breakdown recorded, ours divided by the floor."""
+    pytest.importorskip("matplotlib")
+    from benchmarks import bench_spark
+
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    app = typer.Typer()
+    app.command()(bench_spark.main)
+    args = ["--quick", "--workloads", "throughput", "--only", "spark-floor-count,ours-vectorized",
+            "--quiet-wait", "0", "--results-name", "smoke", "--timeout", "300"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "smoke.json").read_text())["throughput"]}
+    assert set(rows) == {"spark-floor-count", "ours-vectorized"}
+    for row in rows.values():
+        assert row["status"] == "ok", row
+        assert row["verified"] == {"ok": True, "problems": [], "checked": True}
+    ours = rows["ours-vectorized"]
+    assert len(ours["ours_batches"]) == ours["batches"] == 5
+    assert all(b["task_pids"] and b["tasks_ms"] > 0 for b in ours["ours_batches"])
+    assert ours["ratios"]["spark-floor-count"]["steady"] > 0
+    assert (tmp_path / "smoke.png").stat().st_size > 0
