@@ -168,10 +168,7 @@ class StateReader:
             return
         # Apply what the views still miss first: the store's own committed entries carry
         # memtable ords, above any entry read from a segment, and would win over newer ones.
-        for desc in self.layout.descriptors:
-            stale = [kg for kg in cached if self._is_stale(kg, desc.name)]
-            if stale:
-                self._refresh(stale, desc.name)
+        self._refresh_all(cached)
         entries = read_entries(self._segments, newer, np.asarray(cached, dtype=np.int64), self._entry_schema)
         entries = entries.filter(pl.col(CHECKPOINT_ID) > after_checkpoint_id)
         for desc in self.layout.descriptors:
@@ -491,10 +488,7 @@ class StateReader:
     def _fill(self, kgs: list[int], new: pl.DataFrame) -> None:
         """Read the entries of the ``new`` keys (key columns and ``KG``; keys of ``kgs`` that
         their partial or absent groups lack) and add their views to those groups."""
-        for desc in self.layout.descriptors:  # pending and unapplied parts are the covered keys'
-            stale = [kg for kg in kgs if kg in self._cache and self._is_stale(kg, desc.name)]
-            if stale:
-                self._refresh(stale, desc.name)
+        self._refresh_all([kg for kg in kgs if kg in self._cache])  # pending and unapplied parts: covered keys'
         self.partial_reads += 1
         kgs = sorted(new.get_column(KG).unique().to_list())
         entries = self._read(kgs, self._entry_schema, keys=new.rename({KG: KEY_GROUP}))
@@ -514,6 +508,14 @@ class StateReader:
             group.partial_reads += 1
             self._cache.put(kg, group)
         self._point_index.clear()
+
+    def _refresh_all(self, kgs: Sequence[int]) -> None:
+        """``_refresh`` every variable's views of the cached ``kgs`` that miss memtable parts or
+        pending entries."""
+        for desc in self.layout.descriptors:
+            stale = [kg for kg in kgs if self._is_stale(kg, desc.name)]
+            if stale:
+                self._refresh(stale, desc.name)
 
     def _is_stale(self, kg: int, name: str) -> bool:
         group = self._cache.peek(kg)

@@ -227,10 +227,10 @@ class StateStore:
         # when the checkpoint completes.
         self._outstanding[checkpoint_id] = self._memtable.watermark()
         self.reader.flushed(checkpoint_id)
+        base = self._segment_paths()
         if entries is None:
-            self._flushing[checkpoint_id] = self._exact_now()[1]
+            self._flushing[checkpoint_id] = base
             return []
-        base = self._exact_now()[1]
         try:
             written = write_segments(self._table, entries, checkpoint_id, self.task_index,
                                      self.config.row_group_rows_min, self.config.row_group_rows_max,
@@ -316,8 +316,7 @@ class StateStore:
             return False
         at, then = self._exact
         now = self._table.segments(self.key_group_range)
-        paths = {s.path for s in now}
-        if not then <= paths:
+        if not then <= {s.path for s in now}:
             return False
         self.reader.catch_up([s for s in now if s.path not in then], at)
         self._exact = self._exact_now()
@@ -327,8 +326,11 @@ class StateStore:
         """The opened checkpoint and the paths of its segments of the task's key groups: what
         the store holds exactly while it holds no write (``catch_up``)."""
         info = self._table.current_checkpoint()
-        return (0 if info is None else info.checkpoint_id,
-                frozenset(s.path for s in self._table.segments(self.key_group_range)))
+        return 0 if info is None else info.checkpoint_id, self._segment_paths()
+
+    def _segment_paths(self) -> frozenset[str]:
+        """The paths of the opened checkpoint's segments of the task's key groups."""
+        return frozenset(s.path for s in self._table.segments(self.key_group_range))
 
     def close(self) -> None:
         """Forget the store's state. The process's file cache stays for the other stores of

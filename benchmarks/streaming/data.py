@@ -121,14 +121,20 @@ def verify(sink: list[dict], data: DataSet, first: int = 0, kind: str | None = "
     output is not the keyed count, or a sink that does not read it)."""
     if kind is None or any("rows" not in b for b in sink):
         return {"ok": True, "problems": [], "checked": False}
-    if kind == "per-batch":
-        expected = data.expected_per_batch[first:first + len(sink)]
-        problems = [f"batch {first + i}: {field} {got[field]} != {want[field]}"
-                    for i, (got, want) in enumerate(zip(sink, expected, strict=False))
-                    for field in ("rows", "sum_count", "sum_id_count") if got[field] != want[field]]
-        if len(sink) != len(expected):
-            problems.insert(0, f"{len(sink)} output batches for {len(expected)} input files")
-        return {"ok": not problems, "problems": problems[:10], "checked": True}
+    every = data.expected_per_batch if kind == "per-batch" else data.expected
+    expected = every[first:first + len(sink)]
+    problems = []
+    if len(sink) != len(expected):
+        problems.append(f"{len(sink)} output batches for {len(every) - first} input files")
+    for i, (got, want) in enumerate(zip(sink, expected, strict=False)):
+        problems += [f"batch {first + i}: {field} {got[field]} != {want[field]}"
+                     for field in ("rows", "sum_count", "sum_id_count") if got[field] != want[field]]
+    if kind == "running" and first == 0 and len(sink) == len(data.expected):
+        seen: dict[str, int] = {}
+        for batch in sink:
+            seen.update(batch["sample"])
+        problems += [f"key {k}: count {seen.get(k)} != {v}" for k, v in data.sample.items() if seen.get(k) != v]
+    return {"ok": not problems, "problems": problems[:10], "checked": True}
     expected = data.expected[first:first + len(sink)]
     problems = []
     if len(sink) != len(expected):
