@@ -82,10 +82,13 @@ from benchmarks.streaming.remote import RemoteState
 from benchmarks.streaming.report import finish
 from benchmarks.streaming.restart import derive_restart, ours_restart_and_rescale, spark_restart_and_rescale
 from benchmarks.streaming.runner import Runner
+from benchmarks.streaming.scaling import derive_cache, derive_scaling, run_cache, run_scaling
 from benchmarks.streaming.session import spark_machine_info
 from benchmarks.streaming.sessions import derive_sessions, run_sessions
 from benchmarks.streaming.throughput import derive, run_throughput
 from benchmarks.streaming.worker import run_job
+
+WORKLOADS = ("throughput", "sessions", "restart", "scaling", "cache")
 
 
 def main(
@@ -99,7 +102,9 @@ def main(
     rescale_to: int = typer.Option(8, help="parallelism after the rescale"),
     only: str = typer.Option("", help="comma-separated implementations to run (default: all)"),
     workloads: str = typer.Option("throughput,sessions,restart",
-                                  help="comma-separated scenarios to run: throughput, sessions, restart"),
+                                  help="comma-separated scenarios to run: throughput, sessions, restart, scaling, "
+                                       "cache (the last two: issue 16's state-size scenarios, "
+                                       "benchmarks.streaming.scaling)"),
     skip_restart: bool = typer.Option(False, help="skip the restart / rescale scenario"),
     session_gap_ms: int = typer.Option(1, help="session gap of the processing-time sessions scenario"),
     datasets_: str = typer.Option("main,small", "--datasets",
@@ -119,6 +124,13 @@ def main(
     sink: str = typer.Option("checksum", help="what each batch's output goes to: checksum (checked against the "
                                               "input) or noop (computed and dropped, as the floor is defined)"),
     s3_latency_ms: float = typer.Option(20, help="latency per request of the S3 proxy (the -s3 implementations)"),
+    scaling_keys: str = typer.Option("1000000,5000000,20000000",
+                                     help="state sizes (keys, comma-separated) of the scaling scenario"),
+    state_batch_events: int = typer.Option(200_000, help="events per update batch of the scaling and cache scenarios"),
+    small_restart_events: int = typer.Option(1_000, help="events of the small first batch after a restart (scaling)"),
+    cache_keys: int = typer.Option(20_000_000, help="keys of the state of the cache scenario"),
+    cache_fractions: str = typer.Option("1,0.3,0.1", help="cache bounds of the cache scenario, as fractions of the "
+                                                          "state's views (comma-separated)"),
     worker: Path | None = typer.Option(None, hidden=True, help="internal: run one job file"),
 ) -> None:
     if worker is not None:
@@ -129,15 +141,20 @@ def main(
         derive(results["throughput"])
         derive_restart(results)
         derive_sessions(results.get("sessions"))
+        if results.get("scaling"):
+            derive_scaling(results["scaling"])
+        if results.get("cache"):
+            derive_cache(results["cache"])
         report_from.write_text(json.dumps(results, indent=2, default=str))
         finish(results, report_from.with_suffix(".png"))
         return
     if quick:  # the small data set only, no reruns, short waits: a smoke run of every code path
         events, keys, batches, small_events, small_keys, restart_keys = 100_000, 10_000, 5, 20_000, 2_000, 100_000
         reruns, quiet_wait = 0, min(quiet_wait, 20)
+        scaling_keys, cache_keys, state_batch_events, small_restart_events = "20000,100000", 100_000, 20_000, 200
     scenarios = {w.strip() for w in workloads.split(",") if w.strip()} - ({"restart"} if skip_restart else set())
-    if scenarios - {"throughput", "sessions", "restart"}:
-        raise typer.BadParameter(f"unknown workloads {sorted(scenarios - {'throughput', 'sessions', 'restart'})}")
+    if scenarios - set(WORKLOADS):
+        raise typer.BadParameter(f"unknown workloads {sorted(scenarios - set(WORKLOADS))}; known: {WORKLOADS}")
     chosen = [n.strip() for n in only.split(",") if n.strip()]
     unknown = set(chosen) - set(IMPLS) - set(SESSION_IMPLS)
     if unknown:
@@ -159,7 +176,8 @@ def main(
         need_main = "main" in on and any(not IMPLS[n].per_key_jvm_calls or (tws_main and n == "spark-tws-rows")
                                          for n in impls)
         datasets = {"main": make_stream_data(root, "main", events, keys, batches, seed=1)} if need_main else {}
-        datasets["small"] = make_stream_data(root, "small", small_events, small_keys, batches, seed=2)
+        if impls or session_impls:
+            datasets["small"] = make_stream_data(root, "small", small_events, small_keys, batches, seed=2)
         runner = Runner(root, driver_memory, timeout, quiet_wait)
         results: dict = {
             "machine": spark_machine_info(), "started": started, "quick": quick,
@@ -185,6 +203,14 @@ def main(
                                   if not chosen or "spark-count-rocksdb" in chosen else None,
                                   "ours": ours_restart_and_rescale(runner, rd, rescale_to, ours_restart_impl,
                                                                    ours_reason)}
+        if "scaling" in scenarios:
+            sizes = [int(k) for k in scaling_keys.split(",") if k.strip()]
+            results["scaling"] = run_scaling(runner, sizes, state_batch_events, small_restart_events, rescale_to,
+                                             ours_restart_impl, ours_reason)
+        if "cache" in scenarios:
+            fractions = [float(f) for f in cache_fractions.split(",") if f.strip() and float(f) != 1]
+            results["cache"] = run_cache(runner, cache_keys, state_batch_events, fractions, ours_restart_impl,
+                                         ours_reason)
         results["finished"] = datetime.now(UTC).isoformat()
         results["total_s"] = time.perf_counter() - t_start
         if remote is not None:

@@ -27,6 +27,7 @@ class RunContext:
     parallelism: int
     sink: Callable[[Any, int], None]
     gap_ms: int = 1  # the session gap of the processing-time sessions workload
+    store_config: dict | None = None  # ours: ``statestore.StoreConfig`` fields (the cache workload's bound)
 
 
 @dataclass(frozen=True)

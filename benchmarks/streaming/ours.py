@@ -31,6 +31,10 @@ def _start_ours(source: Any, ctx: RunContext, processor: Any, remote: bool = Fal
             **props, "uri": f"sqlite:///{ctx.warehouse}/catalog.db", "warehouse": f"{props['warehouse']}/{ctx.table}"}}
     location = spark_integration.StateLocation(table=ctx.table, max_parallelism=128, parallelism=ctx.parallelism,
                                                **where)
+    if ctx.store_config:
+        from statestore import StoreConfig
+
+        options["store_config"] = StoreConfig(**ctx.store_config)
     return spark_integration.start_stateful_query(
         source, keys=["key"], processor=processor, output_schema=OUTPUT_SCHEMA, location=location,
         checkpoint_location=ctx.checkpoint, trigger={"availableNow": True}, foreach_batch=ctx.sink, **options)

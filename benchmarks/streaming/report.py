@@ -12,6 +12,7 @@ from rich.table import Table
 
 from benchmarks.harness import console, pyplot, ratio, save_figure
 from benchmarks.streaming.peers import SPARK_PEERS
+from benchmarks.streaming.scaling import plot_state_size, report_cache, report_scaling
 
 PEER_COLUMNS = {"spark-floor-count": "vs stateless floor",
                 "spark-count-rocksdb": "vs RocksDB count", "spark-count-hdfs": "vs HDFS count",
@@ -29,6 +30,8 @@ def _checked(verified: dict) -> str:
 
 
 def _report_throughput(rows: list[dict]) -> None:
+    if not rows:
+        return
     t = Table(title="keyed running count (data set: events/keys/batches). Ratios: this row over the peer on the "
                     "same data set, events/s overall / steady / per CPU-second. Other cores: CPU that other processes "
                     "used during the run")
@@ -213,10 +216,14 @@ def _plot_restart(ax: Any, results: dict) -> None:
 
 
 def finish(results: dict, plot_path: Path) -> None:
-    """Draw the plot to ``plot_path`` and print the tables."""
+    """Draw the plot to ``plot_path`` (the state-size scenarios' beside it, ``*_state.png``) and
+    print the tables."""
     _plot(results, plot_path)
     _report_throughput(results["throughput"])
     _report_sessions(results.get("sessions"))
     restart = results.get("restart", {})
     _report_restart(restart.get("spark"), restart.get("ours"))
+    report_scaling(results.get("scaling"))
+    report_cache(results.get("cache"))
+    plot_state_size(results, plot_path.with_name(plot_path.stem + "_state.png"))
 

@@ -17,7 +17,7 @@ from benchmarks.streaming.data import RestartData, verify
 from benchmarks.streaming.runner import Runner, stream_job
 
 
-class _Feeder:
+class Feeder:
     """A source folder that the restart scenario fills file by file (copies keep the mtimes)."""
 
     def __init__(self, folder: Path, files: list[Path]) -> None:
@@ -32,10 +32,13 @@ class _Feeder:
         return first
 
 
-def _stream_step(runner: Runner, feeder: _Feeder, impl: str, label: str, rd: RestartData, files: int,
-                 title: str, parallelism: int = 4) -> dict:
+def stream_step(runner: Runner, feeder: Feeder, impl: str, label: str, rd: RestartData, files: int,
+                title: str, parallelism: int = 4, store_config: dict | None = None, check: bool = True) -> dict:
+    """Run ``impl``'s query ``label`` over the next ``files`` files of ``feeder``; its output is
+    checked against the data set's counts from the first of them (``check`` False: a fresh
+    query over files from the middle of the data set, whose counts start anew)."""
     first = feeder.add(files)
-    job = stream_job(impl, feeder.folder, runner.root, label, rd.all.sample, parallelism)
+    job = stream_job(impl, feeder.folder, runner.root, label, rd.all.sample, parallelism, store_config=store_config)
     result = runner.run(job, title)
     if "error" in result:
         return result
@@ -47,13 +50,16 @@ def _stream_step(runner: Runner, feeder: _Feeder, impl: str, label: str, rd: Res
             "start_to_first_batch_end_s": result["start_to_first_batch_end_s"],
             "state_rows_total": batches[-1]["state_rows_total"] if batches else None,
             "state_store_instances": batches[-1]["state_store_instances"] if batches else None,
-            "verified": verify(result["sink"], rd.all, first), "per_batch": batches}
+            "storage": result.get("storage"), "ours_batches": result.get("ours_batches"),
+            "verified": verify(result["sink"], rd.all, first, kind="running" if check else None), "per_batch": batches}
 
 
-def _build_step(runner: Runner, feeder: _Feeder, impl: str, label: str, rd: RestartData) -> dict:
-    step = _stream_step(runner, feeder, impl, label, rd, rd.build + rd.steady,
-                        f"{impl}: building a {rd.all.keys:,}-key state ({rd.build} insert + {rd.steady} update "
-                        "batches)")
+def build_step(runner: Runner, feeder: Feeder, impl: str, label: str, rd: RestartData,
+               store_config: dict | None = None, note: str = "") -> dict:
+    """A fresh query over the build and steady files: the steady batches' durations."""
+    step = stream_step(runner, feeder, impl, label, rd, rd.build + rd.steady,
+                       f"{impl}: building a {rd.all.keys:,}-key state ({rd.build} insert + {rd.steady} update "
+                       f"batches){note}", store_config=store_config)
     if "error" not in step:
         steady = [b["batch_ms"] / 1e3 for b in step["per_batch"][rd.build:]]
         step["steady_batch_s_median"] = statistics.median(steady) if steady else None
@@ -61,42 +67,54 @@ def _build_step(runner: Runner, feeder: _Feeder, impl: str, label: str, rd: Rest
     return step
 
 
-def spark_restart_and_rescale(runner: Runner, rd: RestartData, partitions: int) -> dict:
-    """RocksDB ``groupBy().count()``: build, restart with one more file, offline repartition to
-    ``partitions``, restart with one more file."""
-    impl, label = "spark-count-rocksdb", "spark-count-rocksdb-restart"
-    feeder = _Feeder(runner.root / "sources" / label, rd.all.files)
+def _restarts(runner: Runner, feeder: Feeder, impl: str, label: str, rd: RestartData, out: dict,
+              restarts: tuple[str, ...]) -> None:
+    """One restart per name in ``restarts``, each with the next file (their sizes: ``rd.after_events``)."""
+    for name in restarts:
+        events = f" of {rd.after_events[feeder.next - rd.build - rd.steady]:,} events" if rd.after_events else ""
+        out[name] = stream_step(runner, feeder, impl, label, rd, 1, f"{impl}: {name}, one more batch{events}")
+
+
+def spark_restart_and_rescale(runner: Runner, rd: RestartData, partitions: int,
+                              restarts: tuple[str, ...] = ("restart",), label: str = "") -> dict:
+    """RocksDB ``groupBy().count()``: build, restart with one more file (once per name in
+    ``restarts``), offline repartition to ``partitions``, restart with one more file."""
+    impl = "spark-count-rocksdb"
+    label = label or f"{impl}-restart"
+    feeder = Feeder(runner.root / "sources" / label, rd.all.files)
     out: dict = {"impl": impl, "state_keys": rd.all.keys}
-    out["build"] = _build_step(runner, feeder, impl, label, rd)
+    out["build"] = build_step(runner, feeder, impl, label, rd)
     if "error" in out["build"]:
         return out
-    out["restart"] = _stream_step(runner, feeder, impl, label, rd, 1, f"{impl}: restart, one more batch")
+    _restarts(runner, feeder, impl, label, rd, out, restarts)
     checkpoint = str(runner.root / "checkpoints" / label)
     out["repartition"] = runner.run({"kind": "repartition", "impl": impl, "checkpoint": checkpoint,
                                      "partitions": partitions},
                                     f"spark._streamingCheckpointManager.repartition(checkpoint, {partitions})")
     if "error" not in out["repartition"]:
-        out["after_repartition"] = _stream_step(runner, feeder, impl, label, rd, 1,
-                                                f"{impl}: restart after the repartition, one more batch")
+        out["after_repartition"] = stream_step(runner, feeder, impl, label, rd, 1,
+                                               f"{impl}: restart after the repartition, one more batch")
     return out
 
 
 def ours_restart_and_rescale(runner: Runner, rd: RestartData, partitions: int, impl: str,
-                             ours_reason: str | None) -> dict:
-    """Ours: build with parallelism 4, restart with parallelism 4, then restart with
-    ``partitions`` on the same state (no offline step: the first batch is the rescale)."""
+                             ours_reason: str | None, restarts: tuple[str, ...] = ("restart",),
+                             label: str = "") -> dict:
+    """Ours: build with parallelism 4, restart with parallelism 4 (once per name in
+    ``restarts``), then restart with ``partitions`` on the same state (no offline step: the
+    first batch is the rescale)."""
     if ours_reason:
         return {"impl": impl, "status": "not available", "reason": ours_reason}
-    label = f"{impl}-restart"
-    feeder = _Feeder(runner.root / "sources" / label, rd.all.files)
+    label = label or f"{impl}-restart"
+    feeder = Feeder(runner.root / "sources" / label, rd.all.files)
     out: dict = {"impl": impl, "state_keys": rd.all.keys, "status": "ok"}
-    out["build"] = _build_step(runner, feeder, impl, label, rd)
+    out["build"] = build_step(runner, feeder, impl, label, rd)
     if "error" in out["build"]:
         return out
-    out["restart"] = _stream_step(runner, feeder, impl, label, rd, 1, f"{impl}: restart, one more batch")
-    out["rescale"] = _stream_step(runner, feeder, impl, label, rd, 1,
-                                  f"{impl}: restart with parallelism {partitions}, one more batch",
-                                  parallelism=partitions)
+    _restarts(runner, feeder, impl, label, rd, out, restarts)
+    out["rescale"] = stream_step(runner, feeder, impl, label, rd, 1,
+                                 f"{impl}: restart with parallelism {partitions}, one more batch",
+                                 parallelism=partitions)
     return out
 
 

@@ -76,10 +76,11 @@ class Runner:
 
 
 def stream_job(impl: str, source: Path, root: Path, label: str, sample: dict[str, int],
-               parallelism: int = 4, sink: str = "checksum") -> dict:
+               parallelism: int = 4, sink: str = "checksum", store_config: dict | None = None) -> dict:
     """A stream job of ``impl`` over the files in ``source``; its checkpoint and state table are
     named by ``label``, so a later job with the same label restarts the same query. ``sink``:
-    "checksum" (each batch's output checked) or "noop" (computed and dropped)."""
+    "checksum" (each batch's output checked) or "noop" (computed and dropped); ``store_config``:
+    ours' ``StoreConfig`` fields."""
     return {"kind": "stream", "impl": impl, "source": str(source), "checkpoint": str(root / "checkpoints" / label),
             "warehouse": str(root / "warehouse"), "table": label.replace("-", "_"), "parallelism": parallelism,
-            "sample_keys": sorted(sample), "sink": sink}
+            "sample_keys": sorted(sample), "sink": sink, "store_config": store_config}

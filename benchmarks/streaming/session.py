@@ -28,6 +28,10 @@ SPARK_CONF = {
     "spark.driver.host": "127.0.0.1",
     "spark.driver.bindAddress": "127.0.0.1",
     "spark.sql.catalogImplementation": "in-memory",
+    # Spark keeps 100 versions of its state by default; ours keeps 10 checkpoints
+    # (``catalog.iceberg_table.DEFAULT_RETAIN_CHECKPOINTS``): the same retention for both, so that
+    # their state on disk is compared like for like.
+    "spark.sql.streaming.minBatchesToRetain": "10",
 }
 
 

@@ -52,9 +52,33 @@ def _ours_breakdown(query: Any) -> list[dict]:
                     "state_commit_ms": (r.state or {}).get("commitTimeMs"),
                     **{f"task_{k}": sum(t.get(k, 0) for t in tasks)
                        for k in ("elapsed_ms", "open_ms", "process_ms", "flush_ms", "output_ms", "cpu_ms",
-                                 "bytes_read", "files_opened")},
+                                 "bytes_read", "files_opened", "cache_evictions")},
+                    # The views the task stores hold after the batch (each store within its bound).
+                    "cache_size_bytes": sum(t.get("cache_size_bytes", 0) for t in tasks),
                     "task_pids": {task: t.get("pid") for task, t in sorted(r.tasks.items())}})
     return out
+
+
+def _tree(path: Path) -> dict:
+    """Bytes and files under ``path`` (nothing when it does not exist)."""
+    files = [f for f in path.rglob("*") if f.is_file()] if path.exists() else []
+    return {"bytes": sum(f.stat().st_size for f in files), "files": len(files)}
+
+
+def _storage(job: dict, impl: Any) -> dict:
+    """What the run left on disk for its state, after the query stopped. Spark: the state
+    folder of its checkpoint (every retained version of every partition's store). Ours: the
+    state table's folder (segments and Iceberg metadata). ``checkpoint`` is the whole Spark
+    checkpoint folder (offsets, commits and, for Spark's stores, the state)."""
+    checkpoint = Path(job["checkpoint"])
+    if impl.ours:
+        tables = [d for d in Path(job["warehouse"]).glob(f"*/{job['table']}") if d.is_dir()]
+        state = {"bytes": 0, "files": 0}
+        for d in tables:
+            state = {k: state[k] + v for k, v in _tree(d).items()}
+    else:
+        state = _tree(checkpoint / "state")
+    return {"state": state, "checkpoint": _tree(checkpoint)}
 
 
 def _epoch(timestamp: str) -> float:
@@ -81,7 +105,8 @@ def _run_stream(job: dict) -> dict:
     spark, session_s, import_s = _session_and_import(job, impl)
     source = spark.readStream.schema(SOURCE_SCHEMA).option("maxFilesPerTrigger", 1).parquet(job["source"])
     sink = SINKS[job.get("sink", "checksum")](job["sample_keys"])
-    ctx = RunContext(job["checkpoint"], job["warehouse"], job["table"], job["parallelism"], sink)
+    ctx = RunContext(job["checkpoint"], job["warehouse"], job["table"], job["parallelism"], sink,
+                     store_config=job.get("store_config"))
     meter = CpuMeter()
     start_epoch, t0 = time.time(), time.perf_counter()
     query = impl.start(source, ctx)
@@ -94,9 +119,10 @@ def _run_stream(job: dict) -> dict:
     batches = [b for b in batches if b["input_rows"] > 0]
     ours = _ours_breakdown(query) if impl.ours else None
     spark.stop()
+    storage = _storage(job, impl)
     first_end = _epoch(batches[0]["timestamp"]) + batches[0]["batch_ms"] / 1e3 if batches else None
     return {"session_s": session_s, "import_s": import_s, "wall_s": wall_s, "batches": batches, "sink": sink.batches,
-            "cpu": cpu, "ours_batches": ours,
+            "cpu": cpu, "ours_batches": ours, "storage": storage,
             "start_to_first_batch_end_s": first_end - start_epoch if first_end else None}
 
 
