@@ -25,7 +25,9 @@ from statestore import StateLayout, ValueStateDescriptor, assign_key_groups, tas
 
 T = TypeVar("T")
 
-RESULTS_DIR = Path(__file__).parent / "results"
+# Where results go: ``benchmarks/results`` unless the suite (``benchmarks.suite``) names its folder.
+RESULTS_DIR_ENV = "ICESTATE_BENCH_RESULTS_DIR"
+RESULTS_DIR = Path(os.environ.get(RESULTS_DIR_ENV) or Path(__file__).parent / "results")
 REPO = Path(__file__).resolve().parents[1]
 # Wide when not on a terminal, so that tables in a log are not wrapped at 80 columns.
 console = Console(width=None if Console().is_terminal else 200)

@@ -1,9 +1,9 @@
 """Smoke test of the benchmarks, so that a change that breaks one fails CI rather than the next
 benchmark run: every module of ``benchmarks`` imports, and ``bench_store``, ``remote_storage``
-and ``bench_restart_reads`` (moto's S3 server and our proxy, started by the run) run end to end through
-their command lines at tiny sizes (no Spark), as does the throughput scenario of ``bench_spark``
-(the stateless floor and our vectorized processor, in Spark processes of their own), writing
-their JSON and plots to a temporary folder, never over the recorded results.
+and ``bench_restart_reads`` (moto's S3 server and our proxy, started by the run) run end to end
+through their command lines at tiny sizes (no Spark), as does the whole suite
+(``benchmarks.suite``) in its tiny mode, writing their JSON and plots to a temporary folder,
+never over the recorded results.
 """
 
 from __future__ import annotations
@@ -133,28 +133,43 @@ def test_bench_inspect_runs_end_to_end(tmp_path, monkeypatch):
     assert (tmp_path / "bench_inspect.png").stat().st_size > 0
 
 
-def test_bench_spark_throughput_runs_end_to_end(tmp_path, monkeypatch):
-    """The streaming benchmark's throughput scenario at ``--quick`` sizes (real Spark, one
-    process per job): Spark's stateless floor and our vectorized processor on the same files,
-    both outputs checked against the input (the floor's per batch, ours as running counts), our
-    per-batch breakdown recorded, ours divided by the floor."""
+def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
+    """``python -m benchmarks.suite --mode tiny``: every benchmark of the suite at its smallest
+    sizes, each in a process of its own with its results in the suite's folder (real Spark, one
+    process per job): the streaming throughput of ours against Spark's stateless floor, the
+    scaling scenario (build, restarts, Spark's offline repartition and our rescale,
+    every step's output checked against the input), the cache scenario, the store, rescale and
+    compaction benchmarks; then the headline table, its Markdown and its plot from their results."""
     pytest.importorskip("matplotlib")
-    from benchmarks import bench_spark
+    from benchmarks import suite
 
-    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
     app = typer.Typer()
-    app.command()(bench_spark.main)
-    args = ["--quick", "--workloads", "throughput", "--only", "spark-floor-count,ours-vectorized",
-            "--quiet-wait", "0", "--results-name", "smoke", "--timeout", "300"]
-    result = CliRunner().invoke(app, args)
+    app.command()(suite.main)
+    result = CliRunner().invoke(app, ["--mode", "tiny", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    rows = {r["impl"]: r for r in json.loads((tmp_path / "smoke.json").read_text())["throughput"]}
-    assert set(rows) == {"spark-floor-count", "ours-vectorized"}
-    for row in rows.values():
-        assert row["status"] == "ok", row
-        assert row["verified"] == {"ok": True, "problems": [], "checked": True}
-    ours = rows["ours-vectorized"]
-    assert len(ours["ours_batches"]) == ours["batches"] == 5
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert all(step["ok"] for step in summary["steps"].values()), summary["steps"]
+    assert set(summary["steps"]) == {s.name for s in suite.STEPS}
+    rows = {r["measure"]: r for r in summary["headline"]}
+    for measure in ("vectorized processor: events/s steady / stateless floor",
+                    "store: warm batched lookup / polars left join",
+                    "cache 0.1x of the state (3,000 keys): steady events/s / cache 1x",
+                    "state 0.003M keys: rescale 4 -> 8, largest / smallest",
+                    "state on disk at 3,000 keys / Spark's RocksDB checkpoint",
+                    "rescale 4 -> 8 (metadata), big / small state",
+                    "checkpoint p99 with the compactor / without"):
+        assert rows[measure]["value"] > 0, rows[measure]
+    spark = json.loads((tmp_path / "spark.json").read_text())
+    ours = next(r for r in spark["throughput"] if r["impl"] == "ours-vectorized")
+    assert ours["status"] == "ok" and len(ours["ours_batches"]) == ours["batches"] == 3
     assert all(b["task_pids"] and b["tasks_ms"] > 0 for b in ours["ours_batches"])
-    assert ours["ratios"]["spark-floor-count"]["steady"] > 0
-    assert (tmp_path / "smoke.png").stat().st_size > 0
+    for impl, by_size in spark["scaling"]["figures"].items():
+        figures = by_size["3000"]
+        assert figures["verified"], (impl, figures)
+        assert figures["storage_bytes"] > 0 and figures["checkpoint_ms"] > 0, (impl, figures)
+    assert {"rocksdb", "1x", "0.1x"} == set(spark["cache"]["runs"])
+    assert all(run["verified"]["ok"] for run in spark["cache"]["runs"].values())
+    assert spark["cache"]["state_view_bytes"] > 0
+    for name in ("headline.png", "spark.png", "spark_state.png", "bench_store.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert "| store: warm batched lookup / polars left join |" in (tmp_path / "summary.md").read_text()
