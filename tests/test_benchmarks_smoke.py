@@ -154,7 +154,8 @@ def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
     for measure in ("vectorized processor: events/s steady / stateless floor",
                     "store: warm batched lookup / polars left join",
                     "cache 0.1x of the state (3,000 keys): steady events/s / cache 1x",
-                    "state 0.003M keys: rescale 4 -> 8, largest / smallest",
+                    "state 0.003M keys: rescale 4 -> 8 to its first batch, largest / smallest",
+                    "restart, small first batch at 3,000 keys, query start to first batch end / RocksDB's",
                     "state on disk at 3,000 keys / Spark's RocksDB checkpoint",
                     "rescale 4 -> 8 (metadata), big / small state",
                     "checkpoint p99 with the compactor / without"):
