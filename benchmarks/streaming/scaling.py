@@ -252,14 +252,15 @@ def plot_state_size(results: dict, path: Path) -> bool:
     scaling, cache = results.get("scaling"), results.get("cache")
     panels = []
     if scaling and scaling.get("figures"):
-        panels += ["checkpoint_ms", "restart_small_s", "rescale_s", "storage_bytes"]
+        panels += ["checkpoint_ms", "restart_small_raw_s", "rescale_raw_s", "storage_bytes"]
     if cache and cache.get("runs"):
         panels.append("cache")
     if not panels:
         return False
     fig, axes = pyplot().subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
-    titles = {"checkpoint_ms": "checkpoint (ms, summed over tasks)", "restart_small_s": "restart, small batch (s)",
-              "rescale_s": "rescale 4 -> 8 (s)", "storage_bytes": "state on disk (MB)"}
+    titles = {"checkpoint_ms": "checkpoint (ms, summed over tasks)",
+              "restart_small_raw_s": "restart, small batch: start to 1st batch end (s)",
+              "rescale_raw_s": "rescale 4 -> 8: start to 1st batch end (s)", "storage_bytes": "state on disk (MB)"}
     for ax, name in zip(axes[0], panels, strict=True):
         if name == "cache":
             runs = {k: r for k, r in cache["runs"].items() if r.get("steady_events_per_s")}
