@@ -52,7 +52,19 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator and denominator else None
 
 
+def events_per_s(batches: list[dict]) -> float | None:
+    """Input rows per second over streaming ``batches`` (Spark's progress: ``input_rows`` and
+    ``batch_ms`` each), or None when they took no time."""
+    ms = sum(b["batch_ms"] for b in batches)
+    return sum(b["input_rows"] for b in batches) / (ms / 1e3) if ms else None
+
+
 # Output ----------------------------------------------------------------------------------
+
+
+def fmt(v: float | None, spec: str = ",.0f", suffix: str = "") -> str:
+    """``v`` formatted with ``spec`` and ``suffix`` for a table cell; "-" for a missing figure."""
+    return "-" if v is None else f"{v:{spec}}{suffix}"
 
 
 def progress(items: Iterable[T], description: str) -> Iterator[T]:

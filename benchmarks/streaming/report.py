@@ -10,17 +10,13 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from benchmarks.harness import console, pyplot, ratio, save_figure
+from benchmarks.harness import console, fmt, pyplot, ratio, save_figure
 from benchmarks.streaming.peers import SPARK_PEERS
 from benchmarks.streaming.scaling import plot_state_size, report_cache, report_scaling
 
 PEER_COLUMNS = {"spark-floor-count": "vs stateless floor",
                 "spark-count-rocksdb": "vs RocksDB count", "spark-count-hdfs": "vs HDFS count",
                 "spark-tws-rows": "vs transformWithState", "spark-tws-pandas": "vs transformWithStateInPandas"}
-
-
-def _fmt(v: float | None, spec: str = ",.0f", suffix: str = "") -> str:
-    return "-" if v is None else f"{v:{spec}}{suffix}"
 
 
 def _checked(verified: dict) -> str:
@@ -46,11 +42,11 @@ def _report_throughput(rows: list[dict]) -> None:
             reasons.add(f"{r['impl']}: {r['status']}: {r['reason']}")
             continue
         ratios = [r["ratios"].get(p) for p in SPARK_PEERS]
-        cells = ["-" if q is None else " / ".join(_fmt(q[k], ".2f") for k in ("overall", "steady", "per_cpu_s"))
+        cells = ["-" if q is None else " / ".join(fmt(q[k], ".2f") for k in ("overall", "steady", "per_cpu_s"))
                  for q in ratios]
-        t.add_row(r["impl"], size, f"{r['wall_s']:.1f}", _fmt(r["events_per_s"]), _fmt(r["steady_events_per_s"]),
-                  _fmt(r["events_per_cpu_s"]), _fmt(r["first_batch_s"], ".2f"), *cells,
-                  _fmt(r["machine"].get("other_cores"), ".2f"),
+        t.add_row(r["impl"], size, f"{r['wall_s']:.1f}", fmt(r["events_per_s"]), fmt(r["steady_events_per_s"]),
+                  fmt(r["events_per_cpu_s"]), fmt(r["first_batch_s"], ".2f"), *cells,
+                  fmt(r["machine"].get("other_cores"), ".2f"),
                   _checked(r["verified"]))
     lines = []  # ours over the Spark peer that runs the very same processor
     for o, p in (("ours-pandas", "spark-tws-pandas"), ("ours-compat", "spark-tws-rows")):
@@ -58,7 +54,7 @@ def _report_throughput(rows: list[dict]) -> None:
             q = r.get("ratios", {}).get(p) if r["impl"] == o and r["status"] == "ok" else None
             if q:
                 lines.append(f"{o} / {p} on {r['dataset']}: {q['overall']:.1f}x events/s, "
-                             f"{_fmt(q['steady'], '.1f')}x steady, {_fmt(q['per_cpu_s'], '.1f')}x per CPU-second"
+                             f"{fmt(q['steady'], '.1f')}x steady, {fmt(q['per_cpu_s'], '.1f')}x per CPU-second"
                              + (" (issue 13's target: at least 10x)" if o == "ours-pandas" else ""))
     t.caption = "\n".join([*lines, *sorted(reasons)]) or None
     console.print(t)
@@ -80,15 +76,15 @@ def _report_sessions(sessions: dict | None) -> None:
             t.add_row(r["impl"], *[""] * 9, r["status"])
             reasons.append(f"{r['impl']}: {r['status']}: {r['reason']}")
             continue
-        t.add_row(r["impl"], f"{r['last_close_s']:.1f}", _fmt(r["events_per_s"]), _fmt(r.get("events_per_cpu_s")),
+        t.add_row(r["impl"], f"{r['last_close_s']:.1f}", fmt(r["events_per_s"]), fmt(r.get("events_per_cpu_s")),
                   str(r["batches"]), str(r["batches_without_input"]), str(r["batches_after_last_close"]),
                   "yes" if r["ended_by_itself"] else "no (stopped)", f"{r['closes']:,}",
-                  _fmt(r["machine"].get("other_cores"), ".2f"),
+                  fmt(r["machine"].get("other_cores"), ".2f"),
                   "verified" if r["verified"]["ok"] else f"[red]WRONG[/red] {r['verified']['problems'][:2]}")
     q = sessions.get("ours_vs_spark")
     if q:
-        reasons.insert(0, f"ours / Spark: {_fmt(q['events_per_s'], '.1f')}x events/s, "
-                          f"{_fmt(q['events_per_cpu_s'], '.1f')}x per CPU-second; same multiset of closes: "
+        reasons.insert(0, f"ours / Spark: {fmt(q['events_per_s'], '.1f')}x events/s, "
+                          f"{fmt(q['events_per_cpu_s'], '.1f')}x per CPU-second; same multiset of closes: "
                           f"{'yes' if q['same_closes'] else '[red]NO[/red]'}")
     t.caption = "\n".join(reasons) or None
     console.print(t)
@@ -99,7 +95,7 @@ def _step_cell(step: dict | None, field: str) -> str:
         return "-"
     if "error" in step:
         return f"error: {step['error'][:70]}"
-    return _fmt(step.get(field), ".2f", " s")
+    return fmt(step.get(field), ".2f", " s")
 
 
 def _restart_cells(d: dict, offline_step: bool) -> list[str]:
@@ -115,10 +111,10 @@ def _restart_cells(d: dict, offline_step: bool) -> list[str]:
     checks = [st["verified"]["ok"] for st in steps if "verified" in st]
     return [
         _step_cell(build, "steady_batch_s_median"),
-        _fmt(fresh, ".2f", " s"),
+        fmt(fresh, ".2f", " s"),
         _step_cell(restart, "first_batch_s"),
-        _fmt(ratio(first, steady), ".1f", "x"),
-        _fmt(first - fresh if first and fresh else None, ".2f", " s"),
+        fmt(ratio(first, steady), ".1f", "x"),
+        fmt(first - fresh if first and fresh else None, ".2f", " s"),
         _step_cell(restart, "start_to_first_batch_end_s"),
         _step_cell(restart, "import_s"),
         _step_cell(d.get("repartition"), "repartition_s") if offline_step else "none needed",

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from benchmarks.harness import console, pyplot, ratio, save_figure
+from benchmarks.harness import console, events_per_s, fmt, pyplot, ratio, save_figure
 from benchmarks.streaming.data import RestartData, make_restart_data
 from benchmarks.streaming.restart import (
     Feeder,
@@ -62,6 +62,12 @@ def _checkpoint_ms(step: dict, first_steady: int) -> float | None:
 
 def _start_to_first(step: dict | None) -> float | None:
     return None if not step or "error" in step else step.get("start_to_first_batch_end_s")
+
+
+def _beyond(step: dict | None, base: dict | None) -> float | None:
+    """How much longer ``step`` took from its query's start to its first batch's end than ``base``."""
+    a, b = _start_to_first(step), _start_to_first(base)
+    return a - b if a is not None and b is not None else None
 
 
 def _fresh(runner: Runner, rd: RestartData, impl: str, index: int, name: str) -> dict:
@@ -110,18 +116,14 @@ def derive_scaling(out: dict) -> None:
             rescale = run.get("after_repartition") or run.get("rescale")
             offline = (run.get("repartition") or {}).get("repartition_s", 0) if impl == SPARK else 0
 
-            def extra(step: dict | None, base: dict | None) -> float | None:
-                a, b = _start_to_first(step), _start_to_first(base)
-                return a - b if a is not None and b is not None else None
-
-            rescale_s = extra(rescale, fresh.get("large"))
+            rescale_s = _beyond(rescale, fresh.get("large"))
             storage = (build.get("storage") or {}).get("state", {})
             checks = [st["verified"]["ok"] for st in run.values() if isinstance(st, dict) and "verified" in st]
             figures.setdefault(impl, {})[keys] = {
                 "steady_batch_s": build.get("steady_batch_s_median"),
                 "checkpoint_ms": _checkpoint_ms(build, out["build_batches"]),
-                "restart_small_s": extra(run.get("restart_small"), fresh.get("small")),
-                "restart_large_s": extra(run.get("restart_large"), fresh.get("large")),
+                "restart_small_s": _beyond(run.get("restart_small"), fresh.get("small")),
+                "restart_large_s": _beyond(run.get("restart_large"), fresh.get("large")),
                 "rescale_s": None if rescale_s is None else rescale_s + offline,
                 # The same from the query's start, fresh query not subtracted: what a user waits.
                 "restart_small_raw_s": _start_to_first(run.get("restart_small")),
@@ -180,9 +182,7 @@ def derive_cache(out: dict) -> None:
     for run in out["runs"].values():
         if "error" in run:
             continue
-        steady = run["per_batch"][out["build_batches"]:]
-        ms = sum(b["batch_ms"] for b in steady)
-        run["steady_events_per_s"] = sum(b["input_rows"] for b in steady) / (ms / 1e3) if ms else None
+        run["steady_events_per_s"] = events_per_s(run["per_batch"][out["build_batches"]:])
         if run.get("ours_batches"):
             run["steady_cache_evictions"] = sum(b["task_cache_evictions"] for b in
                                                 run["ours_batches"][out["build_batches"]:])
@@ -198,10 +198,6 @@ def derive_cache(out: dict) -> None:
 
 # Report -------------------------------------------------------------------------------------
 
-def _f(v: float | None, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def report_scaling(out: dict | None) -> None:
     if not out or not out.get("figures"):
         return
@@ -214,15 +210,15 @@ def report_scaling(out: dict | None) -> None:
         t.add_column(col, justify="left" if col == "implementation" else "right")
     for impl, by_size in out["figures"].items():
         for keys, f in by_size.items():
-            t.add_row(impl, f"{int(keys):,}", _f(f["steady_batch_s"], ".2f"), _f(f["checkpoint_ms"], ".0f"),
-                      _f(f["restart_small_s"], ".2f"), _f(f["restart_large_s"], ".2f"), _f(f["rescale_s"], ".2f"),
-                      " / ".join(_f(f[k], ".2f") for k in ("restart_small_raw_s", "restart_large_raw_s",
+            t.add_row(impl, f"{int(keys):,}", fmt(f["steady_batch_s"], ".2f"), fmt(f["checkpoint_ms"], ".0f"),
+                      fmt(f["restart_small_s"], ".2f"), fmt(f["restart_large_s"], ".2f"), fmt(f["rescale_s"], ".2f"),
+                      " / ".join(fmt(f[k], ".2f") for k in ("restart_small_raw_s", "restart_large_raw_s",
                                                              "rescale_raw_s")),
-                      _f(None if f["storage_bytes"] is None else f["storage_bytes"] / 1e6, ".1f"),
+                      fmt(None if f["storage_bytes"] is None else f["storage_bytes"] / 1e6, ".1f"),
                       str(f["storage_files"]), "yes" if f["verified"] else "[red]NO[/red]")
-    lines = [f"{impl}: largest / smallest across sizes: " + ", ".join(f"{k} {_f(v, '.2f')}" for k, v in s.items())
+    lines = [f"{impl}: largest / smallest across sizes: " + ", ".join(f"{k} {fmt(v, '.2f')}" for k, v in s.items())
              for impl, s in out["spread"].items()]
-    lines += [f"ours / Spark's RocksDB on disk at {int(k):,} keys: {_f(v, '.2f')}x"
+    lines += [f"ours / Spark's RocksDB on disk at {int(k):,} keys: {fmt(v, '.2f')}x"
               for k, v in out["storage_ratio"].items()]
     t.caption = "\n".join(lines)
     console.print(t)
@@ -239,10 +235,10 @@ def report_cache(out: dict | None) -> None:
         if "error" in run:
             t.add_row(name, f"error: {run['error'][:80]}", *[""] * 5)
             continue
-        t.add_row(f"{run['impl']} {name}", _f(run.get("steady_events_per_s"), ",.0f"),
-                  _f(run.get("vs_1x"), ".2f"), _f(run.get("vs_rocksdb"), ".2f"),
-                  _f(run.get("steady_cache_evictions"), ",.0f"),
-                  _f(None if run.get("steady_bytes_read") is None else run["steady_bytes_read"] / 1e6, ",.0f"),
+        t.add_row(f"{run['impl']} {name}", fmt(run.get("steady_events_per_s"), ",.0f"),
+                  fmt(run.get("vs_1x"), ".2f"), fmt(run.get("vs_rocksdb"), ".2f"),
+                  fmt(run.get("steady_cache_evictions"), ",.0f"),
+                  fmt(None if run.get("steady_bytes_read") is None else run["steady_bytes_read"] / 1e6, ",.0f"),
                   "yes" if run["verified"]["ok"] else "[red]NO[/red]")
     console.print(t)
 

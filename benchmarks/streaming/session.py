@@ -57,6 +57,9 @@ def spark_session(job: dict, provider: str | None) -> Any:
             "spark.local.dir": str(Path(job["scratch"]) / "spark-local")}
     if provider:
         conf[PROVIDER_CONF] = provider
+    # A JVM that crashes writes its report in the job's scratch folder, not in the repository
+    # (workers run from its root).
+    conf["spark.driver.extraJavaOptions"] = f"-XX:ErrorFile={Path(job['scratch']) / 'hs_err_pid%p.log'}"
     conf.update(extra_conf())
     builder = SparkSession.builder.master("local[2]").appName(f"bench-spark-{job['impl']}")
     for key, value in conf.items():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 
-from benchmarks.harness import console, ratio
+from benchmarks.harness import console, events_per_s, ratio
 from benchmarks.streaming.data import DataSet, verify
 from benchmarks.streaming.peers import SPARK_PEERS
 from benchmarks.streaming.registry import IMPLS
@@ -20,12 +20,11 @@ def _throughput(result: dict, data: DataSet, check: str | None) -> dict:
     durations), the first batch, and the output check."""
     batches = result["batches"]
     steady = batches[1:]
-    steady_ms = sum(b["batch_ms"] for b in steady)
     return {
         "events": data.events, "keys": data.keys, "batches": len(batches), "wall_s": result["wall_s"],
         "session_s": result["session_s"], "process_s": result["process_s"], "machine": result["machine"],
         "events_per_s": data.events / result["wall_s"],
-        "steady_events_per_s": sum(b["input_rows"] for b in steady) / (steady_ms / 1e3) if steady_ms else None,
+        "steady_events_per_s": events_per_s(steady),
         "first_batch_s": batches[0]["batch_ms"] / 1e3 if batches else None,
         "steady_batch_s_median": statistics.median(b["batch_ms"] for b in steady) / 1e3 if steady else None,
         "sink_s_total": sum(b["sink_s"] for b in result["sink"]),
