@@ -22,8 +22,8 @@ from statestore import (
     StoreConfig,
     TtlConfig,
     ValueStateDescriptor,
+    read_path,
 )
-from statestore import read_path
 
 N_KEYS = 2000  # views of 2,000 keys against batches of at most 50 writes: refreshed in place
 KEYS = [f"key-{i:05d}" for i in range(N_KEYS)]
