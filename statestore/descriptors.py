@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import functools
 import hashlib
 import re
 from collections.abc import Callable
@@ -54,11 +55,13 @@ _PLAIN_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,62}")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]+")
 
 
+@functools.lru_cache(maxsize=1024)
 def column_stem(name: str) -> str:
     """The part of a state variable's column names (``v_<stem>``, ``mk_<stem>``) that comes
     from its name: the name itself when it is a plain identifier (letters, digits and
     underscores, a letter first, at most 63), else its safe characters and 8 hex digits of
-    its SHA-256 (distinct names, distinct columns)."""
+    its SHA-256 (distinct names, distinct columns). Remembered: the per-key reads ask for a
+    variable's columns at every call."""
     if _PLAIN_NAME.fullmatch(name):
         return name
     safe = _UNSAFE.sub("_", name).strip("_")[:40] or "s"

@@ -259,6 +259,10 @@ class StateReader:
         kgs = np.unique(key_groups).tolist()
         if kgs:
             self._cover(keys, key_groups, kgs)
+            # And bring them up to date now, every key group at once: the per-key loop would
+            # refresh each key group at its first read, a few polars calls per key group (a
+            # 50k-key batch over 128 key groups: a quarter of the loop's time).
+            self._refresh_all([kg for kg in kgs if kg in self._cache])
             self._trim(pinned=kgs)
 
     def _current(self, name: str, kgs: list[int]) -> list[pl.DataFrame]:
