@@ -152,16 +152,19 @@ class StateReader:
         parts of each (variable, key group), as ``Memtable.drop_before`` returns them).
 
         Parts a cached view has not applied yet move to its ``pending`` list (counted in the
-        cache's bound), so a cached key group never has to be read again.
+        cache's bound), so a cached key group never has to be read again. They move with the
+        ords their segment gave them ((checkpoint id, seq), not the memtable's): they then
+        order among entries read from newer segments as those segments say (``catch_up``).
         """
         self._unsettled.discard(checkpoint_id)
+        stamped = pl.lit(checkpoint_id << 32, dtype=pl.Int64) + (pl.col(ORD) & ((1 << 32) - 1))
         for (name, kg), parts in dropped.items():
             group = self._cache.peek(kg)
             if group is None or name not in group.views:
                 continue
             applied = group.applied.get(name, 0)
             if len(parts) > applied:
-                group.pending.setdefault(name, []).extend(parts[applied:])
+                group.pending.setdefault(name, []).extend(p.with_columns(stamped.alias(ORD)) for p in parts[applied:])
             group.applied[name] = max(0, applied - len(parts))
             self._cache.resized(kg)
         self._point_index.clear()
@@ -177,9 +180,9 @@ class StateReader:
         cached = sorted(self._cache.key_groups())
         if not newer or not cached:
             return
-        # Apply what the views still miss first: the store's own committed entries carry
-        # memtable ords, above any entry read from a segment, and would win over newer ones.
-        self._refresh_all(cached)
+        # The store's own committed entries still pending carry their segment's ords
+        # (``committed``): the newer segments' entries join them and the views take all at their
+        # next read, in one refresh.
         entries = read_entries(self._segments, newer, np.asarray(cached, dtype=np.int64), self._entry_schema)
         entries = entries.filter(pl.col(CHECKPOINT_ID) > after_checkpoint_id)
         for desc in self.layout.descriptors:

@@ -156,3 +156,37 @@ def test_ttl_rows_expire_from_views_refreshed_in_place(tmp_path, replacing_calls
     fresh = _store(table, clock)
     assert fresh.get_state("v").get_batch(keys(KEYS)).to_pylist() == [-1] * 20 + [5] * 5 + [None] * (N_KEYS - 25)
     assert replacing_calls
+
+
+def test_a_store_catching_up_orders_its_own_pending_entries_before_newer_segments(tmp_path):
+    """Store A reads, writes, commits (its write waits unapplied in its views); store B, the same
+    task in another worker, takes over and writes the same keys; A catches up with B's segment.
+    A's own entries must lose to B's newer ones, though they were made later in A's memtable
+    order (pending entries carry their segment's ords, not the memtable's)."""
+    layout = StateLayout.of(pa.schema([("k", pa.string())]),
+                            [ValueStateDescriptor("v", pa.int64()),
+                             MapStateDescriptor("m", pa.int64(), key_type=pa.string())], max_parallelism=4)
+    clock = Clock()
+    table_a = DirectoryStateTable(tmp_path / "t", layout)
+    a = _store(table_a, clock)
+    a.get_state("v").update_batch(keys(KEYS), list(range(N_KEYS)))
+    a.get_state("m").put_batch(keys(KEYS), ["x"] * N_KEYS, list(range(N_KEYS)))
+    a.checkpoint()
+    assert a.get_state("v").get_batch(keys(KEYS)).to_pylist() == list(range(N_KEYS))  # views cached, whole
+    a.get_state("m").items_batch(keys(KEYS))
+    a.get_state("v").update_batch(keys(KEYS[:10]), [-1] * 10)
+    a.get_state("m").put_batch(keys(KEYS[:10]), ["x"] * 10, [-1] * 10)
+    a.checkpoint()  # A's writes now wait in its views' pending parts
+
+    table_b = DirectoryStateTable(tmp_path / "t", layout)
+    b = _store(table_b, clock)
+    b.get_state("v").update_batch(keys(KEYS[:5]), [7] * 5)
+    b.get_state("m").put_batch(keys(KEYS[:5]), ["x"] * 5, [7] * 5)
+    b.checkpoint()
+
+    table_a.restore(table_b.current_checkpoint().checkpoint_id)  # the driver ships the newest checkpoint
+    assert a.catch_up()
+    want = [7] * 5 + [-1] * 5 + list(range(10, N_KEYS))
+    assert a.get_state("v").get_batch(keys(KEYS)).to_pylist() == want
+    got = a.get_state("m").items_batch(keys(KEYS)).to_pylist()
+    assert [r["v_m"] for r in sorted(got, key=lambda r: r["_row"])] == want
