@@ -5,7 +5,8 @@ last batch's plan asks for another one (``shouldRunAnotherBatch``): that is how 
 ``transformWithState`` fires timers with no new input. A stateful query here is a
 ``foreachBatch`` over a stateless plan, so Spark would never run such a batch. The ticks
 source restores it: ``start_stateful_query`` unions it (no rows, the input's schema) into
-the input when the query has timers, and its offset advances when the committed state has
+the input of every query (without timers it only carries the state figures into the query's
+progress, ``reportLatestOffset``), and its offset advances when the committed state has
 a timer due:
 
 * processing time: the earliest registered timer is at or before now (the batch Spark then
