@@ -570,8 +570,9 @@ class StateReader:
 
     def _refresh_resolving(self, kgs: Sequence[int], desc: StateDescriptor, views: list[pl.DataFrame],
                            new: list[pl.DataFrame], keyed: pl.Schema) -> None:
-        """List state: the views and the new entries resolved again as one (list elements are
-        renumbered below every new entry, so that later entries sort after them)."""
+        """The views and the new entries resolved again as one: list state (its elements are
+        renumbered below every new entry, so that later entries sort after them), and views
+        with few rows per new entry (``_REPLACE_RATIO``)."""
         heights = [v.height for v in views]
         old = pl.concat(views, how="vertical") if sum(heights) else None
         if old is not None:
@@ -588,8 +589,8 @@ class StateReader:
         """Value-like and map state: every new entry is newer than every view row, so a view
         changes only at the keys (map entries) the new entries touch: their rows leave the
         view and the new entries' own resolution takes their place. The work is the new
-        entries' and a hash probe of the view, not a resolution of the whole view again (on a
-        whole view of 2M keys, 50k new entries: 50 against 300 ms)."""
+        entries' and a hash probe of the view, not a resolution of the whole view again (whole
+        views of 2M keys over 128 key groups, 50k new entries: 129 against 294 ms)."""
         if not new:
             return
         keys = list(self.key_names)
