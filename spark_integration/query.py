@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -727,26 +728,6 @@ def _warm_workers(spark: SparkSession, location: StateLocation, view: Checkpoint
             spark.sparkContext.setLocalProperty("spark.job.description", None)
 
 
-class _Background:
-    """``fn`` run in a thread of its own (PySpark runs the jobs of several driver threads at
-    once); ``join`` waits for it and returns what it raised, or None."""
-
-    def __init__(self, fn: Callable[[], None]):
-        self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="icestate-warm-workers", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except BaseException as e:  # handed to the caller by ``join``
-            self._failure = e
-
-    def join(self) -> BaseException | None:
-        self._thread.join()
-        return self._failure
-
-
 def _import_failure(text: str) -> str | None:
     """The import error in a failed Python worker's traceback, if that is why it failed."""
     for line in reversed(text.splitlines()):
@@ -873,15 +854,16 @@ def start_stateful_query(
     # The warm-up job runs while the driver registers the ticks source (registering a Python
     # data source starts a Python process of its own: about 0.9 s of a fresh driver's start,
     # against 3.6 s for the warm-up); both end before the query starts.
-    warm = _Background(lambda: _warm_workers(spark, location, runner.table.checkpoint_view(), layout)) \
-        if warm_workers else None
-    try:
-        # The ticks source runs a batch without input when a timer is due, as Spark does, and
-        # shows the state figures in the query's progress.
-        sweep_beacons(keep=runner.beacon)
-        source = ticks_frame(df, runner.beacon)
-    finally:
-        failure = None if warm is None else warm.join()
+    with ThreadPoolExecutor(1, thread_name_prefix="icestate-warm-workers") as pool:
+        warm = pool.submit(_warm_workers, spark, location, runner.table.checkpoint_view(), layout) \
+            if warm_workers else None
+        try:
+            # The ticks source runs a batch without input when a timer is due, as Spark does, and
+            # shows the state figures in the query's progress.
+            sweep_beacons(keep=runner.beacon)
+            source = ticks_frame(df, runner.beacon)
+        finally:
+            failure = None if warm is None else warm.exception()  # waits for the warm-up
     if failure is not None:
         runner.close()
         raise failure

@@ -59,15 +59,21 @@ def _store(table, clock: Clock) -> StateStore:
     return StateStore(table, config=StoreConfig(view_partial_reads_max=0, clock_ms=clock))
 
 
-def test_value_state_views_refreshed_in_place_read_like_a_fresh_store(tmp_path, replacing_calls):
-    layout = StateLayout.of(pa.schema([("k", pa.string())]), [ValueStateDescriptor("v", pa.int64())],
-                            max_parallelism=8)
+def _value_state(tmp_path, desc: ValueStateDescriptor, max_parallelism: int):
+    """A table of one value state holding ``KEYS`` (key i: i) in one checkpoint, and a store on
+    it: (table, clock, store, the state's handle)."""
+    layout = StateLayout.of(pa.schema([("k", pa.string())]), [desc], max_parallelism=max_parallelism)
     table = DirectoryStateTable(tmp_path / "t", layout)
     clock = Clock()
     store = _store(table, clock)
-    v = store.get_state("v")
+    v = store.get_state(desc.name)
     v.update_batch(keys(KEYS), list(range(N_KEYS)))
     store.checkpoint()
+    return table, clock, store, v
+
+
+def test_value_state_views_refreshed_in_place_read_like_a_fresh_store(tmp_path, replacing_calls):
+    table, clock, store, v = _value_state(tmp_path, ValueStateDescriptor("v", pa.int64()), max_parallelism=8)
     rng = np.random.default_rng(7)
     expected = dict(zip(KEYS, range(N_KEYS), strict=True))
     assert v.get_batch(keys(KEYS)).to_pylist() == list(range(N_KEYS))  # every view whole and cached
@@ -135,13 +141,7 @@ def test_map_views_refreshed_in_place_drop_cleared_maps_and_replaced_entries(tmp
 
 def test_ttl_rows_expire_from_views_refreshed_in_place(tmp_path, replacing_calls):
     desc = ValueStateDescriptor("v", pa.int64(), ttl=TtlConfig(60_000))
-    layout = StateLayout.of(pa.schema([("k", pa.string())]), [desc], max_parallelism=4)
-    table = DirectoryStateTable(tmp_path / "t", layout)
-    clock = Clock()
-    store = _store(table, clock)
-    v = store.get_state("v")
-    v.update_batch(keys(KEYS), list(range(N_KEYS)))
-    store.checkpoint()
+    table, clock, store, v = _value_state(tmp_path, desc, max_parallelism=4)
     assert v.get_batch(keys(KEYS)).null_count == 0
     clock.now_ms += 30_000
     v.update_batch(keys(KEYS[:20]), [-1] * 20)  # written again: they live 60 s from now
