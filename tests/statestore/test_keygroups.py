@@ -251,6 +251,58 @@ def test_sliced_variable_length_arrays(type_):
         assert len(got) == length
 
 
+@pytest.mark.parametrize("type_", [pa.string(), pa.large_string(), pa.binary(), pa.large_binary()], ids=str)
+@pytest.mark.parametrize("length", [1, 3, 4, 7, 8, 11, 32, 45])
+def test_values_of_one_length_hash_in_place_sliced_and_chunked(type_, length):
+    """Every value of one length: the bytes are hashed where Arrow keeps them (no copy), so the
+    array's offset and its first value's data offset must both be honoured."""
+    rng = np.random.default_rng(length)
+    values = [bytes(rng.integers(0, 256, size=length, dtype=np.uint8)) for _ in range(60)]
+    if pa.types.is_string(type_) or pa.types.is_large_string(type_):
+        values = ["".join(rng.choice(list("abcXYZ019 _-"), size=length)) for _ in range(60)]
+    assert {len(v if isinstance(v, bytes) else v.encode()) for v in values} == {length}
+    full = pa.array(values, type=type_)
+    for off, n in [(0, 60), (1, 50), (37, 23), (59, 1)]:
+        assert_hashes([full.slice(off, n)])
+    assert_hashes([pa.chunked_array([full.slice(5, 10), full.slice(0, 3)])])
+    raw = [v if isinstance(v, bytes) else v.encode() for v in values]
+    for binary in (pa.binary(), pa.large_binary()):  # hash_binary itself takes both offset widths
+        part = pa.array(raw, binary).slice(7, 20)
+        got = kg.hash_binary(part, np.full(20, SEED, dtype=np.uint64))
+        assert got.tolist() == [ref_bytes(b) for b in raw[7:27]]
+
+
+def test_many_distinct_lengths_and_a_wide_spread_group_by_sort():
+    """More distinct lengths than are picked out one by one, and lengths too far apart for a
+    count per length: both group rows by sorting them by length."""
+    rng = np.random.default_rng(11)
+    many = [rng.bytes(int(n)) for n in rng.integers(0, 60, size=400)]
+    assert len({len(v) for v in many}) > kg._LENGTHS_BY_MASK
+    assert_hashes([pa.array(many, pa.binary())])
+    spread = [b"a", rng.bytes(5000), b"", rng.bytes(4097), b"bc", rng.bytes(5000)]
+    assert_hashes([pa.array(spread, pa.large_binary())])
+
+
+def test_columns_longer_than_a_hash_slice_chain_across_slices(monkeypatch):
+    """Long inputs are hashed slice by slice: every slice must chain every column, and the
+    slices must land in their rows (a small slice size makes the test cross many)."""
+    monkeypatch.setattr(kg, "_HASH_SLICE_ROWS", 7)
+    rng = np.random.default_rng(12)
+    n = 100
+    strings = pa.chunked_array([random_strings(rng, 40, max_len=12), random_strings(rng, n - 40, max_len=12)])
+    ids = pa.array(rng.integers(I64_MIN, I64_MAX, size=n, dtype=np.int64))
+    same = pa.array([f"k{i:04d}" for i in range(n)]).slice(0, n)
+    assert_hashes([strings, ids, same])
+    monkeypatch.setattr(kg, "_HASH_SLICE_ROWS", 1 << 16)
+    assert_hashes([strings, ids, same])
+
+
+def test_a_null_key_is_refused_with_the_whole_column_s_count():
+    col = pa.chunked_array([["a", None], [None, "b", None]])
+    with pytest.raises(ValueError, match=r"key column 'user' has 3 null value\(s\)"):
+        spark_xxhash64([col], ["user"])
+
+
 def test_string_array_with_only_empty_values():
     arr = pa.array(["", "", ""])
     assert spark_xxhash64([arr]).tolist() == [to_signed(ref_bytes(b""))] * 3
