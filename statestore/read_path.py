@@ -73,6 +73,14 @@ _REPLACE_RATIO = 10
 # A keyed read first restricts the views to its keys when they hold more than this many rows
 # per key (partial views hold about the keys read: the restriction would only add a join).
 _RESTRICT_RATIO = 4
+# A lookup's row numbers (the keys' order), while it joins.
+_ROW = "__row"
+
+
+def _distinct(key_groups: np.ndarray) -> list[int]:
+    """The distinct key groups of ``key_groups`` in order: a count per key group (key groups
+    are small non-negative ints), 5x cheaper than ``np.unique``'s sort on 500k keys."""
+    return np.flatnonzero(np.bincount(np.asarray(key_groups))).tolist()
 
 
 def _index_one(keys: Iterable[tuple], rows: Iterable[tuple]) -> dict:
@@ -252,14 +260,14 @@ class StateReader:
         at least those keys' state: partial views are filled with the keys they lack, not
         loaded whole. Up to date with the memtable and the handles' per-key writes."""
         self._seal()
-        kgs = np.unique(key_groups).tolist()
+        kgs = _distinct(key_groups)
         self._cover(keys, key_groups, kgs)
         return self._current(name, kgs)
 
     def prefetch(self, keys: pa.Table, key_groups: np.ndarray) -> None:
         """Make the views of every variable hold ``keys``' state (``key_groups``: each key's),
         in one batched read: what a per-key loop over those keys will read."""
-        kgs = np.unique(key_groups).tolist()
+        kgs = _distinct(key_groups)
         if kgs:
             self._cover(keys, key_groups, kgs)
             # And bring them up to date now, every key group at once: the per-key loop would
@@ -311,16 +319,34 @@ class StateReader:
         ``name``: null where a key has no live value.
 
         ``on_extra`` adds join columns (a map's user keys), aligned with ``keys``.
+
+        The keys are joined with the cached views first; only the keys that found no row there
+        are checked against the partial views' covered keys, and those not covered are read
+        and joined again. A key found in a view is covered (a partial view holds the rows of
+        its covered keys only), so a warm lookup of keys that exist pays no coverage check:
+        500k of 1M keys, 21 ms of a 120 ms lookup.
         """
-        view = self.live_view(name, (), keys, key_groups)
+        self._seal()
         left = pl.from_arrow(keys)
         on = list(self.key_names)
         if on_extra is not None:
             left = left.hstack(on_extra)
             on += on_extra.columns
         desc = self.layout.descriptor(name)
-        view = view.select([*on, desc.value_column])  # what the join returns: gathering less is faster
-        out = left.join(view, on=on, how="left", maintain_order="left")
+        kgs = _distinct(key_groups)
+        cached = [kg for kg in kgs if kg in self._cache]
+        out = self._join_views(desc, left, on, keys, cached)
+        # A null value reads as absent whether or not a row matched: a miss either way.
+        missed = out.get_column(desc.value_column).is_null()
+        if any(not self._is_whole(kg) for kg in kgs) and missed.any():
+            rows = out.filter(missed).get_column(_ROW).to_numpy()
+            miss_kgs = np.asarray(key_groups)[rows]
+            miss_keys, miss_kg_list = keys.take(rows), _distinct(miss_kgs)
+            if self._cover(miss_keys, miss_kgs, miss_kg_list):
+                again = self._join_views(desc, left[rows].with_columns(pl.Series(_ROW, rows, dtype=pl.UInt32)),
+                                         on, miss_keys, miss_kg_list, indexed=True)
+                out = pl.concat([out.filter(~missed), again.select(out.columns)], how="vertical").sort(
+                    _ROW, maintain_order=True)
         kind = desc.kind
         one_row_per_key = kind not in (StateKind.LIST, StateKind.MAP) or on_extra is not None
         if out.height != left.height and one_row_per_key:
@@ -329,9 +355,31 @@ class StateReader:
             # key all the same, the last of the view's order, and say so.
             log.warning("state %r holds entries of one key that tie on (checkpoint, seq): the table was "
                         "written by two stores for one task; each key's last one is read", name)
-            out = left.join(view.unique(subset=on, keep="last", maintain_order=True), on=on, how="left",
-                            maintain_order="left")
-        return out
+            out = self._join_views(desc, left, on, keys, kgs, last_per_key=True)
+        return out.drop(_ROW)
+
+    def _join_views(self, desc: StateDescriptor, left: pl.DataFrame, on: list[str], keys: pa.Table,
+                    kgs: list[int], indexed: bool = False, last_per_key: bool = False) -> pl.DataFrame:
+        """``left`` (with its row number in ``_ROW`` unless ``indexed``) left-joined with the
+        live view rows of ``desc`` in the cached ``kgs`` (brought up to date): the value column,
+        null where no row matched; with ``last_per_key`` only the last view row of each join key."""
+        if not indexed:
+            left = left.with_row_index(_ROW)
+        views = self._current(desc.name, kgs) if kgs else []
+        view = pl.concat(views, how="vertical", rechunk=False) if views else None
+        if view is None or view.height == 0:
+            view = self._empty_view(desc)
+        elif view.height > _RESTRICT_RATIO * keys.num_rows:
+            # Only the asked keys' rows of views much larger than the keys (whole views): a semi
+            # join hashes the keys, not the views (a left join of 50k keys against whole views
+            # of 2M keys hashed all 2M: 86 ms, against 21 ms for the semi join and a join of what
+            # it kept).
+            view = view.join(pl.from_arrow(keys).select(self.key_names), on=list(self.key_names), how="semi")
+        # Only the columns the join returns: gathering less is faster.
+        view = live_rows(view, self._now_ms()).select(*on, desc.value_column)
+        if last_per_key:
+            view = view.unique(subset=on, keep="last", maintain_order=True)
+        return left.join(view, on=on, how="left", maintain_order="left")
 
     # ---------------------------------------------------------------- per-key reads
 
@@ -456,17 +504,17 @@ class StateReader:
         group = self._cache.peek(kg)
         return group is not None and group.covered is None
 
-    def _cover(self, keys: pa.Table, key_groups: np.ndarray, kgs: list[int]) -> None:
+    def _cover(self, keys: pa.Table, key_groups: np.ndarray, kgs: list[int]) -> bool:
         """Make the views of ``kgs`` hold the state of ``keys`` (``key_groups``: each key's):
         key groups not cached or partial get the keys they lack by a filtered read, or are
-        loaded whole (see ``StoreConfig.view_partial_reads_max``)."""
+        loaded whole (see ``StoreConfig.view_partial_reads_max``). Whether anything was read."""
         todo = [kg for kg in kgs if not self._is_whole(kg)]
         if not todo:
-            return
+            return False
         if not self._partial_reads_max:
             self._cache.misses += len(todo)
             self._load(todo)
-            return
+            return True
         wanted = pl.from_arrow(keys).select(self.key_names).with_columns(
             pl.Series(KG, np.asarray(key_groups), dtype=pl.Int32))
         wanted = wanted.filter(pl.col(KG).is_in(todo))
@@ -477,7 +525,7 @@ class StateReader:
         asked = dict(wanted.group_by(KG).len().iter_rows())
         todo = [kg for kg in todo if kg in asked]
         if not todo:
-            return
+            return False
         estimate = self._estimated_rows(todo)
         whole, partial = [], []
         for kg in todo:
@@ -495,6 +543,7 @@ class StateReader:
             self._load(whole)
         if partial:
             self._fill(partial, wanted.filter(pl.col(KG).is_in(partial)))
+        return True
 
     def _partial_reads_limit(self, kg: int) -> int:
         """Partial reads of ``kg`` before it is loaded whole: 1..2x ``view_partial_reads_max``,

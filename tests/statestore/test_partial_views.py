@@ -115,3 +115,23 @@ def test_writes_of_keys_a_partial_view_lacks_are_read_once_they_are_covered(tabl
     assert v.get_batch(keys([KEYS[7], "new", KEYS[8]])).to_pylist() == [70, 1, -8]
     store.checkpoint()
     assert v.get_batch(keys([KEYS[7], "new", KEYS[9], KEYS[0]])).to_pylist() == [70, 1, 9, 0]
+
+
+def test_a_lookup_reads_only_the_keys_its_views_lack_and_keeps_the_asked_order(table, caplog):
+    """Keys found in the views are not checked again; the missing ones (absent, or not yet
+    covered) are, and only those not covered are read; answers stay in the order asked,
+    duplicates included."""
+    store = reader(table)
+    v = store.get_state("v")
+    asked = [KEYS[500], KEYS[3], "absent", KEYS[4], KEYS[501], KEYS[3], "absent"]
+    assert v.get_batch(keys(asked)).to_pylist() == [-500, 3, None, -4, 501, 3, None]
+    assert (store.stats()["cache_partial_reads"], store.stats()["cache_misses"]) == (1, 0)
+    read = store.stats()["segment_bytes_read"]
+    again = [KEYS[501], "absent", KEYS[3], KEYS[500]]  # found, or absent but covered: nothing to read
+    assert v.get_batch(keys(again)).to_pylist() == [501, None, 3, -500]
+    assert (store.stats()["segment_bytes_read"], store.stats()["cache_partial_reads"]) == (read, 1)
+    # One key not covered among found ones: key group 0's second read loads it whole.
+    mixed = [KEYS[4], KEYS[1703], "absent", KEYS[500]]
+    assert v.get_batch(keys(mixed)).to_pylist() == [-4, 1703, None, -500]
+    assert (store.stats()["cache_partial_reads"], store.stats()["cache_misses"]) == (1, 1)
+    assert "tie" not in caplog.text  # one row per key all along, not the tie fallback's repair
