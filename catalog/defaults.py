@@ -10,10 +10,10 @@ lock, which is enough for one driver per table and concurrent readers on one hos
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from pyiceberg.catalog.sql import SqlCatalog
-
-from catalog.fileio import use_state_file_io
+if TYPE_CHECKING:
+    from pyiceberg.catalog.sql import SqlCatalog
 
 # Catalog configuration keys (pyiceberg's names).
 CATALOG_URI = "uri"
@@ -44,6 +44,12 @@ def default_catalog(warehouse: str) -> SqlCatalog:
     Creates the warehouse directory and the catalog's tables if missing. The caller owns
     the returned catalog and closes it (``catalog.close()``) when done.
     """
+    # Imported here: ``table_ref`` (and through it a Python worker's task path) needs this
+    # module's names, not SQLAlchemy and the Iceberg client (0.3 s a worker).
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from catalog.fileio import use_state_file_io
+
     root = os.path.abspath(check_warehouse(warehouse))
     os.makedirs(root, exist_ok=True)
     return use_state_file_io(SqlCatalog(

@@ -22,10 +22,12 @@ import re
 import secrets
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow.fs as pafs
-from pyiceberg.io import FileIO
-from pyiceberg.io.pyarrow import PyArrowFileIO
+
+if TYPE_CHECKING:
+    from pyiceberg.io import FileIO
 
 # First 32 bits of every checkpoint commit UUID ("sTaT"); then 48 bits of checkpoint id and
 # 48 random bits. A random UUID carries this tag with probability 2**-32. Commits to a fork
@@ -97,7 +99,7 @@ class Locations:
         """Locations of a table; its pyarrow filesystem comes from the table's FileIO when that
         is pyarrow's, so the catalog's storage settings (S3 endpoint, credentials) apply."""
         scheme = table_location.split("://", 1)[0] if "://" in table_location else None
-        if isinstance(io, PyArrowFileIO):
+        if io is not None and _is_pyarrow_io(io):
             scheme_, netloc, _ = io.parse_location(table_location)
             return cls(io.fs_by_scheme(scheme_, netloc), scheme)
         fs, _ = pafs.FileSystem.from_uri(table_location)
@@ -135,3 +137,11 @@ def merged_away_manifests(commit: uuid.UUID, listed: list[str]) -> list[str]:
         return []
     directory = ours[0].rsplit("/", 1)[0]
     return [f"{directory}/{commit}-m{n}.avro" for n in range(max(numbers)) if n not in numbers]
+
+
+def _is_pyarrow_io(io: FileIO) -> bool:
+    # Imported when asked: pyiceberg's Arrow FileIO pulls in Arrow datasets and pandas (0.3 s),
+    # which a Python worker on a local table never needs.
+    from pyiceberg.io.pyarrow import PyArrowFileIO
+
+    return isinstance(io, PyArrowFileIO)

@@ -121,3 +121,42 @@ def test_new_paths_go_to_the_branch_directory_of_the_view(open_table):
     assert "/data/branches/trial/seg-cp000000000005-t00000-p00000-" in path
     assert path == fork.new_segment_path(5, 0, 0)[:-len("abcdef123456.parquet")] + path[-len("abcdef123456.parquet"):]
     assert "/data/branches/trial/operator/op-cp000000000005-t00001-" in task_table.new_operator_state_path(5, 1)
+
+
+def test_the_local_file_ios_named_are_the_ones_that_exist():
+    from catalog.fileio import STATE_FILE_IO
+    from catalog.task_view import LOCAL_AS_ARROW_FILE_IOS
+
+    assert STATE_FILE_IO in LOCAL_AS_ARROW_FILE_IOS
+    for name in LOCAL_AS_ARROW_FILE_IOS:
+        module, _, cls = name.rpartition(".")
+        assert isinstance(getattr(__import__(module, fromlist=[cls]), cls), type)
+
+
+def test_a_python_worker_s_task_path_imports_no_catalog_client(open_table, tmp_path):
+    """What a Python worker imports to run a task on a local table: not the SQL catalog
+    (SQLAlchemy), DuckDB, pyiceberg's Arrow FileIO or pandas (0.6 s of a worker's start); the
+    filesystem is Arrow's local one, as the table's FileIO would give."""
+    import subprocess
+    import sys
+
+    table = open_table()
+    store = StateStore(table, task_index=0, parallelism=1)
+    _put(store, {"a": 1})
+    store.checkpoint()
+    view = table.checkpoint_view()
+    assert view.io.get("py-io-impl")  # the embedded catalog's tables name the state FileIO
+    (tmp_path / "view.pkl").write_bytes(pickle.dumps((view, LAYOUT)))
+    script = (
+        "import pickle, sys\n"
+        "import pyarrow.fs as pafs\n"
+        "from spark_integration.tasks import warm_worker\n"
+        "from catalog.task_view import locations_of\n"
+        f"view, layout = pickle.loads(open({str(tmp_path / 'view.pkl')!r}, 'rb').read())\n"
+        "warm_worker(view, layout)\n"
+        "assert isinstance(locations_of(view.location, view.io).filesystem, pafs.LocalFileSystem)\n"
+        "heavy = ['sqlalchemy', 'duckdb', 'pyiceberg.io.pyarrow', 'pyiceberg.catalog.sql', 'pandas']\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
