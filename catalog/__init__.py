@@ -23,8 +23,7 @@ Iceberg schema), ``manifests`` (manifest cache), ``naming`` (URIs and tagged com
 the ``icestate`` program and ``ui`` the state browser.
 """
 
-import importlib
-from typing import Any
+from statestore.exports import lazy_exports
 
 # Exports load lazily: a Python worker running a task imports ``catalog.task_view`` only, and
 # should not pay for the catalog client, DuckDB and the inspection modules (0.8 s a worker).
@@ -42,11 +41,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'catalog' has no attribute {name!r}")
-    loaded = importlib.import_module(module)
-    value = loaded if module == f"catalog.{name}" else getattr(loaded, name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -17,8 +17,7 @@ Everything Iceberg (opening tables and catalogs, the exactly-once output table
 ``catalog.output_table``) lives in ``catalog``: this package never imports the Iceberg client.
 """
 
-import importlib
-from typing import Any
+from statestore.exports import lazy_exports
 
 # Exports load lazily: a Python worker that only reads state (the data source) or runs a
 # task should not import the driver side (pyspark DataFrame APIs, catalogs) it never uses.
@@ -40,10 +39,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'spark_integration' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())
