@@ -403,7 +403,9 @@ class StateStore:
                 pl.lit(checkpoint_id, dtype=pl.Int64).alias(CHECKPOINT_ID),
                 (pl.col(ORD) & ((1 << 32) - 1)).alias(SEQ),
             ).drop(ORD, KG)
-            tables.append(df.to_arrow())
+            # One chunk first: a frame of many chunks (a part per write and key group) converts
+            # chunk by chunk, 15x slower (31k entries in 128 parts: 8.7 against 0.6 ms).
+            tables.append(df.rechunk().to_arrow())
         if not tables:
             return None
         table = pa.concat_tables(tables, promote_options="permissive")
