@@ -44,15 +44,11 @@ def default_catalog(warehouse: str) -> SqlCatalog:
     Creates the warehouse directory and the catalog's tables if missing. The caller owns
     the returned catalog and closes it (``catalog.close()``) when done.
     """
-    # Imported here: ``table_ref`` (and through it a Python worker's task path) needs this
-    # module's names, not SQLAlchemy and the Iceberg client (0.3 s a worker).
-    from pyiceberg.catalog.sql import SqlCatalog
-
     from catalog.fileio import use_state_file_io
 
     root = os.path.abspath(check_warehouse(warehouse))
     os.makedirs(root, exist_ok=True)
-    return use_state_file_io(SqlCatalog(
+    return use_state_file_io(embedded_catalog_class()(
         DEFAULT_CATALOG_NAME,
         **{
             CATALOG_URI: f"sqlite:///{os.path.join(root, DEFAULT_CATALOG_FILE)}",
@@ -60,3 +56,13 @@ def default_catalog(warehouse: str) -> SqlCatalog:
             CATALOG_INIT_TABLES: "true",
         },
     ))
+
+
+def embedded_catalog_class() -> type[SqlCatalog]:
+    """pyiceberg's ``SqlCatalog``, imported when first asked: ``table_ref`` (and through it a
+    Python worker's task path) needs this module's names, not SQLAlchemy and the Iceberg
+    client (0.3 s a worker). The driver's side asks at its own import
+    (``spark_integration.location``), so that a query's start does not pay it."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    return SqlCatalog

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from catalog.defaults import DEFAULT_NAMESPACE
+from catalog.defaults import DEFAULT_NAMESPACE, embedded_catalog_class
 from catalog.iceberg_table import DEFAULT_RETAIN_CHECKPOINTS, IcebergStateTable
 from catalog.table_ref import TableRef, redacted_repr
 from statestore.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from statestore.layout import StateLayout
+
+# The embedded catalog's client (SQLAlchemy, 0.3 s) comes in with the driver's side, not inside
+# the first query's start (tasks never import this module).
+embedded_catalog_class()
 
 
 @dataclass(frozen=True)
