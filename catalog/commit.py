@@ -99,6 +99,9 @@ class CheckpointCommitter:
         self._width = partition_width
         self._retain = retain
         self._name = ".".join(table.name())
+        # Set (from any thread) when another writer of the table is known to have committed:
+        # the next commit reads the metadata again first (``IcebergStateTable.note_outside_commit``).
+        self.outside_commit = False
 
     # --- what a checkpoint commits ------------------------------------------------------
 
@@ -287,7 +290,8 @@ class CheckpointCommitter:
         for attempt in range(COMMIT_ATTEMPTS_MAX):
             if attempt:
                 time.sleep(COMMIT_RETRY_WAIT_MS * 2 ** (attempt - 1) / 1000)
-            if attempt or self._has_other_writers():
+            if attempt or self._has_other_writers() or self.outside_commit:
+                self.outside_commit = False
                 self._table.refresh()
                 self._check_branch_exists()
                 self._check_not_overtaken(checkpoint_id)

@@ -18,6 +18,10 @@ writer closes it, and also when the writer's process dies, so it never outlives 
    of the host (``ps``, ``/proc/<pid>/cmdline``); a pipe shows them to nobody;
 2. then a checkpoint id per notification.
 
+Its standard output is a JSON line per compaction it committed (``CompactorProcess.results``);
+each also tells the writer's table (``IcebergStateTable.note_outside_commit``), so that the
+writer's next checkpoint commits on the new head instead of losing its first attempt.
+
 ``icestate compact`` runs compactions on demand (or every few seconds, ``--follow``).
 """
 
@@ -68,6 +72,7 @@ class CompactorProcess:
         self._lock = threading.Lock()
         self._closed = False
         self.notified = 0
+        self._table: IcebergStateTable | None = None  # the writer's, told of each compaction's commit
         # Figures of each compaction the process committed (``CompactionResult.summary`` plus
         # started_ms, finished_ms, attempts), read from its stdout.
         self.results: list[dict] = []
@@ -75,6 +80,7 @@ class CompactorProcess:
     def checkpoint_committed(self, table: IcebergStateTable) -> bool:
         """Tell the compactor that ``table`` (the writer's, just committed) may need compaction;
         True when it was told. Never raises: compaction is housekeeping."""
+        self._table = table
         try:
             if not needs_compaction(table, self.policy):
                 return False
@@ -148,6 +154,10 @@ class CompactorProcess:
         for line in stream:
             with contextlib.suppress(ValueError):
                 self.results.append(json.loads(line))
+                # A compaction committed: the writer's next commit starts from the new head.
+                table = self._table
+                if table is not None:
+                    table.note_outside_commit()
 
     def _stop(self, kill: bool) -> None:
         if self._process is not None and kill:

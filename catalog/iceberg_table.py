@@ -462,6 +462,13 @@ class IcebergStateTable:
         self._gc.after_commit(committed.snapshot, committed.commit_uuid, committed.unreferenced)
         return self._info(committed.snapshot)
 
+    def note_outside_commit(self) -> None:
+        """Another writer of this table (its compactor) has committed: the next checkpoint's
+        commit reads the table's metadata first instead of staging on the old head and losing
+        its first attempt (a lost race costs the staging again plus the retry's wait: about
+        150 ms beside the compactor). A hint, from any thread: a commit still retries a race."""
+        self._committer.outside_commit = True
+
     # --- more public surface -------------------------------------------------------------
 
     @property

@@ -357,3 +357,29 @@ def test_a_store_does_not_catch_up_over_a_compaction_that_dropped_a_tombstone(tm
     assert a.get_state("v").get_batch(keys(["x", "y"])).to_pylist() == [None, None]
     for t in (a_table, b_table):
         t.close()
+
+
+@pytest.mark.parametrize("told", [False, True], ids=["not told", "told"])
+def test_a_writer_told_of_a_compaction_commits_its_next_checkpoint_at_the_first_attempt(tmp_path, caplog, told):
+    """After a compaction (another table object, as the compactor process) commits, the
+    writer's next checkpoint would stage on the old head and lose its first attempt; told
+    (``note_outside_commit``, what ``CompactorProcess`` does for each compaction it reports),
+    it reads the metadata first and commits at once. The state is the same either way."""
+    clock = [0]
+    table, store = build(str(tmp_path / "wh"), clock)
+    other = IcebergStateTable.open(LAYOUT, warehouse=str(tmp_path / "wh"), table_name="op")
+    assert compact_partition(other, 0, now_ms=clock[0]) is not None
+    if told:
+        table.note_outside_commit()
+    store.get_state("v").update_batch(keys(["k1"]), [777])
+    with caplog.at_level("INFO", logger="catalog.commit"):
+        cp = store.checkpoint(batch_id=10).checkpoint_id
+    assert ("lost a race" in caplog.text) is not told
+    other.restore()
+    assert other.current_checkpoint().checkpoint_id == cp
+    con = connect(other, now_ms=clock[0])
+    assert con.sql("SELECT v_v FROM state_v WHERE k = 'k1'").fetchall() == [(777,)]
+    assert len(other.segments(ALL)) == 2  # the compaction's output and the checkpoint's segment
+    other.close()
+    store.close()
+    table.close()

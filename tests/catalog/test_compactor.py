@@ -332,3 +332,34 @@ def test_a_compaction_killed_at_any_point_loses_nothing_and_leaks_nothing(tmp_pa
     assert table_files(reader) == referenced_files(reader)
     assert state_of(reader)[0] == {**before[0], **{1000 + b: b for b in range(6, 6 + COMPACTION_GRACE_CHECKPOINTS + 1)}}
     reader.close()
+
+
+def test_a_reported_compaction_spares_the_writer_s_next_commit_a_lost_race(tmp_path, caplog):
+    """The compactor process commits, then reports; the report tells the writer's table, whose
+    next checkpoint then commits at its first attempt (untold, it would stage on the old head
+    and lose once: ``test_compaction``)."""
+    from catalog.compaction import compact_partition
+
+    wh = str(tmp_path / "wh")
+    table = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op")
+    store = StateStore(table)
+    for b in range(3):
+        store.get_state("v").update_batch(ks([b]), [b])
+        store.checkpoint(batch_id=b)
+    compactor = CompactorProcess(TableRef("op", warehouse=wh), CompactionPolicy(min_segments=100))
+    assert compactor.checkpoint_committed(table) is False  # nothing to compact yet: no process
+    other = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op")  # as the compactor's own
+    result = compact_partition(other, 0, now_ms=0)
+    assert result is not None
+    compactor._read_results(io.StringIO(json.dumps(result.summary()) + "\n"))  # its report line
+    assert compactor.results == [result.summary()]
+    store.get_state("v").update_batch(ks([7]), [70])
+    with caplog.at_level("INFO", logger="catalog.commit"):
+        store.checkpoint(batch_id=3)
+    assert "lost a race" not in caplog.text
+    other.restore()
+    assert state_of(other)[0] == {0: 0, 1: 1, 2: 2, 7: 70}
+    compactor.close()
+    other.close()
+    store.close()
+    table.close()
