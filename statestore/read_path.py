@@ -289,9 +289,13 @@ class StateReader:
         """The view rows of ``name`` in ``key_groups`` that are live now, as one frame: of every
         key, or (``keys`` given, with each key's group in ``keys_key_groups``) of those keys only."""
         views = self.views(name, key_groups) if keys is None else self.keyed_views(name, keys, keys_key_groups)
+        return self._live(self.layout.descriptor(name), views, keys)
+
+    def _live(self, desc: StateDescriptor, views: list[pl.DataFrame], keys: pa.Table | None) -> pl.DataFrame:
+        """The live rows of ``views`` (of ``desc``) as one frame, of only ``keys`` when given."""
         view = pl.concat(views, how="vertical", rechunk=False) if views else None
         if view is None or view.height == 0:
-            return self._empty_view(self.layout.descriptor(name))
+            return self._empty_view(desc)
         if keys is not None and view.height > _RESTRICT_RATIO * keys.num_rows:
             # Only the asked keys' rows of views much larger than the keys (whole views): a semi
             # join hashes the keys, not the views (a left join of 50k keys against whole views
@@ -344,7 +348,7 @@ class StateReader:
             miss_keys, miss_kg_list = keys.take(rows), _distinct(miss_kgs)
             if self._cover(miss_keys, miss_kgs, miss_kg_list):
                 again = self._join_views(desc, left[rows].with_columns(pl.Series(_ROW, rows, dtype=pl.UInt32)),
-                                         on, miss_keys, miss_kg_list, indexed=True)
+                                         on, miss_keys, miss_kg_list)
                 out = pl.concat([out.filter(~missed), again.select(out.columns)], how="vertical").sort(
                     _ROW, maintain_order=True)
         kind = desc.kind
@@ -359,24 +363,15 @@ class StateReader:
         return out.drop(_ROW)
 
     def _join_views(self, desc: StateDescriptor, left: pl.DataFrame, on: list[str], keys: pa.Table,
-                    kgs: list[int], indexed: bool = False, last_per_key: bool = False) -> pl.DataFrame:
-        """``left`` (with its row number in ``_ROW`` unless ``indexed``) left-joined with the
-        live view rows of ``desc`` in the cached ``kgs`` (brought up to date): the value column,
-        null where no row matched; with ``last_per_key`` only the last view row of each join key."""
-        if not indexed:
+                    kgs: list[int], last_per_key: bool = False) -> pl.DataFrame:
+        """``left`` (numbered in ``_ROW`` unless it already is) left-joined with the live view
+        rows of ``desc`` in the cached ``kgs`` (brought up to date): the value column, null
+        where no row matched; with ``last_per_key`` only the last view row of each join key."""
+        if _ROW not in left.columns:
             left = left.with_row_index(_ROW)
         views = self._current(desc.name, kgs) if kgs else []
-        view = pl.concat(views, how="vertical", rechunk=False) if views else None
-        if view is None or view.height == 0:
-            view = self._empty_view(desc)
-        elif view.height > _RESTRICT_RATIO * keys.num_rows:
-            # Only the asked keys' rows of views much larger than the keys (whole views): a semi
-            # join hashes the keys, not the views (a left join of 50k keys against whole views
-            # of 2M keys hashed all 2M: 86 ms, against 21 ms for the semi join and a join of what
-            # it kept).
-            view = view.join(pl.from_arrow(keys).select(self.key_names), on=list(self.key_names), how="semi")
         # Only the columns the join returns: gathering less is faster.
-        view = live_rows(view, self._now_ms()).select(*on, desc.value_column)
+        view = self._live(desc, views, keys).select(*on, desc.value_column)
         if last_per_key:
             view = view.unique(subset=on, keep="last", maintain_order=True)
         return left.join(view, on=on, how="left", maintain_order="left")
