@@ -64,7 +64,7 @@ from spark_integration.tasks import (
     run_partition,
     segment_of,
 )
-from spark_integration.ticks import Beacon, beacon_path, sweep_beacons, ticks_frame, write_beacon
+from spark_integration.ticks import Beacon, beacon_path, sweep_beacons, ticks_frame, warm_planner, write_beacon
 from spark_integration.timers import normalize_time_mode, timers_descriptor
 from spark_integration.vectorized import VectorizedProcessor
 from statestore import stored_keys
@@ -709,9 +709,8 @@ def _warm_workers(spark: SparkSession, location: StateLocation, view: Checkpoint
         yield pa.RecordBatch.from_pydict({"pid": [os.getpid()]}, schema=pa.schema([("pid", pa.int64())]))
 
     try:
-        if not connect:
-            spark.sparkContext.setLocalProperty("spark.job.description", "icestate: warm Python workers")
-        spark.range(0, workers, 1, workers).mapInArrow(warm, "pid long").collect()
+        with _described(spark, "icestate: warm Python workers"):
+            spark.range(0, workers, 1, workers).mapInArrow(warm, "pid long").collect()
     except Exception as e:
         missing = _import_failure(str(e))
         if missing is not None:
@@ -723,9 +722,25 @@ def _warm_workers(spark: SparkSession, location: StateLocation, view: Checkpoint
                 "cluster: an interpreter with icestate and its dependencies on every executor)"
             ) from None
         log.warning("warming Python workers failed (the first batch starts them): %s", e)
+
+
+@contextlib.contextmanager
+def _described(spark: SparkSession, description: str):
+    """Spark's jobs started by this thread inside show ``description`` in the UI (classic
+    sessions: a Connect client has no SparkContext)."""
+    sc = None if is_connect(spark) else spark.sparkContext
+    if sc is not None:
+        sc.setLocalProperty("spark.job.description", description)
+    try:
+        yield
     finally:
-        if not connect:
-            spark.sparkContext.setLocalProperty("spark.job.description", None)
+        if sc is not None:
+            sc.setLocalProperty("spark.job.description", None)
+
+
+def _warm_ticks_planner(spark: SparkSession, beacon: str) -> None:
+    with _described(spark, "icestate: start the ticks source's planners"):
+        warm_planner(spark, beacon)
 
 
 def _import_failure(text: str) -> str | None:
@@ -772,10 +787,11 @@ def start_stateful_query(
         initial_state: rows to seed state in the first batch: for a StatefulProcessor, fed
             to ``handleInitialState`` per row; for a vectorized one, key columns plus one
             column per value state.
-        warm_workers: while the query starts (beside the driver's own start-up work), run a small
-            job that starts Python workers on the executors, imports the store's modules in
-            them and opens the state table, so
-            the first batch's tasks find warm workers (Spark reuses them); a worker that cannot
+        warm_workers: while the query starts (beside the driver's own start-up work and
+            Spark's start of the stream), run a small job that starts Python workers on the
+            executors, imports the store's modules in them and opens the state table, so the
+            first batch's tasks find warm workers (Spark reuses them), and read the ticks
+            source once so that Spark's planners of it are started; a worker that cannot
             import the library fails the start with ``WorkerEnvironmentError``.
         api: for a ``StatefulProcessor``, the API it is written for: ``"row"`` (Spark's
             ``transformWithState``: ``Row``s in, ``Row``s out) or ``"pandas"`` (Spark's
@@ -852,27 +868,41 @@ def start_stateful_query(
         watermark_delay_ms=None if watermark is None or watermark[0] != event_time_column else watermark[1],
     )
     # The warm-up job runs while the driver registers the ticks source (registering a Python
-    # data source starts a Python process of its own: about 0.9 s of a fresh driver's start,
-    # against 3.6 s for the warm-up); both end before the query starts.
+    # data source starts a Python process of its own) and while the query starts: Spark's own
+    # start of a stream (sources, logs, the first batch's planning) takes seconds of the
+    # driver's that need no worker, and the first batch's tasks queue behind the warm-up's.
+    # Beside both, one batch read of the ticks source starts the Python planners that the first
+    # batch's planning would otherwise start (``ticks.warm_planner``). The start still waits
+    # for the warm-up, so that workers that cannot import the library fail the start (a
+    # started query is stopped) instead of its first batch.
     with ThreadPoolExecutor(1, thread_name_prefix="icestate-warm-workers") as pool:
         warm = pool.submit(_warm_workers, spark, location, runner.table.checkpoint_view(), layout) \
             if warm_workers else None
+        query = None
         try:
             # The ticks source runs a batch without input when a timer is due, as Spark does, and
             # shows the state figures in the query's progress.
             sweep_beacons(keep=runner.beacon)
             source = ticks_frame(df, runner.beacon)
+            if warm_workers:
+                threading.Thread(target=_warm_ticks_planner, args=(spark, runner.beacon),
+                                 name="icestate-warm-ticks-planner", daemon=True).start()
+            if warm is None or not warm.done() or warm.exception() is None:
+                writer = source.writeStream.foreachBatch(runner).option("checkpointLocation", checkpoint_location)
+                if query_name:
+                    writer = writer.queryName(query_name)
+                if trigger:
+                    writer = writer.trigger(**trigger)
+                query = writer.start()
         finally:
             failure = None if warm is None else warm.exception()  # waits for the warm-up
+            if failure is not None or query is None:
+                if query is not None:
+                    with contextlib.suppress(Exception):
+                        query.stop()
+                runner.close()
     if failure is not None:
-        runner.close()
         raise failure
-    writer = source.writeStream.foreachBatch(runner).option("checkpointLocation", checkpoint_location)
-    if query_name:
-        writer = writer.queryName(query_name)
-    if trigger:
-        writer = writer.trigger(**trigger)
-    query = writer.start()
     query.__class__ = _stateful_query_class(type(query))
     query._icestate_runner = runner
     _RUNNERS[query.id] = runner

@@ -37,6 +37,7 @@ DRIVER = textwrap.dedent('''
                              checkpoint_location=work + "/cp", compaction=None)
     except WorkerEnvironmentError as e:
         print("REFUSED:", e)
+        print("ACTIVE QUERIES:", len(spark.streams.active))  # the query started beside the warm-up is stopped
         sys.exit(0)
     print("STARTED")
     sys.exit(3)
@@ -44,12 +45,21 @@ DRIVER = textwrap.dedent('''
 
 
 @pytest.mark.timeout(300)
-def test_workers_without_the_library_fail_the_start_with_what_to_do(tmp_path: Path):
+@pytest.mark.parametrize("slow", [False, True], ids=["fails-at-once", "fails-after-the-query-started"])
+def test_workers_without_the_library_fail_the_start_with_what_to_do(tmp_path: Path, slow: bool):
+    """The refusal comes from the start whether the workers fail before Spark started the
+    stream or after (``slow``: each Python process of Spark's waits 3 s first, so the warm-up
+    fails after the start of the stream); no query is left running."""
     bare = tmp_path / "bare"
     venv.create(bare, with_pip=False)  # an interpreter without pyarrow, polars or icestate
+    python = bare / "bin" / "python"
+    if slow:
+        python = bare / "bin" / "slow-python"
+        python.write_text(f'#!/bin/sh\nsleep 3\nexec {bare / "bin" / "python"} "$@"\n')
+        python.chmod(0o755)
     (tmp_path / "in").mkdir()
     log = tmp_path / "driver.log"
-    env = {**os.environ, "PYSPARK_PYTHON": str(bare / "bin" / "python"), "PYSPARK_DRIVER_PYTHON": sys.executable,
+    env = {**os.environ, "PYSPARK_PYTHON": str(python), "PYSPARK_DRIVER_PYTHON": sys.executable,
            "PYTHONPATH": os.getcwd()}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], stdout=out, stderr=subprocess.STDOUT,
@@ -62,4 +72,5 @@ def test_workers_without_the_library_fail_the_start_with_what_to_do(tmp_path: Pa
     assert code == 0, text
     refused = next(line for line in text.splitlines() if line.startswith("REFUSED:"))
     assert "Spark's Python workers cannot import icestate (ModuleNotFoundError: No module named" in refused
-    assert str(bare / "bin" / "python") in refused and f"Set PYSPARK_PYTHON={sys.executable}" in refused
+    assert str(python) in refused and f"Set PYSPARK_PYTHON={sys.executable}" in refused
+    assert "ACTIVE QUERIES: 0" in text

@@ -22,7 +22,14 @@ from pyspark.sql.streaming import StreamingQueryListener
 from catalog import IcebergStateTable, connect, inspection
 from catalog.defaults import default_catalog
 from catalog.repair import Repair
-from spark_integration import Deduplicate, RunningAggregate, StateLocation, register
+from spark_integration import (
+    Deduplicate,
+    RunningAggregate,
+    StateLocation,
+    register,
+    runner_of,
+    start_stateful_query,
+)
 from statestore.errors import (
     SchemaMismatchError,
     StateOutOfStepError,
@@ -611,6 +618,26 @@ class ProgressListener(StreamingQueryListener):
 
     def onQueryTerminated(self, event) -> None:
         pass
+
+
+def test_the_ticks_source_reads_as_an_empty_batch_beside_a_query(spark, tmp_path, where):
+    """Spark's start of the stream runs beside the workers' warm-up, and the ticks source is
+    read once as a batch meanwhile (it starts Spark's planners of the source): that read has
+    no row, and the query runs its batches as before."""
+    from spark_integration.ticks import FORMAT, OPTION_BEACON
+
+    batches = key_batches(2, 30, 7)
+    query = start_stateful_query(stream(spark, write_batches(tmp_path / "in", batches)), ["key"], CountProcessor(),
+                                 "key string, count long", location=where(), checkpoint_location=str(tmp_path / "cp"),
+                                 trigger={"availableNow": True}, foreach_batch=lambda df, b: df.count())
+    try:
+        runner = runner_of(query)
+        assert spark.read.format(FORMAT).option(OPTION_BEACON, runner.beacon).load().count() == 0
+        query.awaitTermination(300)
+        assert query.exception() is None
+    finally:
+        query.stop()
+    assert [r.batch_id for r in runner.reports if not r.skipped] == [0, 1]
 
 
 def test_state_figures_reach_a_streaming_query_listener(spark, tmp_path, where):
