@@ -361,7 +361,7 @@ def _process(plan: BatchPlan, ts: _TaskStore, data: pa.Table, kgs: np.ndarray,
         apply_updates(ts.store, initial)
     if not data.num_rows:
         return None
-    output = run_vectorized(plan.processor, ts.store, data, plan.processing_time_ms, plan.watermark_ms)
+    output = run_vectorized(plan.processor, ts.store, data, plan.processing_time_ms, plan.watermark_ms, kgs)
     return None if output is None else _conform(output, plan.output_schema)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 
@@ -79,6 +80,7 @@ class VectorizedProcessor(abc.ABC):
 
 
 _AGGS = ("count", "sum", "min", "max")
+_FIRST = "__icestate_first_row"  # a key's first row in a batch (run_vectorized)
 
 
 class RunningAggregate(VectorizedProcessor):
@@ -182,12 +184,20 @@ def value_states(store: StateStore) -> list[StateDescriptor]:
 
 
 def run_vectorized(processor: VectorizedProcessor, store: StateStore, rows: pa.Table,
-                   processing_time_ms: int, watermark_ms: int) -> pa.Table | None:
-    """One task's micro-batch through ``processor``: batched lookup, process, batched writes."""
+                   processing_time_ms: int, watermark_ms: int,
+                   key_groups: np.ndarray | None = None) -> pa.Table | None:
+    """One task's micro-batch through ``processor``: batched lookup, process, batched writes.
+
+    ``key_groups``: each row's key group when the rows carry it (routed by Spark, which
+    computed it with the same hash); the keys are then not hashed again."""
     names = store.key_names
     key_rows = pl.from_arrow(rows.select(names))
-    keys = key_rows.unique(maintain_order=True).to_arrow()
-    keys, _ = store.prepare_keys(keys)
+    if key_groups is None:
+        keys, _ = store.prepare_keys(key_rows.unique(maintain_order=True).to_arrow())
+    else:
+        first = key_rows.with_row_index(_FIRST).unique(subset=names, keep="first", maintain_order=True)
+        keys, _ = store.prepare_keys(first.drop(_FIRST).to_arrow(),
+                                     key_groups=np.asarray(key_groups)[first.get_column(_FIRST).to_numpy()])
     state = keys
     for desc in value_states(store):
         state = state.append_column(desc.name, store.get_state(desc.name).get_batch(keys))

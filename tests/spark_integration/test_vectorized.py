@@ -18,7 +18,7 @@ from spark_integration.vectorized import (
     apply_updates,
     run_vectorized,
 )
-from statestore import ListStateDescriptor, SchemaMismatchError, ValueStateDescriptor
+from statestore import ListStateDescriptor, SchemaMismatchError, ValueStateDescriptor, assign_key_groups
 from tests.spark_integration.si_helpers import FakeClock, layout_of, open_store
 
 INPUT = pa.schema([("k", pa.string()), ("v", pa.int32()), ("tag", pa.string())])
@@ -39,8 +39,10 @@ def first_appearance(values: list) -> list:
     return list(dict.fromkeys(values))
 
 
+@pytest.mark.parametrize("routed", [False, True], ids=["hashed", "routed"])
 @pytest.mark.parametrize("agg", ["count", "sum", "min", "max"])
-def test_running_aggregate_matches_a_model(tmp_path, agg):
+def test_running_aggregate_matches_a_model(tmp_path, agg, routed):
+    """``routed``: the rows come with their key groups, as Spark routes them."""
     proc = RunningAggregate(agg, None if agg == "count" else "v")
     out_schema = proc.output_schema(INPUT, KEYS)
     assert out_schema.names == ["k", agg]
@@ -54,7 +56,8 @@ def test_running_aggregate_matches_a_model(tmp_path, agg):
             "max": lambda old, v: v if old is None else max(old, v)}[agg]
     for b in range(4):
         rows = batch(rng, 40, keys)
-        out = run_vectorized(proc, store, rows, 1000 + b, -1)
+        kgs = assign_key_groups(rows.select(KEYS), store.layout.max_parallelism) if routed else None
+        out = run_vectorized(proc, store, rows, 1000 + b, -1, kgs)
         for k, v in zip(rows.column("k").to_pylist(), rows.column("v").to_pylist(), strict=True):
             model[k] = fold(model.get(k), v)
         updated = first_appearance(rows.column("k").to_pylist())

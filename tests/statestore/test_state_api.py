@@ -113,6 +113,52 @@ def store(tmp_path) -> StateStore:
     return open_store(tmp_path)
 
 
+# --------------------------------------------------------------------------- prepared keys
+
+
+def test_prepared_keys_are_reused_for_equal_keys_only(tmp_path):
+    """The last keys prepared are remembered: equal keys (another table, a record batch,
+    extra columns) get the same key groups without hashing; other keys of the same count
+    or of a castable other type are hashed."""
+    store = open_store(tmp_path, parallelism=1)
+    names = [f"key{i}" for i in range(50)]
+    table, kgs = store.prepare_keys(keys_table(names))
+    assert kgs.tolist() == assign_key_groups(keys_table(names), MAX_PARALLELISM).tolist()
+    again = pa.table({"v": list(range(50)), "k": list(names)})  # another table, extra column first
+    assert store.prepare_keys(again)[1] is kgs
+    assert store.prepare_keys(again.to_batches()[0].select(["k"]))[1] is kgs
+    reversed_table, reversed_kgs = store.prepare_keys(keys_table(names[::-1]))
+    assert reversed_table.column("k").to_pylist() == names[::-1]
+    assert reversed_kgs.tolist() == kgs.tolist()[::-1]
+    other = [f"other{i}" for i in range(50)]
+    assert store.prepare_keys(keys_table(other))[1].tolist() == assign_key_groups(
+        keys_table(other), MAX_PARALLELISM).tolist()
+
+    int_store = open_store(tmp_path / "ints", key_schema=pa.schema([("k", pa.int64())]))
+    wide, wide_kgs = int_store.prepare_keys(keys_table([1, 2, 3], dtype=pa.int64()))
+    narrow, narrow_kgs = int_store.prepare_keys(keys_table([1, 2, 3], dtype=pa.int32()))
+    assert narrow.schema == wide.schema and narrow_kgs.tolist() == wide_kgs.tolist()
+    with pytest.raises(ValueError, match="null"):
+        int_store.prepare_keys(pa.table({"k": pa.array([1, None, 3], pa.int64())}))
+
+
+def test_given_key_groups_are_taken_but_still_checked_for_ownership_and_count(tmp_path):
+    store = open_store(tmp_path, task_index=0, parallelism=2)  # key groups 0..3 of 8
+    names = [f"key{i}" for i in range(200)]
+    groups = assign_key_groups(keys_table(names), MAX_PARALLELISM)
+    mine = [n for n, g in zip(names, groups.tolist(), strict=True) if g < 4][:20]
+    mine_groups = assign_key_groups(keys_table(mine), MAX_PARALLELISM)
+    table, kgs = store.prepare_keys(keys_table(mine), key_groups=mine_groups)
+    assert kgs.tolist() == mine_groups.tolist() and table.column("k").to_pylist() == mine
+    with pytest.raises(ValueError, match="20 key groups for 19 keys"):
+        store.prepare_keys(keys_table(mine[:19]), key_groups=mine_groups)
+    with pytest.raises(KeyGroupOutOfRangeError):
+        store.prepare_keys(keys_table(mine), key_groups=np.full(len(mine), 7))
+    theirs = [n for n, g in zip(names, groups.tolist(), strict=True) if g >= 4][:5]
+    with pytest.raises(KeyGroupOutOfRangeError):
+        store.prepare_keys(keys_table(theirs))  # hashed: refused as before
+
+
 # --------------------------------------------------------------------------- absent state
 
 
