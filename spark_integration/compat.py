@@ -492,9 +492,10 @@ def _drive(processor: StatefulProcessor, store: StateStore, timers: TimerService
                         except Exception as e:
                             _note(e, processor, "handleInitialState", key)
                             raise
-        store.check_routed_keys(rows.select(names), np.asarray(key_groups, dtype=np.int64))
+        keys, kgs = rows.select(names), np.asarray(key_groups, dtype=np.int64)
+        store.check_routed_keys(keys, kgs)
         if rows.num_rows and store.layout.descriptors:
-            store.prefetch(rows.select(names))  # one batched read of every key's state
+            store.prefetch(keys, kgs)  # one batched read of every key's state (routed: not hashed again)
         select_key = store.select_key
         for key, kg, key_rows in groups(rows, key_groups, store):
             select_key(key, kg)

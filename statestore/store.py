@@ -200,11 +200,11 @@ class StateStore:
         """``StateReader.live_view``: the live rows of ``name`` in ``key_groups``, as one frame."""
         return self.reader.live_view(name, key_groups)
 
-    def prefetch(self, keys: pa.Table | pa.RecordBatch) -> None:
+    def prefetch(self, keys: pa.Table | pa.RecordBatch, key_groups: np.ndarray | None = None) -> None:
         """Read the state of ``keys`` (every variable's) in one batched read, before a per-key
         loop over them: the loop's reads then find it cached. Keys outside this task's key
-        groups are refused."""
-        keys, kgs = self.prepare_keys(keys)
+        groups are refused. ``key_groups``: as for ``prepare_keys``."""
+        keys, kgs = self.prepare_keys(keys, key_groups)
         self.reader.prefetch(keys, kgs)
 
     def scan(self, name: str) -> pl.DataFrame:
