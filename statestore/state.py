@@ -246,7 +246,7 @@ class KeyedState:
         cols[self._v] = values if values is not None else pa.nulls(n, self.descriptor.value_type)
         self._store.write(self.name, kgs, pl.from_arrow(pa.table(cols)))
 
-    def _lookup_values(self, keys: pa.Table, kgs: np.ndarray) -> pl.DataFrame:
+    def _lookup_values(self, keys: pa.Table, kgs: np.ndarray | None) -> pl.DataFrame:
         """keys joined with live values (``v`` null where absent or expired), in order."""
         return self._reader.lookup(self.name, keys, kgs)
 
@@ -314,14 +314,16 @@ class _ValueLike(KeyedState):
 
     def get_batch(self, keys: pa.Table) -> pa.Array:
         """Stored value of each key (null where absent), aligned with ``keys``."""
-        keys, kgs = self._store.prepare_keys(keys)
+        keys, kgs = self._store.checked_keys(keys)  # key groups: hashed by the lookup as it needs them
         res = self._lookup_values(keys, kgs)
         values = self._to_arrow(res.get_column(self._v), self.descriptor.value_type)
         if self._refresh_on_read():
             found = pc.is_valid(values)
             if pc.any(found).as_py():
-                self._write_batch(keys.filter(found), kgs[found.to_numpy(zero_copy_only=False)], OP_PUT,
-                                  values.filter(found))
+                found_keys = keys.filter(found)
+                found_kgs = (self._store.prepare_keys(found_keys)[1] if kgs is None
+                             else kgs[found.to_numpy(zero_copy_only=False)])
+                self._write_batch(found_keys, found_kgs, OP_PUT, values.filter(found))
         return values
 
 

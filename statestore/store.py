@@ -64,7 +64,8 @@ class StateStore:
         self._memtable = Memtable()
         self._flushed = {"entries_flushed_updated": 0, "entries_flushed_removed": 0}
         # The read path; the handles hold it and call it directly.
-        self.reader = StateReader(table, self._memtable, self.key_group_range, self.config, self.seal)
+        self.reader = StateReader(table, self._memtable, self.key_group_range, self.config, self.seal,
+                                  self._owned_key_groups)
         self._handles: dict[str, KeyedState] = {}
         # checkpoint id -> memtable watermark of a flush whose commit is not settled yet
         self._outstanding: dict[int, int] = {}
@@ -175,14 +176,32 @@ class StateStore:
             return last
         table = self.layout.check_keys(keys)
         if key_groups is None:
-            kgs = assign_key_groups(table, self.layout.max_parallelism)
+            kgs = self._owned_key_groups(table)
         else:
             kgs = np.asarray(key_groups, dtype=np.int64)
             if len(kgs) != table.num_rows:
                 raise ValueError(f"{len(kgs)} key groups for {table.num_rows} keys")
-        self._check_owned(kgs)
+            self._check_owned(kgs)
         self._prepared = (table, kgs)
         return table, kgs
+
+    def checked_keys(self, keys: pa.Table | pa.RecordBatch) -> tuple[pa.Table, np.ndarray | None]:
+        """``keys`` validated and normalized as ``prepare_keys`` does, with their key groups
+        when known without hashing (the keys prepared last), else None: a batched read hashes
+        only the keys its cached views do not hold (``StateReader.lookup``)."""
+        self._check_open()
+        if isinstance(keys, pa.RecordBatch):
+            keys = pa.Table.from_batches([keys])
+        last = self._prepared
+        if last is not None and _same_keys(keys, last[0]):
+            return last
+        return self.layout.check_keys(keys), None
+
+    def _owned_key_groups(self, keys: pa.Table) -> np.ndarray:
+        """The key groups of normalized ``keys``, all of which this task must own."""
+        kgs = assign_key_groups(keys, self.layout.max_parallelism)
+        self._check_owned(kgs)
+        return kgs
 
     def write(self, name: str, key_groups: np.ndarray, entries: pl.DataFrame) -> None:
         """Append entries of state ``name`` (entry columns but ``ord``) to the memtable."""

@@ -125,7 +125,7 @@ def test_prepared_keys_are_reused_for_equal_keys_only(tmp_path):
     table, kgs = store.prepare_keys(keys_table(names))
     assert kgs.tolist() == assign_key_groups(keys_table(names), MAX_PARALLELISM).tolist()
     again = pa.table({"v": list(range(50)), "k": list(names)})  # another table, extra column first
-    assert store.prepare_keys(again)[1] is kgs
+    assert store.prepare_keys(again)[0] is table and store.prepare_keys(again)[1] is kgs
     assert store.prepare_keys(again.to_batches()[0].select(["k"]))[1] is kgs
     reversed_table, reversed_kgs = store.prepare_keys(keys_table(names[::-1]))
     assert reversed_table.column("k").to_pylist() == names[::-1]
@@ -140,6 +140,26 @@ def test_prepared_keys_are_reused_for_equal_keys_only(tmp_path):
     assert narrow.schema == wide.schema and narrow_kgs.tolist() == wide_kgs.tolist()
     with pytest.raises(ValueError, match="null"):
         int_store.prepare_keys(pa.table({"k": pa.array([1, None, 3], pa.int64())}))
+
+
+def test_a_warm_lookup_of_many_keys_hashes_only_its_misses_and_still_refuses_other_tasks_keys(tmp_path):
+    """A batched read of many keys (``StateReader.lookup`` without key groups) joins the
+    cached views first: the keys found are this task's; the others are hashed, so a key of
+    another task's key group is refused as before, and new keys read as absent."""
+    store = open_store(tmp_path, task_index=0, parallelism=2)  # key groups 0..3 of 8
+    names = [f"key{i}" for i in range(400)]
+    groups = assign_key_groups(keys_table(names), MAX_PARALLELISM).tolist()
+    mine = [n for n, g in zip(names, groups, strict=True) if g < 4]
+    theirs = next(n for n, g in zip(names, groups, strict=True) if g >= 4)
+    value = store.get_state("v")
+    value.update_batch(keys_table(mine[:100]), list(range(100)))
+    store.checkpoint()
+    reader = StateStore(store.table, task_index=0, parallelism=2).get_state("v")
+    assert reader.get_batch(keys_table(mine[:100])).to_pylist() == list(range(100))  # warm now
+    assert reader.get_batch(keys_table(mine[::-1])).to_pylist() == [
+        i if i < 100 else None for i in range(len(mine))][::-1]
+    with pytest.raises(KeyGroupOutOfRangeError):
+        reader.get_batch(keys_table([*mine[:100], theirs]))
 
 
 def test_given_key_groups_are_taken_but_still_checked_for_ownership_and_count(tmp_path):

@@ -512,6 +512,17 @@ class PartialViewsMachine(StoreMachine):
         self.store.prefetch(self.keys_table(keys))
 
 
+class UnhashedLookupsMachine(PartialViewsMachine):
+    """The partial views' variant whose batched lookups never hash their keys first: they
+    join every cached view and hash only the keys they miss (what a lookup of many keys
+    does), so keys absent, expired, in groups not cached or not covered yet go through the
+    miss path."""
+
+    def open(self) -> None:
+        super().open()
+        self.store.reader.keys_per_group_unhashed = 0
+
+
 class TwoWorkersMachine(StoreMachine):
     """Two stores over one table taking turns, as two Spark workers that run one task in turn
     (Spark gives a task to any idle worker; each keeps its store between batches).
@@ -564,6 +575,8 @@ TestSmallCache = SmallCacheMachine.TestCase
 TestSmallCache.settings = settings(MODEL_SETTINGS, max_examples=5, stateful_step_count=30)
 TestPartialViews = PartialViewsMachine.TestCase
 TestPartialViews.settings = settings(MODEL_SETTINGS, max_examples=6)
+TestUnhashedLookups = UnhashedLookupsMachine.TestCase
+TestUnhashedLookups.settings = settings(MODEL_SETTINGS, max_examples=6)
 TestTwoWorkers = TwoWorkersMachine.TestCase
 TestTwoWorkers.settings = settings(MODEL_SETTINGS, max_examples=8)
 
