@@ -1,9 +1,11 @@
 """Where a stateful query keeps its state: catalog, table and parallelism.
 
-A ``StateLocation`` is shipped to every executor inside a batch plan, so it holds only
-plain values (absolute paths, catalog properties) and opens the catalog where it is used:
-nothing depends on driver memory or on the driver's working directory. Where the table is
-is its ``ref`` (``catalog.table_ref.TableRef``), through which it opens the table.
+A ``StateLocation`` lives on the driver (and in a Spark Connect server's runner): it holds
+only plain values (absolute paths, catalog properties) and opens the catalog where it is
+used, so nothing depends on the driver's working directory. Where the table is is its
+``ref`` (``catalog.table_ref.TableRef``), through which it opens the table. Tasks never see
+it: a batch plan carries the table's identity (no secret) and the checkpoint the driver
+holds (``tasks.BatchPlan``), and tasks read without a catalog (``catalog.task_view``).
 """
 
 from __future__ import annotations
