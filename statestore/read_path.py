@@ -140,6 +140,8 @@ class StateReader:
             pa.types.is_string(f.type) or pa.types.is_binary(f.type) or pa.types.is_integer(f.type)
             or pa.types.is_boolean(f.type) or pa.types.is_date32(f.type) for f in self.layout.key_schema)
         self._point_index: dict[tuple[str, str, int], dict] = {}  # see _view_index
+        # What a per-key read of value-like state takes of a view row (point_get), per variable.
+        self._point_columns = {d.name: (d.value_column, EXPIRE_AT_MS) for d in self.layout.descriptors}
         # Partial views need keys that compare in Python as polars returns them (point reads).
         self._partial_reads_max = config.view_partial_reads_max if self._indexable else 0
         self.partial_reads = 0
@@ -402,7 +404,7 @@ class StateReader:
         """(value, expire_at_ms) of the view row of ``key`` in state ``name``, or None: the
         per-key read of value-like state. Without sealing the handles' overlays (the caller
         applies its own). Served from a dict built once per view (``_view_index``)."""
-        columns = (self.layout.descriptor(name).value_column, EXPIRE_AT_MS)
+        columns = self._point_columns[name]
         if not self._indexable:
             rows = self._key_filter(name, key, key_group, columns)
             return rows[0] if rows else None
