@@ -84,3 +84,25 @@ def test_the_source_ticks_once_per_committed_checkpoint_with_something_due(tmp_p
     write_beacon(path, Beacon(5, "processingtime", next_timer_ms=int(time.time() * 1000) + 3_600_000))
     assert reader.latestOffset(first, None) == first  # committed, next timer an hour away
     assert reader.partitions(start, first) == []
+
+
+def test_unpickling_the_source_imports_nothing_of_the_store():
+    """Spark runs the ticks source in Python processes of its own (a planner per step, the
+    streaming reader's process), each unpickling it at a query's start on cores busy with the
+    workers' warm-up: the source's module and its package must not bring in the store, polars,
+    pyarrow or numpy (0.5 s a process when ``statestore`` imported its whole surface)."""
+    import pickle
+    import subprocess
+    import sys
+
+    from spark_integration.ticks import TicksDataSource
+
+    script = (
+        "import pickle, sys\n"
+        f"source = pickle.loads({pickle.dumps(TicksDataSource)!r})\n"
+        "assert source.name() == 'icestate_ticks'\n"
+        "heavy = ['polars', 'pyarrow', 'numpy', 'statestore.store', 'statestore.keygroups', 'pyiceberg']\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
