@@ -37,7 +37,7 @@ DRIVER = textwrap.dedent('''
                              checkpoint_location=work + "/cp", compaction=None)
     except WorkerEnvironmentError as e:
         print("REFUSED:", e)
-        print("ACTIVE QUERIES:", len(spark.streams.active))  # the query started beside the warm-up is stopped
+        print("ACTIVE QUERIES:", len(spark.streams.active))  # none was started
         sys.exit(0)
     print("STARTED")
     sys.exit(3)
@@ -45,11 +45,11 @@ DRIVER = textwrap.dedent('''
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("slow", [False, True], ids=["fails-at-once", "fails-after-the-query-started"])
+@pytest.mark.parametrize("slow", [False, True], ids=["fails-at-once", "fails-late"])
 def test_workers_without_the_library_fail_the_start_with_what_to_do(tmp_path: Path, slow: bool):
-    """The refusal comes from the start whether the workers fail before Spark started the
-    stream or after (``slow``: each Python process of Spark's waits 3 s first, so the warm-up
-    fails after the start of the stream); no query is left running."""
+    """The refusal comes from the start whether the workers fail at once or late (``slow``:
+    each Python process of Spark's waits 3 s first, so the warm-up fails after the ticks
+    source's planners started beside it); no query is left running."""
     bare = tmp_path / "bare"
     venv.create(bare, with_pip=False)  # an interpreter without pyarrow, polars or icestate
     python = bare / "bin" / "python"

@@ -621,9 +621,8 @@ class ProgressListener(StreamingQueryListener):
 
 
 def test_the_ticks_source_reads_as_an_empty_batch_beside_a_query(spark, tmp_path, where):
-    """Spark's start of the stream runs beside the workers' warm-up, and the ticks source is
-    read once as a batch meanwhile (it starts Spark's planners of the source): that read has
-    no row, and the query runs its batches as before."""
+    """The ticks source is read once as a batch beside the workers' warm-up (it starts Spark's
+    planners of the source): that read has no row, and the query runs its batches as before."""
     from spark_integration.ticks import FORMAT, OPTION_BEACON
 
     batches = key_batches(2, 30, 7)
