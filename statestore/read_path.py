@@ -364,7 +364,7 @@ class StateReader:
         if (kgs is None or any(not self._is_whole(kg) for kg in kgs)) and missed.any():
             rows = out.filter(missed).get_column(_ROW).to_numpy()
             miss_keys = keys.take(rows)
-            miss_kgs = self._key_groups_of(miss_keys) if key_groups is None else np.asarray(key_groups)[rows]
+            miss_kgs = self._key_groups_of(miss_keys) if kgs is None else np.asarray(key_groups)[rows]
             miss_kg_list = _distinct(miss_kgs)
             if self._cover(miss_keys, miss_kgs, miss_kg_list):
                 again = self._join_views(desc, left[rows].with_columns(pl.Series(_ROW, rows, dtype=pl.UInt32)),

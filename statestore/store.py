@@ -168,16 +168,14 @@ class StateStore:
         as a vectorized batch's lookup, then its updates of the same keys) are not validated
         and hashed again; comparing costs about a thirtieth of hashing.
         """
-        self._check_open()
-        if isinstance(keys, pa.RecordBatch):
-            keys = pa.Table.from_batches([keys])
-        last = self._prepared
-        if key_groups is None and last is not None and _same_keys(keys, last[0]):
-            return last
-        table = self.layout.check_keys(keys)
         if key_groups is None:
+            table, kgs = self.checked_keys(keys)
+            if kgs is not None:
+                return table, kgs
             kgs = self._owned_key_groups(table)
         else:
+            self._check_open()
+            table = self.layout.check_keys(keys)
             kgs = np.asarray(key_groups, dtype=np.int64)
             if len(kgs) != table.num_rows:
                 raise ValueError(f"{len(kgs)} key groups for {table.num_rows} keys")
