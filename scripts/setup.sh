@@ -38,3 +38,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test,bench]'
+# A regular install puts icestate_pyspark_path.pth into site-packages (setup.py); an editable
+# one does not: copied here, so Spark's Python processes import the installed pyspark.
+cp icestate_pyspark_path.pth "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"

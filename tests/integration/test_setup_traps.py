@@ -74,3 +74,19 @@ def test_workers_without_the_library_fail_the_start_with_what_to_do(tmp_path: Pa
     assert "Spark's Python workers cannot import icestate (ModuleNotFoundError: No module named" in refused
     assert str(python) in refused and f"Set PYSPARK_PYTHON={sys.executable}" in refused
     assert "ACTIVE QUERIES: 0" in text
+
+
+def test_spark_python_workers_import_the_installed_pyspark(spark):
+    """Spark puts pyspark's bundled zips (and its core jar) first on its Python processes'
+    path; with ``icestate_pyspark_path.pth`` installed they import the installed, byte-compiled
+    pyspark instead (0.7-0.9 s of CPU less per process start, docs/decisions.md)."""
+
+    def where(_):
+        import sys
+
+        import pyspark
+
+        yield pyspark.__file__, [p for p in sys.path if "pyspark" in p and p.endswith((".zip", ".jar"))]
+
+    [(file, archives)] = spark.sparkContext.parallelize([0], 1).mapPartitions(where).collect()
+    assert ".zip" not in file and archives == []
