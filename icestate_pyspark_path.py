@@ -28,14 +28,13 @@ def _installed_package(entry: str) -> str | None:
     """The pyspark package directory that ``entry`` is a bundled archive of
     (``<site>/pyspark/python/lib/*.zip`` or ``<site>/pyspark/jars/*.jar``), else None."""
     folder = os.path.dirname(os.path.abspath(entry))
-    if entry.endswith(".zip") and os.path.basename(folder) == "lib":
-        python = os.path.dirname(folder)
-        package = os.path.dirname(python) if os.path.basename(python) == "python" else None
-    elif entry.endswith(".jar") and os.path.basename(folder) == "jars":
-        package = os.path.dirname(folder)
+    if entry.endswith(".zip"):
+        package, inside = os.path.dirname(os.path.dirname(folder)), os.path.join("python", "lib")
+    elif entry.endswith(".jar"):
+        package, inside = os.path.dirname(folder), "jars"
     else:
         return None
-    return package if package is not None and os.path.basename(package) == "pyspark" else None
+    return package if os.path.basename(package) == "pyspark" and folder == os.path.join(package, inside) else None
 
 
 def bundled_archives(path: list[str]) -> list[str]:
