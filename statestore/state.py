@@ -263,9 +263,9 @@ class KeyedState:
         p.appended.clear()
         p.entries.clear()
 
-    def clear_batch(self, keys: pa.Table) -> None:
-        """Remove the state of every key in ``keys``."""
-        keys, kgs = self._store.prepare_keys(keys)
+    def clear_batch(self, keys: pa.Table, key_groups: np.ndarray | None = None) -> None:
+        """Remove the state of every key in ``keys``. ``key_groups``: as for ``StateStore.prepare_keys``."""
+        keys, kgs = self._store.prepare_keys(keys, key_groups)
         self._write_batch(keys, kgs, OP_DELETE, None)
 
 
@@ -302,10 +302,15 @@ class _ValueLike(KeyedState):
             self._put(value)
         return True, value
 
-    def _put(self, value: Any) -> None:
+    def check(self, value: Any) -> None:
+        """Raise what a per-key write of ``value`` would (a null, or a value that does not fit
+        the declared type), writing nothing: for callers that batch their writes."""
         if value is None:
             raise ValueError(f"state {self.name!r}: values must not be null; call clear() instead")
         self._check(value, "value")
+
+    def _put(self, value: Any) -> None:
+        self.check(value)
         _, p = self._pending()
         p.value, p.has_value, p.expire_at_ms = value, True, self._expire_at()
 
@@ -335,9 +340,10 @@ class ValueState(_ValueLike):
     def update(self, value: Any) -> None:
         self._put(value)
 
-    def update_batch(self, keys: pa.Table, values: pa.Array | list) -> None:
-        """Set the value of each key; for a key given twice the last value wins."""
-        keys, kgs = self._store.prepare_keys(keys)
+    def update_batch(self, keys: pa.Table, values: pa.Array | list, key_groups: np.ndarray | None = None) -> None:
+        """Set the value of each key; for a key given twice the last value wins.
+        ``key_groups``: as for ``StateStore.prepare_keys``."""
+        keys, kgs = self._store.prepare_keys(keys, key_groups)
         values = _arrow(values, self.descriptor.value_type, f"values for state {self.name!r}")
         _check_len(values, keys, self.name)
         self._write_batch(keys, kgs, OP_PUT, values)
