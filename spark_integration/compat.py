@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,6 +48,7 @@ from statestore.errors import (
     TimersDisabledError,
 )
 from statestore.names import check_state_name
+from statestore.state import fields_fit
 from statestore.store import StateStore
 
 
@@ -162,6 +162,13 @@ class _Struct:
                     out[name] = conv(out[name])
         return out
 
+    def to_tuple(self, value: Any, what: str) -> tuple:
+        """The value as a tuple of the schema's fields in order (``to_store`` without the
+        conversions, for a schema that needs none)."""
+        if type(value) is tuple and len(value) == self.n:
+            return value
+        return tuple(self._named(value, what).values())
+
     def _named(self, value: Any, what: str) -> dict:
         if isinstance(value, Row) and hasattr(value, "__fields__"):
             value = value.asDict()
@@ -267,22 +274,40 @@ class _BatchValues:
     keys come in one batched lookup before the first key (``load``), the per-key calls read
     and write a dict, and the batch's writes reach the store as one batched write at its end
     (``drain``): Flink's batched state access. A key the lookup did not cover (a timer's, an
-    initial state's) is read through the store once. Values are held as the store holds
-    them (a dict of the schema's fields), so a read after a write converts as the store's
-    round trip would."""
+    initial state's) is read through the store once.
 
-    __slots__ = ("key_schema", "state", "values", "written")
+    Values are held as the API returns them (tuples of the schema's fields) when the schema
+    needs no conversion (``simple``: plain fields, no struct, map or zoned timestamp to
+    convert), else as the store holds them (a dict of the fields), converted at each read;
+    either way a read after a write returns what the store's round trip would."""
 
-    def __init__(self, store: StateStore, name: str):
+    __slots__ = ("fits", "key_schema", "simple", "state", "struct", "values", "written")
+
+    def __init__(self, store: StateStore, name: str, struct: _Struct):
         self.key_schema = store.layout.key_schema
         self.state = store.get_state(name)            # the store's value state
-        self.values: dict[tuple, dict | None] = {}    # key -> stored value, None: none
+        self.struct = struct
+        self.simple = struct._read is None and struct._write is None
+        self.fits = fields_fit(self.state.descriptor.value_type) if self.simple else None
+        self.values: dict[tuple, Any] = {}            # key -> held value, None: none
         self.written: dict[tuple, int] = {}           # key -> key group, of the keys written
+
+    def held(self, stored: dict | None) -> Any:
+        """A value read through the store, as held."""
+        if stored is None or not self.simple:
+            return stored
+        return tuple(stored.values())
 
     def load(self, keys: pa.Table) -> None:
         """Read the values of ``keys`` (distinct; prepared by the store last, so not hashed
         again) in one lookup; a key already held (written in this batch) keeps its value."""
-        values = self.state.get_batch(keys).to_pylist()
+        column = self.state.get_batch(keys)
+        if self.simple:  # tuples from the struct's field columns: no dict per value
+            values = list(zip(*[column.field(i).to_pylist() for i in range(column.type.num_fields)], strict=True))
+            if column.null_count:
+                values = [v if ok else None for v, ok in zip(values, column.is_valid().to_pylist(), strict=True)]
+        else:
+            values = column.to_pylist()
         tuples = zip(*[c.to_pylist() for c in keys.columns], strict=True)
         if self.values:
             held = self.values
@@ -307,11 +332,20 @@ class _BatchValues:
             table = pa.table([pa.array([k[i] for k in keys], f.type) for i, f in enumerate(schema)], schema=schema)
             kgs = np.fromiter((written[k] for k in keys), np.int64, len(keys))
             if put:
-                # Each value passed the per-key write's check at its update(): straight to Arrow.
-                column = pa.array([values[k] for k in keys], self.state.descriptor.value_type)
-                self.state.update_batch(table, column, kgs)
+                self.state.update_batch(table, self._column([values[k] for k in keys]), kgs)
             else:
                 self.state.clear_batch(table, kgs)
+
+    def _column(self, values: list) -> pa.Array:
+        """The held values as the state's Arrow column. Each passed the per-key write's check
+        at its update(), so they go straight to Arrow."""
+        t = self.state.descriptor.value_type
+        if not self.simple:
+            return pa.array(values, t)
+        fields = list(t)
+        columns = zip(*values, strict=True)
+        return pa.StructArray.from_arrays([pa.array(c, f.type) for c, f in zip(columns, fields, strict=True)],
+                                          fields=fields)
 
 
 _MISS = object()
@@ -324,35 +358,45 @@ class ValueState:
     def __init__(self, store: StateStore, desc: StateDescriptor, batch: _BatchValues | None = None):
         self._store = store
         self._state = store.get_state(desc.name)
-        self._struct = _Struct(desc.value_type)
+        self._struct = _Struct(desc.value_type) if batch is None else batch.struct
         self._what = f"value state {desc.name!r}"
         self._batch = batch
 
-    def _stored(self) -> dict | None:
+    def _held(self) -> Any:
         batch = self._batch
-        if batch is None:
-            return self._state.get()
         key = self._store.current_key()[0]
         value = batch.values.get(key, _MISS)
         if value is _MISS:
-            value = batch.values[key] = self._state.get()
+            value = batch.values[key] = batch.held(self._state.get())
         return value
 
     def exists(self) -> bool:
-        return self._stored() is not None
+        if self._batch is None:
+            return self._state.exists()
+        return self._held() is not None
 
     def get(self) -> tuple | None:
-        return self._struct.from_store(self._stored())
-
-    def update(self, newValue: tuple) -> None:
-        stored = self._struct.to_store(newValue, self._what)
         batch = self._batch
         if batch is None:
-            self._state.update(stored)
+            return self._struct.from_store(self._state.get())
+        value = self._held()
+        return value if batch.simple else self._struct.from_store(value)
+
+    def update(self, newValue: tuple) -> None:
+        batch = self._batch
+        if batch is None:
+            self._state.update(self._struct.to_store(newValue, self._what))
             return
-        self._state.check(stored)  # the error a per-key write would raise, at the user's call
+        # The errors a per-key write would raise, at the user's call.
+        if batch.simple:
+            value = self._struct.to_tuple(newValue, self._what)
+            if not batch.fits(value):
+                self._state.check(dict(zip(self._struct.names, value, strict=True)))
+        else:
+            value = self._struct.to_store(newValue, self._what)
+            self._state.check(value)
         key, kg = self._store.current_key()
-        batch.values[key] = stored
+        batch.values[key] = value
         batch.written[key] = kg
 
     def clear(self) -> None:
@@ -473,7 +517,7 @@ class StoreHandle:
                 desc.ttl is not None and desc.ttl.update_type is TtlUpdateType.ON_READ_AND_WRITE):
             batch = self._batches.get(name)
             if batch is None:
-                batch = self._batches[name] = _BatchValues(self._store, name)
+                batch = self._batches[name] = _BatchValues(self._store, name, _Struct(desc.value_type))
             state = ValueState(self._store, desc, batch)
         else:
             state = _WRAPPERS[kind](self._store, desc)
@@ -665,15 +709,17 @@ def _row_groups(rows: pa.Table, key_groups: list[int], store: StateStore) -> Ite
     if rows.num_rows == 0:
         return
     order, bounds = _key_order(rows.select(store.key_names))
-    columns = rows.column_names
-    values = zip(*[c.to_pylist() for c in rows.take(order).columns], strict=True)
-    all_rows = list(map(_row_maker(columns), values))
-    key_idx = [columns.index(n) for n in store.key_names]
-    key_of = (lambda r, i=key_idx[0]: (r[i],)) if len(key_idx) == 1 else operator.itemgetter(*key_idx)
+    ordered = rows.take(order)
+    columns = [c.to_pylist() for c in ordered.columns]
+    all_rows = list(map(_row_maker(rows.column_names), zip(*columns, strict=True)))
     starts = bounds[:-1]
+    # Each key's tuple from its first row's values (Row.__getitem__ is a Python call).
+    key_columns = [columns[rows.column_names.index(n)] for n in store.key_names]
+    firsts = starts.tolist()
+    keys = zip(*[[c[i] for i in firsts] for c in key_columns], strict=True)
     kgs = np.asarray(key_groups, dtype=np.int64)[order[starts]].tolist()
-    for start, end, kg in zip(starts.tolist(), bounds[1:].tolist(), kgs, strict=True):
-        yield key_of(all_rows[start]), kg, iter(all_rows[start:end])
+    for key, start, end, kg in zip(keys, firsts, bounds[1:].tolist(), kgs, strict=True):
+        yield key, kg, iter(all_rows[start:end])
 
 
 def _key_order(keys: pa.Table) -> tuple[np.ndarray, np.ndarray]:

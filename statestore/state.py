@@ -114,6 +114,18 @@ def _fits_checker(dtype: pa.DataType) -> Callable[[Any], bool]:
     return lambda v: v is None
 
 
+def fields_fit(dtype: pa.StructType) -> Callable[[tuple], bool]:
+    """Whether a tuple of a struct's field values (in field order) certainly converts to
+    ``dtype`` (False means "ask Arrow", as for ``_fits_checker``): for callers that hold
+    struct values as tuples."""
+    checks = [_fits_checker(f.type) for f in dtype]
+    n = len(checks)
+    if n == 1:
+        (only,) = checks
+        return lambda t: len(t) == 1 and only(t[0])
+    return lambda t: len(t) == n and all(fits(v) for fits, v in zip(checks, t, strict=True))
+
+
 def _check_value(value: Any, dtype: pa.DataType, what: str) -> None:
     """Per-key writes are checked when made, as batched ones are: a value that cannot be
     stored would otherwise fail later, at the seal, and take the whole overlay with it."""
