@@ -324,15 +324,22 @@ class _BatchValues:
             return
         values = self.values
         schema = self.key_schema
-        puts = [k for k in written if values[k] is not None]
-        clears = [k for k in written if values[k] is None]
-        for keys, put in ((puts, True), (clears, False)):
+        puts: tuple[list, list, list] = ([], [], [])     # keys, key groups, values
+        clears: tuple[list, list, list] = ([], [], [])
+        for key, kg in written.items():  # one lookup of each written key's value
+            value = values[key]
+            keys, kgs, held = clears if value is None else puts
+            keys.append(key)
+            kgs.append(kg)
+            held.append(value)
+        for (keys, kgs, held), put in ((puts, True), (clears, False)):
             if not keys:
                 continue
-            table = pa.table([pa.array([k[i] for k in keys], f.type) for i, f in enumerate(schema)], schema=schema)
-            kgs = np.fromiter((written[k] for k in keys), np.int64, len(keys))
+            columns = zip(*keys, strict=True)
+            table = pa.table([pa.array(c, f.type) for c, f in zip(columns, schema, strict=True)], schema=schema)
+            kgs = np.array(kgs, dtype=np.int64)
             if put:
-                self.state.update_batch(table, self._column([values[k] for k in keys]), kgs)
+                self.state.update_batch(table, self._column(held), kgs)
             else:
                 self.state.clear_batch(table, kgs)
 
@@ -615,7 +622,7 @@ def run_pandas_processor(processor: StatefulProcessor, store: StateStore, timers
     columns are matched to ``output_schema`` by name (by position when they are not named)."""
     frames: list = []
     _drive(processor, store, timers, rows, key_groups, timer_values, fire_upto_ms, initial,
-           lambda r, k, s: _pandas_groups(r, k, s, timezone), frames.extend,
+           lambda r, k, s, o, b: _pandas_groups(r, k, s, timezone, o, b), frames.extend,
            initial_groups=lambda t, s: _pandas_groups(t, None, s, timezone))
     return frames_to_arrow(frames, output_schema, timezone)
 
@@ -644,14 +651,17 @@ def _drive(processor: StatefulProcessor, store: StateStore, timers: TimerService
                             raise
         keys, kgs = rows.select(names), np.asarray(key_groups, dtype=np.int64)
         store.check_routed_keys(keys, kgs)
-        if rows.num_rows and store.layout.descriptors:
-            # One batched read of every distinct key's state (routed: not hashed again).
-            first = _first_rows(keys)
-            keys, kgs = keys.take(first), kgs[first]
-            store.prefetch(keys, kgs)
-            handle.load(keys)
+        order = bounds = None
+        if rows.num_rows:
+            order, bounds = _key_order(keys)
+            if store.layout.descriptors:
+                # One batched read of every distinct key's state (routed: not hashed again).
+                first = order[bounds[:-1]]
+                distinct = keys.take(first)
+                store.prefetch(distinct, kgs[first])
+                handle.load(distinct)
         select_key = store.select_key
-        for key, kg, key_rows in groups(rows, key_groups, store):
+        for key, kg, key_rows in groups(rows, kgs, store, order, bounds):
             select_key(key, kg)
             try:
                 result = processor.handleInputRows(key, key_rows, timer_values)
@@ -702,13 +712,13 @@ def _note(error: Exception, processor: StatefulProcessor, method: str, key: tupl
     error.add_note(f"raised by {type(processor).__name__}.{method} for key {key!r}")
 
 
-def _row_groups(rows: pa.Table, key_groups: list[int], store: StateStore) -> Iterator[tuple[tuple, int, Any]]:
+def _row_groups(rows: pa.Table, key_groups: np.ndarray, store: StateStore, order: np.ndarray | None,
+                bounds: np.ndarray | None) -> Iterator[tuple[tuple, int, Any]]:
     """Each key's rows as ``Row`` objects, keys in order of first appearance: the rows are
-    put in key order by one polars grouping and made as ``Row``s in one pass without a
-    Python frame per row, then handed out as slices."""
+    taken in key order (``_key_order``) and made as ``Row``s in one pass without a Python
+    frame per row, then handed out as slices."""
     if rows.num_rows == 0:
         return
-    order, bounds = _key_order(rows.select(store.key_names))
     ordered = rows.take(order)
     columns = [c.to_pylist() for c in ordered.columns]
     all_rows = list(map(_row_maker(rows.column_names), zip(*columns, strict=True)))
@@ -717,7 +727,7 @@ def _row_groups(rows: pa.Table, key_groups: list[int], store: StateStore) -> Ite
     key_columns = [columns[rows.column_names.index(n)] for n in store.key_names]
     firsts = starts.tolist()
     keys = zip(*[[c[i] for i in firsts] for c in key_columns], strict=True)
-    kgs = np.asarray(key_groups, dtype=np.int64)[order[starts]].tolist()
+    kgs = key_groups[order[starts]].tolist()
     for key, start, end, kg in zip(keys, firsts, bounds[1:].tolist(), kgs, strict=True):
         yield key, kg, iter(all_rows[start:end])
 
@@ -732,20 +742,23 @@ def _key_order(keys: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return order, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
-def _pandas_groups(rows: pa.Table, key_groups: list[int] | None, store: StateStore, timezone: str,
+def _pandas_groups(rows: pa.Table, key_groups: np.ndarray | None, store: StateStore, timezone: str,
+                   order: np.ndarray | None = None, bounds: np.ndarray | None = None,
                    ) -> Iterator[tuple[tuple, int, Any]]:
     """Each key's rows as one pandas DataFrame (index from 0), keys in order of first
-    appearance: the task's rows are ordered by key and converted once, then sliced."""
+    appearance: the task's rows are ordered by key (``_key_order``, computed here when not
+    given) and converted once, then sliced."""
     import pandas as pd
 
     if rows.num_rows == 0:
         return
     names = store.key_names
-    order, bounds = _key_order(rows.select(names))
+    if order is None:
+        order, bounds = _key_order(rows.select(names))
     frame = arrow_to_pandas(rows.take(order), timezone)
     firsts = order[bounds[:-1]]
     keys = list(zip(*[c.to_pylist() for c in rows.select(names).take(firsts).columns], strict=True))
-    kgs = np.asarray(key_groups, dtype=np.int64)[firsts] if key_groups is not None else None
+    kgs = key_groups[firsts] if key_groups is not None else None
     for j, key in enumerate(keys):
         part = frame.iloc[bounds[j]:bounds[j + 1]]
         part.index = pd.RangeIndex(len(part))  # from 0, as Spark's; cheaper than reset_index
