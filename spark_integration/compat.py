@@ -273,8 +273,8 @@ class _BatchValues:
     """One batch's values of one value state, held in the worker: the values of the batch's
     keys come in one batched lookup before the first key (``load``), the per-key calls read
     and write a dict, and the batch's writes reach the store as one batched write at its end
-    (``drain``): Flink's batched state access. A key the lookup did not cover (a timer's, an
-    initial state's) is read through the store once.
+    (``drain``), as Flink groups remote state access (FLIP-426). A key the lookup did not
+    cover (a timer's, an initial state's) is read through the store once.
 
     Values are held as the API returns them (tuples of the schema's fields) when the schema
     needs no conversion (``simple``: plain fields, no struct, map or zoned timestamp to
