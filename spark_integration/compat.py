@@ -398,7 +398,7 @@ class ValueState:
         if batch.simple:
             value = self._struct.to_tuple(newValue, self._what)
             if not batch.fits(value):
-                self._state.check(dict(zip(self._struct.names, value, strict=True)))
+                self._state.check(self._struct.to_store(value, self._what))
         else:
             value = self._struct.to_store(newValue, self._what)
             self._state.check(value)
@@ -679,7 +679,8 @@ def _drive(processor: StatefulProcessor, store: StateStore, timers: TimerService
                 schema = store.layout.key_schema
                 expired_keys = pa.table([pa.array([key[i] for _, key in expired], f.type)
                                          for i, f in enumerate(schema)], schema=schema)
-                expired_keys = expired_keys.take(_first_rows(expired_keys))
+                order, bounds = _key_order(expired_keys)
+                expired_keys = expired_keys.take(order[bounds[:-1]])
                 store.prefetch(expired_keys)
                 handle.load(expired_keys)
             for ts, key in expired:
@@ -698,13 +699,6 @@ def _drive(processor: StatefulProcessor, store: StateStore, timers: TimerService
     finally:
         processor.close()
     handle.drain()  # a batch that raised writes nothing: its task's store is dropped
-
-
-def _first_rows(keys: pa.Table) -> np.ndarray:
-    """Row indices of the first occurrence of each distinct key, in row order."""
-    index = pl.from_arrow(keys).with_row_index("__first").unique(subset=keys.column_names, keep="first",
-                                                                  maintain_order=True)
-    return index.get_column("__first").to_numpy()
 
 
 def _note(error: Exception, processor: StatefulProcessor, method: str, key: tuple) -> None:
