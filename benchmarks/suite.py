@@ -10,6 +10,9 @@ leaves the others' figures), in this order:
 - ``rescale`` (``bench_rescale``): rescale as metadata against a copying rescale;
 - ``compaction`` (``bench_compaction``): lookups before and after compaction, checkpoint p99
   beside the compactor, write amplification;
+- ``processors`` (``bench_processors``): one task's micro-batch of Spark-API processors with
+  value, list and map state, replayed at store level as the state grows (does a batch cost its
+  own keys or the state?);
 - ``spark`` (``bench_spark``): inside Spark, on the same input in the same run: throughput of
   ours against Spark's stateless floor (the same keyed count of each batch with no state) and
   Spark's state stores; the state-size scenarios (checkpoint, restart, rescale and state on disk
@@ -72,6 +75,10 @@ STEPS = (
                    "--interval", "0"],
           "quick": ["--quick"], "full": []},
          {m: "bench_compaction.json" for m in MODES}),
+    Step("processors", "benchmarks.bench_processors",
+         {"tiny": ["--sizes", "2000,10000", "--events", "2000", "--batches", "2"],
+          "quick": ["--sizes", "1000000,5000000", "--batches", "3"], "full": []},
+         {m: "bench_processors.json" for m in MODES}),
     Step("spark", "benchmarks.bench_spark",
          {"tiny": [*_SPARK_COMMON, "--workloads", "throughput,scaling,cache", "--datasets", "main",
                    "--only", "spark-floor-count,ours-vectorized", "--events", "20000",
@@ -202,6 +209,11 @@ def headline(results: dict) -> list[dict]:
     v, peer = rs.get("ratio_big_over_small_8"), rs.get("peer_ratio_big_over_small_8")
     rows.append(_row("rescale 4 -> 8 (metadata), big / small state", v, "x", "<= 1.2", _at_most(v, 1.2),
                      f"copying rescale: {peer:.1f}x" if peer is not None else "copying rescale"))
+    pr = results.get("processors") or {}
+    sizes = pr.get("sizes") or []
+    for kind, v in (pr.get("growth_largest") or {}).items():
+        rows.append(_row(f"Spark-API processor, {kind} state: a batch at {sizes[-1]:,} / {sizes[0]:,} state keys", v,
+                         "x", "<= 1.3", _at_most(v, 1.3), "the same batch at the smallest state"))
     v = (results.get("compaction") or {}).get("p99_ratio_with_compactor")
     rows.append(_row("checkpoint p99 with the compactor / without", v, "x", "<= 1.5", _at_most(v, 1.5),
                      "ours without compaction"))

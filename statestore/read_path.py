@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -113,6 +114,20 @@ def _index_map(keys: Iterable[tuple], rows: Iterable[tuple], hash_key: Callable[
     return by_key
 
 
+_NOT_PREFETCHED = object()
+
+
+@dataclass
+class _Prefetched:
+    """The keys of a reader's last prefetch (key columns), their key groups, the cache's
+    eviction count then, and the keys as a set of tuples (made at the first per-key read)."""
+
+    keys: pl.DataFrame
+    kgs: list[int]
+    evictions: int
+    key_set: set | None = None
+
+
 class StateReader:
     """The reads of one task's store over ``table``'s opened checkpoint and ``memtable``.
 
@@ -140,6 +155,9 @@ class StateReader:
             pa.types.is_string(f.type) or pa.types.is_binary(f.type) or pa.types.is_integer(f.type)
             or pa.types.is_boolean(f.type) or pa.types.is_date32(f.type) for f in self.layout.key_schema)
         self._point_index: dict[tuple[str, str, int], dict] = {}  # see _view_index
+        # The last prefetch's keys, and point indexes over their rows only (see _batch_point).
+        self._prefetched: _Prefetched | None = None
+        self._batch_index: dict[tuple[str, str], dict] = {}
         # What a per-key read of value-like state takes of a view row (point_get), per variable.
         self._point_columns = {d.name: (d.value_column, EXPIRE_AT_MS) for d in self.layout.descriptors}
         # Partial views need keys that compare in Python as polars returns them (point reads).
@@ -152,7 +170,7 @@ class StateReader:
 
     def memtable_changed(self) -> None:
         """Entries were added to the memtable: the point indexes may be stale."""
-        self._point_index.clear()
+        self._forget_indexes()
 
     def flushed(self, checkpoint_id: int) -> None:
         """``checkpoint_id``'s segments were written from the memtable, which keeps their
@@ -184,7 +202,7 @@ class StateReader:
                 group.pending.setdefault(name, []).extend(p.with_columns(stamped.alias(ORD)) for p in parts[applied:])
             group.applied[name] = max(0, applied - len(parts))
             self._cache.resized(kg)
-        self._point_index.clear()
+        self._forget_indexes()
         self._trim()
 
     def catch_up(self, newer: Sequence[SegmentFile], after_checkpoint_id: int) -> None:
@@ -193,7 +211,7 @@ class StateReader:
         have, all written after it (``StateStore.catch_up`` checks that). Their entries become
         ``pending`` parts of the views they touch, applied at the next read as a committed
         flush of this store's own would be."""
-        self._point_index.clear()
+        self._forget_indexes()
         cached = sorted(self._cache.key_groups())
         if not newer or not cached:
             return
@@ -218,7 +236,8 @@ class StateReader:
     def reset(self) -> None:
         """Forget every view, point index and unsettled flush: after a restore or a close, or
         when the memtable's ord sequence restarted (pending entries could sort after newer ones)."""
-        self._point_index.clear()
+        self._forget_indexes()
+        self._prefetched = None
         self._cache.clear()
         self._unsettled.clear()
 
@@ -284,6 +303,11 @@ class StateReader:
             # 50k-key batch over 128 key groups: a quarter of the loop's time).
             self._refresh_all([kg for kg in kgs if kg in self._cache])
             self._trim(pinned=kgs)
+        # The loop's per-key reads of these keys are served by indexes over their rows alone
+        # (``_batch_point``), not over whole views.
+        self._batch_index.clear()
+        self._prefetched = _Prefetched(pl.from_arrow(keys).select(self.key_names), kgs, self._cache.evictions) \
+            if kgs and self._indexable else None
 
     def _current(self, name: str, kgs: list[int]) -> list[pl.DataFrame]:
         stale = [kg for kg in kgs if self._is_stale(kg, name)]
@@ -408,19 +432,14 @@ class StateReader:
         if not self._indexable:
             rows = self._key_filter(name, key, key_group, columns)
             return rows[0] if rows else None
-        hit = self._view_index(name, key_group, "", columns, _index_one).get(key)
-        if hit is None and self._uncovered(key, key_group):
-            return self._view_index(name, key_group, "", columns, _index_one).get(key)
-        return hit
+        return self._point(name, key, key_group, "", columns, _index_one)
 
     def key_rows(self, name: str, key: tuple, key_group: int, columns: Sequence[str]) -> list[tuple]:
         """``columns`` of every view row of ``key`` in state ``name`` (TTL not applied), without
         sealing the handles' overlays: the per-key read of list and map state."""
         if not self._indexable:
             return self._key_filter(name, key, key_group, columns)
-        rows = self._view_index(name, key_group, "rows", columns, _index_rows).get(key)
-        if rows is None and self._uncovered(key, key_group):
-            rows = self._view_index(name, key_group, "rows", columns, _index_rows).get(key)
+        rows = self._point(name, key, key_group, "rows", columns, _index_rows)
         return [] if rows is None else rows
 
     def key_map(self, name: str, key: tuple, key_group: int, hash_key: Callable[[Any], Any]) -> dict:
@@ -434,10 +453,57 @@ class StateReader:
 
         def build(keys: Iterable, rows: Iterable) -> dict:
             return _index_map(keys, rows, hash_key)
-        found = self._view_index(name, key_group, "map", columns, build).get(key)
-        if found is None and self._uncovered(key, key_group):
-            found = self._view_index(name, key_group, "map", columns, build).get(key)
+        found = self._point(name, key, key_group, "map", columns, build)
         return _NO_ENTRIES if found is None else found
+
+    def _point(self, name: str, key: tuple, key_group: int, kind: str, columns: Sequence[str],
+               build: Callable[[Iterable, Iterable], dict]) -> Any:
+        """What ``build``'s index holds for ``key`` (None: no row): from the prefetched keys'
+        index when ``key`` is one of them, else from the index over its key group's view."""
+        found = self._batch_point(name, key, kind, columns, build)
+        if found is not _NOT_PREFETCHED:
+            return found
+        found = self._view_index(name, key_group, kind, columns, build).get(key)
+        if found is None and self._uncovered(key, key_group):
+            found = self._view_index(name, key_group, kind, columns, build).get(key)
+        return found
+
+    def _batch_point(self, name: str, key: tuple, kind: str, columns: Sequence[str],
+                     build: Callable[[Iterable, Iterable], dict]) -> Any:
+        """``key``'s entry in an index over the rows of the last prefetch's keys only, built at
+        the first per-key read of (``name``, ``kind``) after it; ``_NOT_PREFETCHED`` when
+        ``key`` was not prefetched. An index over a whole view is built from every row of its
+        key group, again after every change of the view: on whole-cached views a per-key loop
+        over a batch paid for the cached state, not for the batch (a list state of 500k keys,
+        50k-key batches: most of the loop). Views much larger than the keys are first
+        restricted to them (a semi join in polars; the Python dict is the batch's size)."""
+        pre = self._prefetched
+        if pre is None:
+            return _NOT_PREFETCHED
+        if pre.key_set is None:
+            pre.key_set = set(zip(*[pre.keys.get_column(k).to_list() for k in self.key_names], strict=True))
+        if key not in pre.key_set:
+            return _NOT_PREFETCHED
+        index = self._batch_index.get((name, kind))
+        if index is None:
+            if self._cache.evictions != pre.evictions or any(kg not in self._cache for kg in pre.kgs):
+                # A prefetched key group may have left and come back covering other keys: the
+                # views no longer hold these keys for sure.
+                self._prefetched = None
+                return _NOT_PREFETCHED
+            views = self._current(name, pre.kgs)
+            view = pl.concat(views, how="vertical", rechunk=False)
+            if view.height > _RESTRICT_RATIO * pre.keys.height:
+                view = view.join(pre.keys, on=list(self.key_names), how="semi")
+            keys = zip(*[view.get_column(k).to_list() for k in self.key_names], strict=True)
+            rows = zip(*[view.get_column(c).to_list() for c in columns], strict=True)
+            index = self._batch_index[(name, kind)] = build(keys, rows)
+        return index.get(key)
+
+    def _forget_indexes(self) -> None:
+        """Forget every point index: a view may have changed."""
+        self._point_index.clear()
+        self._batch_index.clear()
 
     def _uncovered(self, key: tuple, key_group: int) -> bool:
         """Whether ``key`` missed only because its key group's views are partial and lack it;
@@ -447,7 +513,7 @@ class StateReader:
             return False
         self._cache.misses += 1
         self._load([key_group])
-        self._point_index.clear()
+        self._forget_indexes()
         return True
 
     def _view_index(self, name: str, key_group: int, kind: str, columns: Sequence[str],
@@ -515,7 +581,7 @@ class StateReader:
         evictions = self._cache.evictions
         self._cache.trim(pinned=pinned)
         if self._cache.evictions != evictions:
-            self._point_index.clear()  # an evicted group's index must not outlive it
+            self._forget_indexes()  # an evicted group's index must not outlive it
 
     def _is_whole(self, kg: int) -> bool:
         group = self._cache.peek(kg)
@@ -599,7 +665,7 @@ class StateReader:
             group.cover(keys_of[(kg,)])
             group.partial_reads += 1
             self._cache.put(kg, group)
-        self._point_index.clear()
+        self._forget_indexes()
 
     def _refresh_all(self, kgs: Sequence[int]) -> None:
         """``_refresh`` every variable's views of the cached ``kgs`` that miss memtable parts or
@@ -694,7 +760,7 @@ class StateReader:
     def _load(self, kgs: Sequence[int]) -> None:
         """Read the segments of ``kgs`` and resolve every variable's view of each (replacing
         partial groups: the point indexes over them are forgotten)."""
-        self._point_index.clear()
+        self._forget_indexes()
         entries = self._read(kgs, self._entry_schema)
         groups = {kg: CachedKeyGroup() for kg in kgs}
         now = self._now_ms()

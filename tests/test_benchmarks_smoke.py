@@ -139,7 +139,8 @@ def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
     process per job): the streaming throughput of ours against Spark's stateless floor, the
     scaling scenario (build, restarts, Spark's offline repartition and our rescale,
     every step's output checked against the input), the cache scenario, the store, rescale and
-    compaction benchmarks; then the headline table, its Markdown and its plot from their results."""
+    compaction benchmarks, the Spark-API processors against state size; then the headline
+    table, its Markdown and its plot from their results."""
     pytest.importorskip("matplotlib")
     from benchmarks import suite
 
@@ -158,7 +159,8 @@ def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
                     "restart, small first batch at 3,000 keys, query start to first batch end / RocksDB's",
                     "state on disk at 3,000 keys / Spark's RocksDB checkpoint",
                     "rescale 4 -> 8 (metadata), big / small state",
-                    "checkpoint p99 with the compactor / without"):
+                    "checkpoint p99 with the compactor / without",
+                    "Spark-API processor, list state: a batch at 10,000 / 2,000 state keys"):
         assert rows[measure]["value"] > 0, rows[measure]
     spark = json.loads((tmp_path / "spark.json").read_text())
     ours = next(r for r in spark["throughput"] if r["impl"] == "ours-vectorized")
@@ -171,6 +173,9 @@ def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
     assert {"rocksdb", "1x", "0.1x"} == set(spark["cache"]["runs"])
     assert all(run["verified"]["ok"] for run in spark["cache"]["runs"].values())
     assert spark["cache"]["state_view_bytes"] > 0
-    for name in ("headline.png", "spark.png", "spark_state.png", "bench_store.png"):
+    processors = json.loads((tmp_path / "bench_processors.json").read_text())
+    assert {(r["kind"], r["state_keys"]) for r in processors["runs"]} == {
+        (k, n) for k in ("value", "list", "map") for n in (2000, 10000)}
+    for name in ("headline.png", "spark.png", "spark_state.png", "bench_store.png", "bench_processors.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "| store: warm batched lookup / polars left join |" in (tmp_path / "summary.md").read_text()

@@ -1,5 +1,6 @@
 """The benchmark's Spark ``StatefulProcessor`` classes (the keyed running count, row and pandas;
-the processing-time sessions), module-level so that each Spark peer and ours run the very same
+the processing-time sessions; a list-state and a map-state processor for the store-level
+``bench_processors``), module-level so that each Spark peer and ours run the very same
 class (``spark-tws-rows`` and ``ours-compat``, ``spark-tws-pandas`` and ``ours-pandas``,
 ``spark-tws-sessions`` and ``ours-sessions``). Spark's Python workers unpickle them by
 reference: this module imports nothing of the project.
@@ -79,6 +80,46 @@ class SessionCountProcessor(StatefulProcessor):
         total = self.count.get()[0]
         self.count.clear()
         yield Row(key=key[0], count=total)
+
+    def close(self) -> None:
+        pass
+
+
+ITEM_SCHEMA = StructType([StructField("value", LongType(), True)])
+BUCKET_SCHEMA = StructType([StructField("bucket", LongType(), True)])
+
+
+class RecentValuesProcessor(StatefulProcessor):
+    """A ListState per key: keeps the key's last three values (a read and a replace per key);
+    emits (key, how many it keeps)."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.recent = handle.getListState("recent", ITEM_SCHEMA)
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:
+        kept = ([*self.recent.get(), *((r.value,) for r in rows)])[-3:]
+        self.recent.put(kept)
+        yield Row(key=key[0], count=len(kept))
+
+    def close(self) -> None:
+        pass
+
+
+class BucketCountProcessor(StatefulProcessor):
+    """A MapState per key: counts the key's events per bucket (value mod 4), a get and a put
+    per event; emits (key, the key's events in this batch)."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.buckets = handle.getMapState("buckets", BUCKET_SCHEMA, COUNT_STATE_SCHEMA)
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:
+        n = 0
+        for r in rows:
+            bucket = (r.value % 4,)
+            current = self.buckets.getValue(bucket)
+            self.buckets.updateValue(bucket, ((current[0] if current else 0) + 1,))
+            n += 1
+        yield Row(key=key[0], count=n)
 
     def close(self) -> None:
         pass

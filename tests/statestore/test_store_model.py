@@ -303,6 +303,14 @@ class StoreMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ time
 
+    @rule(data=st.data())
+    def prefetch(self, data):
+        """A batched read of some keys' state before a per-key loop: until the next prefetch,
+        per-key reads of those keys go through an index over their rows alone, across writes,
+        checkpoints, restores and worker switches (each must rebuild or drop it)."""
+        keys = data.draw(st.lists(st.sampled_from(self.KEYS), min_size=1, max_size=3))
+        self.store.prefetch(self.keys_table(keys))
+
     @rule(ms=st.one_of(st.integers(1, TTL_MS // 2), st.integers(TTL_MS // 2, 2 * TTL_MS)))
     def advance_clock(self, ms):
         self.now_ms += ms
@@ -493,7 +501,7 @@ class PartialViewsMachine(StoreMachine):
     partial views meet writes of keys they lack, checkpoints, restores and reopens. The
     batched read comes first; the per-key reads then take the keys it filled and, every
     third check, one it did not (a per-key read of a key that a partial view lacks loads its
-    key group whole); ``prefetch`` fills some keys before per-key writes."""
+    key group whole)."""
 
     KEYS = ("a", "f", "g", "d", "h", "l")  # key groups 4, 4, 4, 6, 6, 6: a partial group lacks some
     CONFIG: ClassVar[dict] = {"view_partial_rows_min": 0, "view_partial_share_max": 1e9,
@@ -505,11 +513,6 @@ class PartialViewsMachine(StoreMachine):
         batched = [self.KEYS[i % n], self.KEYS[(i + 2) % n]]
         per_key = batched + ([self.KEYS[(i + 3) % n]] if i % 3 == 0 else [])
         return per_key, batched
-
-    @rule(data=st.data())
-    def prefetch(self, data):
-        keys = data.draw(st.lists(st.sampled_from(self.KEYS), min_size=1, max_size=3))
-        self.store.prefetch(self.keys_table(keys))
 
 
 class UnhashedLookupsMachine(PartialViewsMachine):
