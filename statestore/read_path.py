@@ -18,7 +18,9 @@ Reads go memtable then segments. The reader owns:
   and every such key group of a request at once. A cached view is then kept up to date with
   the memtable parts it has not applied (``applied``) and the committed parts moved to it
   (``pending``), of its covered keys only when partial;
-* the point indexes: a dict over a cached view for the per-key reads (``_view_index``);
+* the point indexes of the per-key reads: a dict over the rows of the last prefetch's keys
+  (``_batch_point``: a per-key loop over a batch costs the batch), or over a cached view
+  for any other key (``_view_index``);
 * the segment reader (Parquet footer cache, read counters), reading through the process's
   file cache of whole segments (``file_cache``) when the store's config asks for one.
 
@@ -32,7 +34,9 @@ variable (of its covered keys, when partial) exactly once: the segments of the o
 checkpoint, minus those of a flush not settled yet (the memtable still holds their entries),
 plus the first ``applied`` memtable parts; ``pending`` parts are committed entries it has yet
 to apply. A partial view never serves a key it does not cover. A point index in
-``_point_index`` is current: every event that can change a view forgets them all.
+``_point_index`` or ``_batch_index`` is current: every event that can change a view forgets
+them all (``_forget_indexes``); the prefetched keys' index serves only keys its views still
+cover (an eviction since the prefetch drops the prefetched keys).
 
 Thread safety: used by the store's task thread only, like the store.
 """
@@ -160,6 +164,8 @@ class StateReader:
         self._batch_index: dict[tuple[str, str], dict] = {}
         # What a per-key read of value-like state takes of a view row (point_get), per variable.
         self._point_columns = {d.name: (d.value_column, EXPIRE_AT_MS) for d in self.layout.descriptors}
+        # What a per-key read of map state takes of a view row and builds its index with (key_map).
+        self._map_reads: dict[str, tuple[Callable, tuple[str, str, str], Callable]] = {}
         # Partial views need keys that compare in Python as polars returns them (point reads).
         self._partial_reads_max = config.view_partial_reads_max if self._indexable else 0
         self.partial_reads = 0
@@ -446,13 +452,17 @@ class StateReader:
         """The stored map of ``key`` in map state ``name``: {hash_key(user key): (user key,
         value, expire_at_ms)} (TTL not applied; overlays not sealed), so one map entry is
         found in O(1)."""
-        desc = self.layout.descriptor(name)
-        columns = (desc.user_key_column, desc.value_column, EXPIRE_AT_MS)
+        known = self._map_reads.get(name)
+        if known is None or known[0] is not hash_key:
+            desc = self.layout.descriptor(name)
+
+            def build(keys: Iterable, rows: Iterable) -> dict:
+                return _index_map(keys, rows, hash_key)
+            # Made once per variable: a map's per-key loop calls this for every entry it reads.
+            known = self._map_reads[name] = (hash_key, (desc.user_key_column, desc.value_column, EXPIRE_AT_MS), build)
+        _, columns, build = known
         if not self._indexable:
             return {hash_key(r[0]): r for r in self._key_filter(name, key, key_group, columns)}
-
-        def build(keys: Iterable, rows: Iterable) -> dict:
-            return _index_map(keys, rows, hash_key)
         found = self._point(name, key, key_group, "map", columns, build)
         return _NO_ENTRIES if found is None else found
 

@@ -606,9 +606,11 @@ class MapState(KeyedState):
 
     def get(self, user_key: Any) -> Any:
         hit = self._entry(user_key)
-        if hit is not None:
+        if hit is None:
+            return None
+        if self._refresh_on_read():
             self._touch({0: hit})
-        return None if hit is None else hit[1]
+        return hit[1]
 
     def contains(self, user_key: Any) -> bool:
         return self._entry(user_key) is not None
