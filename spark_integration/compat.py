@@ -322,16 +322,19 @@ class _BatchValues:
         written, self.written = self.written, {}
         if not written:
             return
-        values = self.values
         schema = self.key_schema
-        puts: tuple[list, list, list] = ([], [], [])     # keys, key groups, values
+        keys = list(written)
+        held = list(map(self.values.__getitem__, keys))  # one lookup of each written key's value
+        kgs = list(written.values())
+        puts: tuple[list, list, list] = (keys, kgs, held)     # keys, key groups, values
         clears: tuple[list, list, list] = ([], [], [])
-        for key, kg in written.items():  # one lookup of each written key's value
-            value = values[key]
-            keys, kgs, held = clears if value is None else puts
-            keys.append(key)
-            kgs.append(kg)
-            held.append(value)
+        if None in held:  # some keys cleared: split (a held value is a tuple or dict, never equal to None)
+            puts = ([], [], [])
+            for key, kg, value in zip(keys, kgs, held, strict=True):
+                into = clears if value is None else puts
+                into[0].append(key)
+                into[1].append(kg)
+                into[2].append(value)
         for (keys, kgs, held), put in ((puts, True), (clears, False)):
             if not keys:
                 continue
@@ -851,8 +854,7 @@ def rows_to_arrow(rows: list, schema: pa.Schema, what: str = "processor output")
                              f"{len(names)}: {names}")
         tuples.append(r)
     arrays = []
-    for i, f in enumerate(schema):
-        col = [t[i] for t in tuples]
+    for col, f in zip(zip(*tuples, strict=True), schema, strict=True):  # one transposition in C
         try:
             arrays.append(pa.array(col, type=f.type))
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
