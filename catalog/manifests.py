@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import threading
 import zlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import pyiceberg.avro.file
+from pyiceberg.avro.decoder import BinaryDecoder, StreamingBinaryDecoder
 from pyiceberg.avro.file import AvroFile
 from pyiceberg.conversions import from_bytes
 from pyiceberg.io import FileIO
@@ -68,6 +71,37 @@ DECODE_ERRORS = (EOFError, ValueError, KeyError, IndexError, TypeError, Overflow
                  zlib.error, SystemError, MemoryError)
 
 
+# pyiceberg 0.12's Cython Avro decoder advances raw pointers by the lengths a file encodes without
+# checking the end of its buffer (apache/iceberg-python#3952, fixed by #3955 after 0.12.0): a
+# damaged manifest could crash the process with a segmentation fault instead of raising (found
+# by tests/catalog/test_fuzz_damage.py, about one run in four). The manifests and manifest lists
+# this cache reads, the first read of any such file in a process, are decoded by pyiceberg's
+# pure-Python decoder, which raises EOFError there (``bounded_avro``); pyiceberg's other reads
+# keep the fast decoder (decoding every read with the pure one made a checkpoint 36 -> 51-55 ms
+# and a restore 42 -> 69-75 ms in bench_store).
+_BOUNDED = threading.local()
+_fast_decoder = pyiceberg.avro.file.new_decoder
+
+
+def _new_decoder(data: bytes) -> BinaryDecoder:
+    return StreamingBinaryDecoder(data) if getattr(_BOUNDED, "on", False) else _fast_decoder(data)
+
+
+pyiceberg.avro.file.new_decoder = _new_decoder
+
+
+@contextlib.contextmanager
+def bounded_avro() -> Iterator[None]:
+    """Within it, Avro files that pyiceberg reads in this thread are decoded by its bounded
+    pure-Python decoder."""
+    before = getattr(_BOUNDED, "on", False)
+    _BOUNDED.on = True
+    try:
+        yield
+    finally:
+        _BOUNDED.on = before
+
+
 class MissingMetadataError(CorruptMetadataError, FileNotFoundError):
     """A metadata file that a snapshot references is missing (still a ``FileNotFoundError``:
     retention takes one of an expired snapshot as deleted by another writer already)."""
@@ -105,7 +139,7 @@ class ManifestCache:
         """The manifests a snapshot's manifest list names."""
         path = snapshot.manifest_list
         if path not in self._lists:
-            with unreadable_as_corrupt("manifest list", path):
+            with unreadable_as_corrupt("manifest list", path), bounded_avro():
                 with AvroFile(self._io.new_input(path)) as avro:
                     written_for = avro.header.meta.get(SNAPSHOT_ID_KEY)
                 manifests = tuple(snapshot.manifests(self._io))
@@ -138,7 +172,7 @@ class ManifestCache:
         path = manifest.manifest_path
         # The manifest list that named it may be the damaged file instead (a name in it changed).
         listed = f"manifest (listed by {self._listed_by[path]})" if path in self._listed_by else "manifest"
-        with unreadable_as_corrupt(listed, path):
+        with unreadable_as_corrupt(listed, path), bounded_avro():
             read = manifest.fetch_manifest_entry(self._io, discard_deleted=False)
         # The manifest list records what the manifest holds: another manifest in its place differs.
         counts = (manifest.added_files_count, manifest.existing_files_count, manifest.deleted_files_count)

@@ -76,3 +76,22 @@ def test_a_zombie_writer_gets_a_conflict(open_table):
         commit_next(successor)
     with pytest.raises(CommitConflictError, match="another writer committed checkpoint 5"):
         commit_next(zombie)
+
+
+def test_the_catalogs_avro_reads_use_the_bounded_decoder():
+    """pyiceberg 0.12's Cython decoder reads past its buffer on some damaged manifests and crashed
+    the process (a segmentation fault in ``test_fuzz_damage``, about one run in four); the
+    manifests and manifest lists the catalog reads are decoded by pyiceberg's pure-Python
+    decoder, which raises instead. Outside those reads pyiceberg keeps its fast decoder."""
+    import pyiceberg.avro.file
+    from pyiceberg.avro.decoder import StreamingBinaryDecoder
+
+    from catalog.manifests import bounded_avro
+
+    data = _varint(1 << 20) + b"short"  # a length past the end of the bytes
+    with bounded_avro():
+        decoder = pyiceberg.avro.file.new_decoder(data)
+        assert isinstance(decoder, StreamingBinaryDecoder)
+        with pytest.raises(EOFError):
+            decoder.read_bytes()
+    assert not isinstance(pyiceberg.avro.file.new_decoder(data), StreamingBinaryDecoder)
