@@ -39,7 +39,14 @@ from rich.table import Table
 from benchmarks.harness import console, fmt, machine_info, progress, pyplot, results_path, save_figure, write_results
 from benchmarks.streaming.processors import BucketCountProcessor, CountProcessor, RecentValuesProcessor
 from spark_integration.compat import declare, rows_to_arrow, run_processor
-from statestore import DirectoryStateTable, StateLayout, StateStore, StoreConfig, assign_key_groups
+from statestore import (
+    DirectoryStateTable,
+    StateLayout,
+    StateStore,
+    StoreConfig,
+    assign_key_groups,
+    task_for_key_group,
+)
 
 MAX_PARALLELISM = 128
 TASKS = 4
@@ -54,7 +61,7 @@ def _task_keys(total: int) -> tuple[pa.Array, np.ndarray]:
     """The keys ``k<id>`` of ``total`` that task ``TASK`` owns, and their key groups."""
     keys = pa.array(np.char.add("k", np.arange(total).astype(str)))
     kgs = np.asarray(assign_key_groups(pa.table({"key": keys}), MAX_PARALLELISM), dtype=np.int64)
-    mine = np.flatnonzero(kgs * TASKS // MAX_PARALLELISM == TASK)
+    mine = np.flatnonzero(task_for_key_group(MAX_PARALLELISM, TASKS, kgs) == TASK)
     return keys.take(pa.array(mine)), kgs[mine]
 
 

@@ -44,7 +44,7 @@ Thread safety: used by the store's task thread only, like the store.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,11 @@ def _distinct(key_groups: np.ndarray) -> list[int]:
     """The distinct key groups of ``key_groups`` in order: a count per key group (key groups
     are small non-negative ints), 5x cheaper than ``np.unique``'s sort on 500k keys."""
     return np.flatnonzero(np.bincount(np.asarray(key_groups))).tolist()
+
+
+def _tuples(frame: pl.DataFrame, columns: Sequence[str]) -> Iterator[tuple]:
+    """``frame``'s rows as tuples of ``columns``, in order."""
+    return zip(*[frame.get_column(c).to_list() for c in columns], strict=True)
 
 
 def _index_one(keys: Iterable[tuple], rows: Iterable[tuple]) -> dict:
@@ -335,13 +340,19 @@ class StateReader:
         view = pl.concat(views, how="vertical", rechunk=False) if views else None
         if view is None or view.height == 0:
             return self._empty_view(desc)
-        if keys is not None and view.height > _RESTRICT_RATIO * keys.num_rows:
-            # Only the asked keys' rows of views much larger than the keys (whole views): a semi
-            # join hashes the keys, not the views (a left join of 50k keys against whole views
-            # of 2M keys hashed all 2M: 86 ms, against 21 ms for the semi join and a join of what
-            # it kept), and what follows (expiry, the caller's join or sort) is the keys' size.
-            view = view.join(pl.from_arrow(keys).select(self.key_names), on=list(self.key_names), how="semi")
+        if keys is not None:
+            view = self._restricted(view, keys.num_rows, lambda: pl.from_arrow(keys).select(self.key_names))
         return live_rows(view, self._now_ms())
+
+    def _restricted(self, view: pl.DataFrame, n_keys: int, keys: Callable[[], pl.DataFrame]) -> pl.DataFrame:
+        """``view``'s rows of the ``n_keys`` keys (key columns; made only when needed) when the
+        view is much larger than they are (whole views), else ``view`` as it is: a semi join
+        hashes the keys, not the views (a left join of 50k keys against whole views of 2M keys
+        hashed all 2M: 86 ms, against 21 ms for the semi join and a join of what it kept), and
+        what follows (expiry, the caller's join, sort or index) is the keys' size."""
+        if view.height <= _RESTRICT_RATIO * n_keys:
+            return view
+        return view.join(keys(), on=list(self.key_names), how="semi")
 
     def scan(self, name: str) -> pl.DataFrame:
         """The live view rows of ``name`` over the task's whole key-group range, read from the
@@ -491,7 +502,7 @@ class StateReader:
         if pre is None:
             return _NOT_PREFETCHED
         if pre.key_set is None:
-            pre.key_set = set(zip(*[pre.keys.get_column(k).to_list() for k in self.key_names], strict=True))
+            pre.key_set = set(_tuples(pre.keys, self.key_names))
         if key not in pre.key_set:
             return _NOT_PREFETCHED
         index = self._batch_index.get((name, kind))
@@ -502,12 +513,9 @@ class StateReader:
                 self._prefetched = None
                 return _NOT_PREFETCHED
             views = self._current(name, pre.kgs)
-            view = pl.concat(views, how="vertical", rechunk=False)
-            if view.height > _RESTRICT_RATIO * pre.keys.height:
-                view = view.join(pre.keys, on=list(self.key_names), how="semi")
-            keys = zip(*[view.get_column(k).to_list() for k in self.key_names], strict=True)
-            rows = zip(*[view.get_column(c).to_list() for c in columns], strict=True)
-            index = self._batch_index[(name, kind)] = build(keys, rows)
+            view = self._restricted(pl.concat(views, how="vertical", rechunk=False), pre.keys.height,
+                                    lambda: pre.keys)
+            index = self._batch_index[(name, kind)] = build(_tuples(view, self.key_names), _tuples(view, columns))
         return index.get(key)
 
     def _forget_indexes(self) -> None:
@@ -544,9 +552,7 @@ class StateReader:
         slot = f"{name}\0{kind}" if kind else name
         index = group.indexes.get(slot)
         if index is None or index[0] is not view:
-            keys = zip(*[view.get_column(k).to_list() for k in self.key_names], strict=True)
-            rows = zip(*[view.get_column(c).to_list() for c in columns], strict=True)
-            index = group.indexes[slot] = (view, build(keys, rows))
+            index = group.indexes[slot] = (view, build(_tuples(view, self.key_names), _tuples(view, columns)))
             self._cache.resized(key_group)
         self._point_index[(name, kind, key_group)] = index[1]
         return index[1]
@@ -556,7 +562,7 @@ class StateReader:
         view = self._current_view(name, key_group)
         rows = view.filter(pl.all_horizontal([pl.col(k) == pl.lit(v, dtype=view.schema[k])
                                               for k, v in zip(self.key_names, key, strict=True)]))
-        return list(zip(*[rows.get_column(c).to_list() for c in columns], strict=True))
+        return list(_tuples(rows, columns))
 
     def _current_view(self, name: str, key_group: int) -> pl.DataFrame:
         """The current view of ``name`` in ``key_group``, partial if cached partial (loaded
