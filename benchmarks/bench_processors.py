@@ -1,4 +1,4 @@
-"""Spark-API processors against state size, at store level: does a micro-batch cost its own
+"""Processors against state size, at store level: does a micro-batch cost its own
 keys, or the state it is kept in?
 
 One task's share of a micro-batch (task 0 of 4, max parallelism 128) replayed through the
@@ -10,7 +10,10 @@ a processor of each kind of state (``benchmarks.streaming.processors``):
 - ``value``: ``CountProcessor`` (one ``ValueState`` per key; the runner batches its reads and
   writes per micro-batch);
 - ``list``: ``RecentValuesProcessor`` (a ``ListState`` per key, read and replaced);
-- ``map``: ``BucketCountProcessor`` (a ``MapState`` per key, a get and a put per event).
+- ``map``: ``BucketCountProcessor`` (a ``MapState`` per key, a get and a put per event);
+- ``vectorized``: ``RunningAggregate("count")`` through ``run_vectorized`` (one batched lookup
+  and one batched update of a value state per micro-batch), the rows carrying their key groups
+  as Spark's routed rows do.
 
 Each state of ``--sizes`` keys (over the 4 tasks; the task holds about a quarter) is written
 with the store's batched API and committed, then ``--batches`` micro-batches of ``--events``
@@ -39,6 +42,7 @@ from rich.table import Table
 from benchmarks.harness import console, fmt, machine_info, progress, pyplot, results_path, save_figure, write_results
 from benchmarks.streaming.processors import BucketCountProcessor, CountProcessor, RecentValuesProcessor
 from spark_integration.compat import declare, rows_to_arrow, run_processor
+from spark_integration.vectorized import RunningAggregate, run_vectorized
 from statestore import (
     DirectoryStateTable,
     StateLayout,
@@ -53,7 +57,8 @@ TASKS = 4
 TASK = 0
 KEY_SCHEMA = pa.schema([("key", pa.string())])
 OUTPUT_SCHEMA = pa.schema([("key", pa.string()), ("count", pa.int64())])
-PROCESSORS = {"value": CountProcessor, "list": RecentValuesProcessor, "map": BucketCountProcessor}
+PROCESSORS = {"value": CountProcessor, "list": RecentValuesProcessor, "map": BucketCountProcessor,
+              "vectorized": lambda: RunningAggregate("count")}
 NO_TIME = TimerValues(-1, -1)
 
 
@@ -70,7 +75,9 @@ def _build(store: StateStore, kind: str, name: str, keys: pa.Array) -> None:
     table = pa.table({"key": keys})
     n = len(keys)
     state = store.get_state(name)
-    if kind == "value":
+    if kind == "vectorized":
+        state.update_batch(table, pa.array(np.ones(n, np.int64)))
+    elif kind == "value":
         state.update_batch(table, pa.StructArray.from_arrays([pa.array(np.ones(n, np.int64))], ["count"]))
     elif kind == "list":
         state.add_batch(table, pa.StructArray.from_arrays([pa.array(np.arange(n, dtype=np.int64))], ["value"]))
@@ -86,14 +93,17 @@ def _build(store: StateStore, kind: str, name: str, keys: pa.Array) -> None:
 
 def _measure(kind: str, total: int, events: int, batches: int, seed: int) -> dict:
     processor = PROCESSORS[kind]()
-    declared = declare(processor)
-    layout = StateLayout.of(KEY_SCHEMA, declared.descriptors, MAX_PARALLELISM)
+    if kind == "vectorized":
+        descriptors = processor.state_variables(pa.schema([("key", pa.string()), ("value", pa.int64())]), ["key"])
+    else:
+        descriptors = declare(processor).descriptors
+    layout = StateLayout.of(KEY_SCHEMA, descriptors, MAX_PARALLELISM)
     keys, kgs = _task_keys(total)
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory() as tmp:
         table = DirectoryStateTable(Path(tmp), layout)
         store = StateStore(table, task_index=TASK, parallelism=TASKS, config=StoreConfig())
-        _build(store, kind, declared.descriptors[0].name, keys)
+        _build(store, kind, descriptors[0].name, keys)
         process_ms, flush_ms, distinct = [], [], []
         for _ in range(batches + 1):  # the first batch is not counted (the runner's first use)
             ids = rng.integers(0, len(keys), max(1, events // TASKS))
@@ -101,8 +111,11 @@ def _measure(kind: str, total: int, events: int, batches: int, seed: int) -> dic
             gc.disable()
             try:
                 t0 = time.perf_counter()
-                out = run_processor(processor, store, None, rows, kgs[ids].tolist(), NO_TIME, None)
-                rows_to_arrow(out, OUTPUT_SCHEMA)
+                if kind == "vectorized":
+                    run_vectorized(processor, store, rows, 0, 0, key_groups=kgs[ids])
+                else:
+                    out = run_processor(processor, store, None, rows, kgs[ids].tolist(), NO_TIME, None)
+                    rows_to_arrow(out, OUTPUT_SCHEMA)
                 t1 = time.perf_counter()
                 checkpoint_id = table.next_checkpoint_id()
                 segments = store.flush(checkpoint_id)
@@ -136,7 +149,7 @@ def _plot(runs: list[dict], path: Path) -> None:
     ax.set_xlabel("state keys (4 tasks)")
     ax.set_ylabel("one task's batch, median ms")
     ax.set_ylim(bottom=0)
-    ax.set_title("Spark-API processors: a batch of the same size as the state grows")
+    ax.set_title("Processors: a batch of the same size as the state grows")
     ax.legend()
     save_figure(fig, path, dpi=110)
 

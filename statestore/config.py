@@ -48,6 +48,10 @@ class StoreConfig:
         (reading a few of its keys would save little).
     view_partial_share_max: a read asking for more than this share of a key group's entries
         (counting the keys it already holds) loads it whole.
+    view_index_rows_min: a cached view of one key group and variable with at least this many
+        rows is indexed by key hash at its first keyed read or change (``views.KeyedView``):
+        a batch then finds and replaces its keys' rows at the cost of its keys, not of the
+        view; smaller views are joined whole (cheaper there). 0: index every view.
     """
 
     cache_size_bytes_max: int = 512 * 1024 * 1024
@@ -62,6 +66,7 @@ class StoreConfig:
     view_partial_reads_max: int = 4
     view_partial_rows_min: int = 4096
     view_partial_share_max: float = 0.5
+    view_index_rows_min: int = 16384
 
     def __post_init__(self) -> None:
         for name in ("cache_size_bytes_max", "row_group_rows_min", "row_group_rows_max", "footer_cache_entries_max",
@@ -78,6 +83,9 @@ class StoreConfig:
         if not isinstance(self.view_partial_rows_min, int) or self.view_partial_rows_min < 0:
             raise ValueError(
                 f"StoreConfig.view_partial_rows_min must be a non-negative int, got {self.view_partial_rows_min!r}")
+        if not isinstance(self.view_index_rows_min, int) or self.view_index_rows_min < 0:
+            raise ValueError(
+                f"StoreConfig.view_index_rows_min must be a non-negative int, got {self.view_index_rows_min!r}")
         share = self.view_partial_share_max
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not share > 0:
             raise ValueError(f"StoreConfig.view_partial_share_max must be a positive number, got {share!r}")

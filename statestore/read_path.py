@@ -8,7 +8,9 @@ checkpoints, restore) and owns one reader.
 
 Reads go memtable then segments. The reader owns:
 
-* the cache of resolved key-group views (``cache.KeyGroupCache``). A batched read of keys
+* the cache of resolved key-group views (``cache.KeyGroupCache``), each a ``views.KeyedView``
+  (large ones indexed by key hash: a batch's keyed reads and refreshes cost its keys, not
+  the view). A batched read of keys
   (``lookup``, ``keyed_view``, ``prefetch``) fills the views of just those keys: one read
   of each covering segment, pruned to the row groups whose statistics can hold them, the
   entries of those keys resolved by ``resolve.py`` (a *partial* key group). A read that
@@ -63,12 +65,11 @@ from statestore.memtable import KG, Memtable
 from statestore.resolve import ORD, entry_columns, live_rows, merge, resolve, view_columns
 from statestore.segment import SegmentReader
 from statestore.table import SegmentFile, StateTable
+from statestore.views import MERGE_RATIO, KeyedView, distinct_sorted, key_hashes, replace_rows
 
 log = logging.getLogger(__name__)
 
 _NO_ENTRIES: dict = {}
-# A view refreshed in place gains a chunk per refresh; past this many it is made one again.
-_CHUNKS_MAX = 16
 # Views take new entries in place (``_refresh_replacing``) when they hold more than this many
 # rows per new entry; else one resolution of views and entries together costs less (a few
 # polars calls per key group against a few in all). Measured with 50k new entries over 128 key
@@ -128,10 +129,12 @@ _NOT_PREFETCHED = object()
 
 @dataclass
 class _Prefetched:
-    """The keys of a reader's last prefetch (key columns), their key groups, the cache's
-    eviction count then, and the keys as a set of tuples (made at the first per-key read)."""
+    """The keys of a reader's last prefetch (key columns), each key's key group, their
+    distinct key groups, the cache's eviction count then, and the keys as a set of tuples
+    (made at the first per-key read)."""
 
     keys: pl.DataFrame
+    key_groups: np.ndarray
     kgs: list[int]
     evictions: int
     key_set: set | None = None
@@ -149,6 +152,11 @@ class StateReader:
         self._table = table
         self._key_groups_of = key_groups_of  # normalized keys -> their key groups, owned or refused
         self.keys_per_group_unhashed = _KEYS_PER_GROUP_UNHASHED  # (0: lookups never hash first)
+        # Cost thresholds (tests set 0: views always restricted to a read's keys, new entries
+        # always applied in place): see ``_RESTRICT_RATIO`` and ``_REPLACE_RATIO``.
+        self.restrict_ratio = _RESTRICT_RATIO
+        self.replace_ratio = _REPLACE_RATIO
+        self.merge_ratio = MERGE_RATIO  # of the indexed views' runs (``views.MERGE_RATIO``)
         self.layout = table.layout
         self.key_names = self.layout.key_names
         self.key_group_range = key_group_range
@@ -173,6 +181,8 @@ class StateReader:
         self._map_reads: dict[str, tuple[Callable, tuple[str, str, str], Callable]] = {}
         # Partial views need keys that compare in Python as polars returns them (point reads).
         self._partial_reads_max = config.view_partial_reads_max if self._indexable else 0
+        # Views this large are kept indexed by key hash (``views.KeyedView``).
+        self._index_rows_min = config.view_index_rows_min
         self.partial_reads = 0
         # Checkpoints flushed but not settled: their entries are still in the memtable.
         self._unsettled: set[int] = set()
@@ -317,10 +327,15 @@ class StateReader:
         # The loop's per-key reads of these keys are served by indexes over their rows alone
         # (``_batch_point``), not over whole views.
         self._batch_index.clear()
-        self._prefetched = _Prefetched(pl.from_arrow(keys).select(self.key_names), kgs, self._cache.evictions) \
-            if kgs and self._indexable else None
+        self._prefetched = _Prefetched(pl.from_arrow(keys).select(self.key_names), np.asarray(key_groups), kgs,
+                                       self._cache.evictions) if kgs and self._indexable else None
 
     def _current(self, name: str, kgs: list[int]) -> list[pl.DataFrame]:
+        """The current views of ``name`` in the cached ``kgs``, as frames."""
+        return [v.frame() for v in self._current_views(name, kgs)]
+
+    def _current_views(self, name: str, kgs: list[int]) -> list[KeyedView]:
+        """The views of ``name`` in the cached ``kgs``, brought up to date."""
         stale = [kg for kg in kgs if self._is_stale(kg, name)]
         if stale:
             self._refresh(stale, name)
@@ -331,28 +346,64 @@ class StateReader:
     def live_view(self, name: str, key_groups: Iterable[int], keys: pa.Table | None = None,
                   keys_key_groups: np.ndarray | None = None) -> pl.DataFrame:
         """The view rows of ``name`` in ``key_groups`` that are live now, as one frame: of every
-        key, or (``keys`` given, with each key's group in ``keys_key_groups``) of those keys only."""
-        views = self.views(name, key_groups) if keys is None else self.keyed_views(name, keys, keys_key_groups)
-        return self._live(self.layout.descriptor(name), views, keys)
+        key, or (``keys`` given, with each key's group in ``keys_key_groups``) at least of
+        those keys (see ``_keyed_rows``: the caller joins with its keys)."""
+        desc = self.layout.descriptor(name)
+        if keys is None:
+            views = self.views(name, key_groups)
+            view = pl.concat(views, how="vertical", rechunk=False) if views else self._empty_view(desc)
+        else:
+            self._seal()
+            kgs = _distinct(keys_key_groups)
+            self._cover(keys, keys_key_groups, kgs)
+            view = self._keyed_rows(desc, kgs, pl.from_arrow(keys).select(self.key_names), keys_key_groups)
+        return live_rows(view, self._now_ms()) if view.height else self._empty_view(desc)
 
-    def _live(self, desc: StateDescriptor, views: list[pl.DataFrame], keys: pa.Table | None) -> pl.DataFrame:
-        """The live rows of ``views`` (of ``desc``) as one frame, of only ``keys`` when given."""
-        view = pl.concat(views, how="vertical", rechunk=False) if views else None
-        if view is None or view.height == 0:
+    def _keyed_rows(self, desc: StateDescriptor, kgs: list[int], keys: pl.DataFrame,
+                    key_groups: np.ndarray | None) -> pl.DataFrame:
+        """The current view rows of ``desc`` in the cached ``kgs`` of at least ``keys`` (key
+        columns; ``key_groups``: each key's) as one frame (TTL not applied): the views whole
+        when they are not much larger than the keys (``_RESTRICT_RATIO``), else only rows of
+        these keys and, where hashes collide, of a few others (the caller joins on its keys).
+
+        Indexed views (``views.KeyedView``) find the keys' rows by binary search of their
+        hashes, the cost of the keys; other views are restricted by a semi join, which hashes
+        the keys and probes every view row (a left join of 50k keys against whole views of 2M
+        keys hashed all 2M: 86 ms, against 21 ms for the semi join and a join of what it kept)."""
+        views = self._current_views(desc.name, kgs) if kgs else []
+        if not views:
             return self._empty_view(desc)
-        if keys is not None:
-            view = self._restricted(view, keys.num_rows, lambda: pl.from_arrow(keys).select(self.key_names))
-        return live_rows(view, self._now_ms())
+        if sum(v.height for v in views) <= self.restrict_ratio * keys.height:
+            return pl.concat([v.frame() for v in views], how="vertical", rechunk=False)
+        needles = {} if key_groups is None else self._hashes_by_group(keys, key_groups, kgs, views[0])
+        found, plain = [], []
+        for kg, view in zip(kgs, views, strict=True):
+            rows = None if key_groups is None else view.candidates(needles[kg])
+            if rows is None:
+                plain.append(view.frame())
+            elif rows.height:
+                found.append(rows)
+        if plain:
+            found.append(pl.concat(plain, how="vertical", rechunk=False).join(keys, on=list(self.key_names),
+                                                                               how="semi"))
+        return pl.concat(found, how="vertical", rechunk=False) if found else self._empty_view(desc)
 
-    def _restricted(self, view: pl.DataFrame, n_keys: int, keys: Callable[[], pl.DataFrame]) -> pl.DataFrame:
-        """``view``'s rows of the ``n_keys`` keys (key columns; made only when needed) when the
-        view is much larger than they are (whole views), else ``view`` as it is: a semi join
-        hashes the keys, not the views (a left join of 50k keys against whole views of 2M keys
-        hashed all 2M: 86 ms, against 21 ms for the semi join and a join of what it kept), and
-        what follows (expiry, the caller's join, sort or index) is the keys' size."""
-        if view.height <= _RESTRICT_RATIO * n_keys:
-            return view
-        return view.join(keys(), on=list(self.key_names), how="semi")
+    def _any_indexed(self) -> bool:
+        """Whether a cached view is indexed (``KeyedView``): keys are then best hashed first."""
+        return any(v.indexed for kg in self._cache.key_groups() for v in self._cache.peek(kg).views.values())
+
+    def _hashes_by_group(self, keys: pl.DataFrame, key_groups: np.ndarray, kgs: list[int],
+                         view: KeyedView) -> dict[int, np.ndarray]:
+        """The distinct, sorted key hashes (``views.key_hashes`` in ``view``'s key dtypes) of
+        ``keys`` in each of ``kgs`` (``key_groups``: each key's)."""
+        hashes = key_hashes(keys.cast(view.key_dtypes()))
+        key_groups = np.asarray(key_groups)
+        order = np.argsort(key_groups, kind="stable")
+        sorted_kgs = key_groups[order]
+        wanted = np.asarray(kgs, dtype=sorted_kgs.dtype)
+        lo = np.searchsorted(sorted_kgs, wanted, side="left")
+        hi = np.searchsorted(sorted_kgs, wanted, side="right")
+        return {kg: distinct_sorted(hashes[order[a:b]]) for kg, a, b in zip(kgs, lo.tolist(), hi.tolist(), strict=True)}
 
     def scan(self, name: str) -> pl.DataFrame:
         """The live view rows of ``name`` over the task's whole key-group range, read from the
@@ -391,7 +442,8 @@ class StateReader:
             left = left.hstack(on_extra)
             on += on_extra.columns
         desc = self.layout.descriptor(name)
-        if key_groups is None and keys.num_rows < self.keys_per_group_unhashed * max(1, len(self._cache)):
+        if key_groups is None and (keys.num_rows < self.keys_per_group_unhashed * max(1, len(self._cache))
+                                   or self._any_indexed()):
             key_groups = self._key_groups_of(keys)
         if key_groups is None:
             kgs = None
@@ -399,7 +451,7 @@ class StateReader:
         else:
             kgs = _distinct(key_groups)
             cached = [kg for kg in kgs if kg in self._cache]
-        out = self._join_views(desc, left, on, keys, cached)
+        out = self._join_views(desc, left, on, cached, key_groups)
         # A null value reads as absent whether or not a row matched: a miss either way.
         missed = out.get_column(desc.value_column).is_null()
         if (kgs is None or any(not self._is_whole(kg) for kg in kgs)) and missed.any():
@@ -409,7 +461,7 @@ class StateReader:
             miss_kg_list = _distinct(miss_kgs)
             if self._cover(miss_keys, miss_kgs, miss_kg_list):
                 again = self._join_views(desc, left[rows].with_columns(pl.Series(_ROW, rows, dtype=pl.UInt32)),
-                                         on, miss_keys, miss_kg_list)
+                                         on, miss_kg_list, miss_kgs)
                 out = pl.concat([out.filter(~missed), again.select(out.columns)], how="vertical").sort(
                     _ROW, maintain_order=True)
         kind = desc.kind
@@ -422,19 +474,21 @@ class StateReader:
                         "written by two stores for one task; each key's last one is read", name)
             if kgs is None:
                 kgs = _distinct(self._key_groups_of(keys))
-            out = self._join_views(desc, left, on, keys, kgs, last_per_key=True)
+            out = self._join_views(desc, left, on, kgs, None, last_per_key=True)
         return out.drop(_ROW)
 
-    def _join_views(self, desc: StateDescriptor, left: pl.DataFrame, on: list[str], keys: pa.Table,
-                    kgs: list[int], last_per_key: bool = False) -> pl.DataFrame:
+    def _join_views(self, desc: StateDescriptor, left: pl.DataFrame, on: list[str], kgs: list[int],
+                    key_groups: np.ndarray | None, last_per_key: bool = False) -> pl.DataFrame:
         """``left`` (numbered in ``_ROW`` unless it already is) left-joined with the live view
         rows of ``desc`` in the cached ``kgs`` (brought up to date): the value column, null
-        where no row matched; with ``last_per_key`` only the last view row of each join key."""
+        where no row matched; with ``last_per_key`` only the last view row of each join key, in
+        the views' order. ``key_groups``: each row's of ``left``, None when not known (the
+        views are then restricted by a semi join, not by their indexes)."""
         if _ROW not in left.columns:
             left = left.with_row_index(_ROW)
-        views = self._current(desc.name, kgs) if kgs else []
         # Only the columns the join returns: gathering less is faster.
-        view = self._live(desc, views, keys).select(*on, desc.value_column)
+        view = self._keyed_rows(desc, kgs, left.select(self.key_names), key_groups)
+        view = live_rows(view, self._now_ms()).select(*on, desc.value_column)
         if last_per_key:
             view = view.unique(subset=on, keep="last", maintain_order=True)
         return left.join(view, on=on, how="left", maintain_order="left")
@@ -512,9 +566,7 @@ class StateReader:
                 # views no longer hold these keys for sure.
                 self._prefetched = None
                 return _NOT_PREFETCHED
-            views = self._current(name, pre.kgs)
-            view = self._restricted(pl.concat(views, how="vertical", rechunk=False), pre.keys.height,
-                                    lambda: pre.keys)
+            view = self._keyed_rows(self.layout.descriptor(name), pre.kgs, pre.keys, pre.key_groups)
             index = self._batch_index[(name, kind)] = build(_tuples(view, self.key_names), _tuples(view, columns))
         return index.get(key)
 
@@ -573,9 +625,12 @@ class StateReader:
         if (name not in group.views or group.pending.get(name)
                 or len(self._memtable.parts(name, key_group)) > group.applied.get(name, 0)):
             return self._current(name, [key_group])[0]
-        return group.views[name]  # cached and current: skip the general path
+        return group.views[name].frame()  # cached and current: skip the general path
 
     # ---------------------------------------------------------------- loading and refreshing
+
+    def _keyed_view(self, frame: pl.DataFrame) -> KeyedView:
+        return KeyedView(frame, self.key_names, self._index_rows_min, self.merge_ratio)
 
     def _now_ms(self) -> int:
         return int(self._config.clock_ms())
@@ -675,8 +730,10 @@ class StateReader:
                 group = CachedKeyGroup(covered=keys_of[(kg,)].clear())
             for desc in self.layout.descriptors:
                 view, old = views[desc.name][kg], group.views.get(desc.name)
-                group.views[desc.name] = view if old is None or old.height == 0 else pl.concat(
-                    [old, view], how="vertical")
+                if old is None:
+                    group.views[desc.name] = self._keyed_view(view)
+                else:
+                    old.append(view)
                 group.applied[desc.name] = len(self._memtable.parts(desc.name, kg))
             group.cover(keys_of[(kg,)])
             group.partial_reads += 1
@@ -711,28 +768,29 @@ class StateReader:
             group.applied[name] = len(parts)
             views.append(group.views[name])
         keyed = pl.Schema({KG: pl.Int32, **self._entry_schemas[name]})
-        if desc.kind is StateKind.LIST or _REPLACE_RATIO * sum(p.height for p in new) > sum(v.height for v in views):
+        if desc.kind is StateKind.LIST or self.replace_ratio * sum(p.height for p in new) > sum(
+                v.height for v in views):
             self._refresh_resolving(kgs, desc, views, new, keyed)
         else:
             self._refresh_replacing(kgs, desc, views, new, keyed)
 
-    def _refresh_resolving(self, kgs: Sequence[int], desc: StateDescriptor, views: list[pl.DataFrame],
+    def _refresh_resolving(self, kgs: Sequence[int], desc: StateDescriptor, views: list[KeyedView],
                            new: list[pl.DataFrame], keyed: pl.Schema) -> None:
         """The views and the new entries resolved again as one: list state (its elements are
         renumbered below every new entry, so that later entries sort after them), and views
         with few rows per new entry (``_REPLACE_RATIO``)."""
         heights = [v.height for v in views]
-        old = pl.concat(views, how="vertical") if sum(heights) else None
+        old = pl.concat([v.frame() for v in views], how="vertical") if sum(heights) else None
         if old is not None:
             old = old.with_columns(pl.Series(KG, np.repeat(np.asarray(kgs, np.int32), heights)))
         resolved = merge(old, new, desc, [KG, *self.key_names], self._now_ms(), keyed)
         by_kg = resolved.partition_by(KG, as_dict=True, include_key=False)
         empty = self._empty_view(desc)
         for kg in kgs:
-            self._cache.peek(kg).views[desc.name] = by_kg.get((kg,), empty)
+            self._cache.peek(kg).views[desc.name] = self._keyed_view(by_kg.get((kg,), empty))
             self._cache.resized(kg)
 
-    def _refresh_replacing(self, kgs: Sequence[int], desc: StateDescriptor, views: list[pl.DataFrame],
+    def _refresh_replacing(self, kgs: Sequence[int], desc: StateDescriptor, views: list[KeyedView],
                            new: list[pl.DataFrame], keyed: pl.Schema) -> None:
         """Value-like and map state: every new entry is newer than every view row, so a view
         changes only at the keys (map entries) the new entries touch: their rows leave the
@@ -757,20 +815,14 @@ class StateReader:
             cleared = {}
             touched = entries.select([KG, *keys]).unique().partition_by(KG, as_dict=True, include_key=False)
             on = keys
+        changes, changed = [], []
         for kg, view in zip(kgs, views, strict=True):
             gone_keys, gone, added = cleared.get((kg,)), touched.get((kg,)), fresh.get((kg,))
-            if gone_keys is None and gone is None:
-                continue
-            if view.height:
-                if gone_keys is not None:
-                    view = view.join(gone_keys, on=keys, how="anti")
-                if gone is not None:
-                    view = view.join(gone, on=on, how="anti", nulls_equal=True)
-                if view.get_column(EXPIRE_AT_MS).null_count() < view.height:
-                    view = live_rows(view, now)  # as a resolution would: expired rows leave the view
-            if added is not None and added.height:
-                view = pl.concat([view, added], how="vertical", rechunk=view.n_chunks() >= _CHUNKS_MAX)
-            self._cache.peek(kg).views[desc.name] = view
+            if gone_keys is not None or gone is not None:
+                changes.append((view, gone, gone_keys, added))
+                changed.append(kg)
+        replace_rows(changes, on, now)
+        for kg in changed:
             self._cache.resized(kg)
 
     def _load(self, kgs: Sequence[int]) -> None:
@@ -782,7 +834,7 @@ class StateReader:
         now = self._now_ms()
         for desc in self.layout.descriptors:
             for kg, view in self._resolve_loaded(desc, entries, kgs, now).items():
-                groups[kg].views[desc.name] = view
+                groups[kg].views[desc.name] = self._keyed_view(view)
                 groups[kg].applied[desc.name] = len(self._memtable.parts(desc.name, kg))
         for kg, group in groups.items():
             self._cache.put(kg, group)
