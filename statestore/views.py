@@ -5,7 +5,8 @@ reads a few: done with joins over the frame, each batch costs the whole view (a 
 every row), so on a state much larger than a batch the state's size, not the batch's, sets the
 batch's cost (5M keys a task, 50k-key batches: 290 ms a batch against 100 ms at 250k keys).
 
-A large view (``index_rows_min`` rows and more, at its first keyed use) is therefore kept as a
+A large view (``index_rows_min`` rows and more, when it first takes new entries in place: it
+stayed cached for another batch) is therefore kept as a
 short list of *runs*, like an LSM tree in memory: each run a frame that never changes, with the
 64-bit hashes of its rows' keys sorted (``hashes``, and ``order``: the row of each) and a mask
 of the rows still in the view (``alive``). Then
@@ -36,7 +37,7 @@ import numpy as np
 import polars as pl
 
 from statestore.layout import EXPIRE_AT_MS
-from statestore.resolve import live_rows
+from statestore.resolve import ORD, live_rows
 
 # A plain view refreshed in place gains a chunk per refresh; past this many it is made one again.
 _CHUNKS_MAX = 16
@@ -79,7 +80,7 @@ def _min_expiry(frame: pl.DataFrame, alive: np.ndarray | None) -> int | None:
 class _Run:
     """Rows that never change, their key hashes sorted, and which rows are still live."""
 
-    __slots__ = ("alive", "dead", "frame", "frame_bytes", "hashes", "min_expiry", "order")
+    __slots__ = ("alive", "dead", "frame", "frame_bytes", "hashes", "min_expiry", "order", "top_ord")
 
     def __init__(self, frame: pl.DataFrame, key_names: Sequence[str], hashes: np.ndarray | None = None,
                  order: np.ndarray | None = None, unsorted: np.ndarray | None = None):
@@ -97,6 +98,7 @@ class _Run:
         self.alive: np.ndarray | None = None  # None: every row
         self.dead = 0
         self.min_expiry = _min_expiry(frame, None)
+        self.top_ord: int | None = None  # a list's greatest ord, dead rows included (made when asked)
 
     @property
     def live(self) -> int:
@@ -220,13 +222,26 @@ class KeyedView:
     def candidates(self, needles: np.ndarray) -> pl.DataFrame | None:
         """The live rows whose key hash is among ``needles`` (sorted, distinct hashes of keys,
         ``key_hashes`` of the key columns cast to the view's dtypes): a superset of those keys'
-        rows, exact after a join on the keys. None when the view is not indexed (read its frame)."""
-        if not self._index():
+        rows, exact after a join on the keys. None when the view is not indexed (read its
+        frame): a read does not index a view, its first change in place does (a view evicted
+        before it changes, as under a small cache, would not repay its index)."""
+        if self._plain is not None:
             return None
         parts = [run.frame[rows] for run in self._runs if (rows := run.rows(needles)).size]
         if not parts:
             return self._runs[0].frame.clear()
         return parts[0] if len(parts) == 1 else pl.concat(parts, how="vertical", rechunk=False)
+
+    def max_ord(self) -> int:
+        """At least the greatest ``ord`` of a list view's rows (-1 when none)."""
+        if self._plain is not None:
+            top = self._plain.get_column(ORD).max() if self._plain.height else None
+            return -1 if top is None else int(top)
+        for run in self._runs:
+            if run.top_ord is None:
+                top = run.frame.get_column(ORD).max() if run.frame.height else None
+                run.top_ord = -1 if top is None else int(top)
+        return max(run.top_ord for run in self._runs)
 
     def key_dtypes(self) -> dict[str, pl.DataType]:
         schema = (self._plain if self._plain is not None else self._runs[0].frame).schema
