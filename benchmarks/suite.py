@@ -11,8 +11,8 @@ leaves the others' figures), in this order:
 - ``compaction`` (``bench_compaction``): lookups before and after compaction, checkpoint p99
   beside the compactor, write amplification;
 - ``processors`` (``bench_processors``): one task's micro-batch of Spark-API processors with
-  value, list and map state, replayed at store level as the state grows (does a batch cost its
-  own keys or the state?);
+  value, list and map state, and of the vectorized count, replayed at store level as the state
+  grows (does a batch cost its own keys or the state?);
 - ``spark`` (``bench_spark``): inside Spark, on the same input in the same run: throughput of
   ours against Spark's stateless floor (the same keyed count of each batch with no state) and
   Spark's state stores; the state-size scenarios (checkpoint, restart, rescale and state on disk
@@ -212,7 +212,8 @@ def headline(results: dict) -> list[dict]:
     pr = results.get("processors") or {}
     sizes = pr.get("sizes") or []
     for kind, v in (pr.get("growth_largest") or {}).items():
-        rows.append(_row(f"Spark-API processor, {kind} state: a batch at {sizes[-1]:,} / {sizes[0]:,} state keys", v,
+        what = "vectorized processor, value state" if kind == "vectorized" else f"Spark-API processor, {kind} state"
+        rows.append(_row(f"{what}: a batch at {sizes[-1]:,} / {sizes[0]:,} state keys", v,
                          "x", "<= 1.3", _at_most(v, 1.3), "the same batch at the smallest state"))
     v = (results.get("compaction") or {}).get("p99_ratio_with_compactor")
     rows.append(_row("checkpoint p99 with the compactor / without", v, "x", "<= 1.5", _at_most(v, 1.5),
