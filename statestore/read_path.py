@@ -375,10 +375,11 @@ class StateReader:
             return self._empty_view(desc)
         if sum(v.height for v in views) <= self.restrict_ratio * keys.height:
             return pl.concat([v.frame() for v in views], how="vertical", rechunk=False)
-        needles = {} if key_groups is None else self._hashes_by_group(keys, key_groups, kgs, views[0])
+        indexed = key_groups is not None and any(v.indexed for v in views)
+        needles = self._hashes_by_group(keys, key_groups, kgs, views[0]) if indexed else {}
         found, plain = [], []
         for kg, view in zip(kgs, views, strict=True):
-            rows = None if key_groups is None else view.candidates(needles[kg])
+            rows = view.candidates(needles[kg]) if indexed else None
             if rows is None:
                 plain.append(view.frame())
             elif rows.height:

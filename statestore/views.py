@@ -23,7 +23,7 @@ of the rows still in the view (``alive``). Then
   and kept until the view next changes.
 
 Small views stay one plain frame changed by joins (cheaper there than any index). The hashes
-are polars' row hashes with fixed seeds (in memory only, never stored), of the key columns in
+are polars' row hashes with a fixed seed (in memory only, never stored), of the key columns in
 the view's own dtypes (keys are cast to them first).
 
 Not thread safe; owned by one ``StateReader``.

@@ -175,7 +175,7 @@ def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
     assert spark["cache"]["state_view_bytes"] > 0
     processors = json.loads((tmp_path / "bench_processors.json").read_text())
     assert {(r["kind"], r["state_keys"]) for r in processors["runs"]} == {
-        (k, n) for k in ("value", "list", "map") for n in (2000, 10000)}
+        (k, n) for k in ("value", "list", "map", "vectorized") for n in (2000, 10000)}
     for name in ("headline.png", "spark.png", "spark_state.png", "bench_store.png", "bench_processors.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "| store: warm batched lookup / polars left join |" in (tmp_path / "summary.md").read_text()
