@@ -812,8 +812,6 @@ class StateReader:
             top = max((v.max_ord() for v in views), default=-1)
             resolved = resolved.sort(ORD, maintain_order=True).with_columns(
                 (pl.int_range(0, pl.len(), dtype=pl.Int64) + (top + 1)).alias(ORD))
-        fresh = resolved.partition_by(KG, as_dict=True, include_key=False)
-        if desc.kind is StateKind.LIST:
             cleared = entries.filter(pl.col(OP) == OP_DELETE).select([KG, *keys]).unique().partition_by(
                 KG, as_dict=True, include_key=False)
             touched, on = {}, keys
@@ -829,6 +827,7 @@ class StateReader:
             cleared = {}
             touched = entries.select([KG, *keys]).unique().partition_by(KG, as_dict=True, include_key=False)
             on = keys
+        fresh = resolved.partition_by(KG, as_dict=True, include_key=False)
         changes, changed = [], []
         for kg, view in zip(kgs, views, strict=True):
             gone_keys, gone, added = cleared.get((kg,)), touched.get((kg,)), fresh.get((kg,))
