@@ -76,6 +76,13 @@ _NO_ENTRIES: dict = {}
 # groups: views of 200k rows 196 (in place) against 162 ms a batch, 500k about even, 1M 237
 # against 291 ms, 2M 258 against 516 ms.
 _REPLACE_RATIO = 10
+# The same for views of ``StoreConfig.view_index_rows_min`` rows a key group and more (indexed,
+# or indexed at this change): in place down to 2 view rows per new entry. Measured with one
+# task's 5M-key share after a batch of new keys (`docs/decisions.md`, "Issue 16, eleventh
+# steps"): 1.25M new entries against 3.75M view rows, the next two batches 0.9 s in place
+# against 2.1 s resolved; 1.65M against 3.35M, 1.4 against 2.2 s; 2.5M against 2.5M, 2.3
+# against 1.7 s.
+_REPLACE_RATIO_INDEXED = 2
 # A keyed read first restricts the views to its keys when they hold more than this many rows
 # per key (partial views hold about the keys read: the restriction would only add a join).
 _RESTRICT_RATIO = 4
@@ -153,9 +160,10 @@ class StateReader:
         self._key_groups_of = key_groups_of  # normalized keys -> their key groups, owned or refused
         self.keys_per_group_unhashed = _KEYS_PER_GROUP_UNHASHED  # (0: lookups never hash first)
         # Cost thresholds (tests set 0: views always restricted to a read's keys, new entries
-        # always applied in place): see ``_RESTRICT_RATIO`` and ``_REPLACE_RATIO``.
+        # always applied in place): see ``_RESTRICT_RATIO`` and ``_REPLACE_RATIO(_INDEXED)``.
         self.restrict_ratio = _RESTRICT_RATIO
         self.replace_ratio = _REPLACE_RATIO
+        self.replace_ratio_indexed = _REPLACE_RATIO_INDEXED
         self.merge_ratio = MERGE_RATIO  # of the indexed views' runs (``views.MERGE_RATIO``)
         self.layout = table.layout
         self.key_names = self.layout.key_names
@@ -769,7 +777,9 @@ class StateReader:
             group.applied[name] = len(parts)
             views.append(group.views[name])
         keyed = pl.Schema({KG: pl.Int32, **self._entry_schemas[name]})
-        if self.replace_ratio * sum(p.height for p in new) > sum(v.height for v in views):
+        rows = sum(v.height for v in views)
+        ratio = self.replace_ratio_indexed if rows >= len(views) * self._index_rows_min else self.replace_ratio
+        if ratio * sum(p.height for p in new) > rows:
             self._refresh_resolving(kgs, desc, views, new, keyed)
         else:
             self._refresh_replacing(kgs, desc, views, new, keyed)

@@ -227,7 +227,7 @@ class StoreMachine(RuleBasedStateMachine):
         if self.CONFIG.get("view_index_rows_min") == 0:
             # The index only serves reads much smaller than the views and writes applied in
             # place; the pool's few keys are neither unless told: every read and write is.
-            store.reader.restrict_ratio = store.reader.replace_ratio = 0
+            store.reader.restrict_ratio = store.reader.replace_ratio = store.reader.replace_ratio_indexed = 0
             store.reader.merge_ratio = 1  # and views in several runs, not merged at once
         return store
 

@@ -166,6 +166,29 @@ def test_store_reads_large_views_through_their_index(tmp_path, index_rows_min):
     store.close()
 
 
+@pytest.mark.parametrize("index_rows_min", [100, 1 << 30])
+def test_large_views_take_a_large_batch_in_place(tmp_path, index_rows_min):
+    """A batch of a third as many new entries as the views hold rows: views of indexing size
+    take it in place (and are indexed), smaller views are resolved again with it (plain); both
+    read the same values after."""
+    layout = StateLayout.of(pa.schema([("k", pa.string())]), [ValueStateDescriptor("v", pa.int64())], 2)
+    store = StateStore(DirectoryStateTable(tmp_path, layout),
+                       config=StoreConfig(view_index_rows_min=index_rows_min))
+    state = store.get_state("v")
+    n, more = 3_000, 1_000
+    state.update_batch(pa.table({"k": [f"k{i}" for i in range(n)]}), list(range(n)))
+    store.checkpoint()
+    r = store.reader.key_group_range
+    store.views("v", range(r.start, r.end + 1))  # the views cached, whole
+    state.update_batch(pa.table({"k": [f"k{i}" for i in range(n - more // 2, n + more // 2)]}), [-1] * more)
+    store.checkpoint()
+    got = state.get_batch(pa.table({"k": [f"k{i}" for i in range(n + more)]})).to_pylist()
+    assert got == [i if i < n - more // 2 else (-1 if i < n + more // 2 else None) for i in range(n + more)]
+    views = [store.reader._cache.peek(kg).views["v"] for kg in store.reader._cache.key_groups()]
+    assert len(views) == 2 and all(v.indexed == (index_rows_min == 100) for v in views)
+    store.close()
+
+
 @pytest.mark.parametrize("index_rows_min", [0, 1 << 30])
 def test_list_elements_appended_in_place_keep_their_order(tmp_path, index_rows_min):
     """A list state's views take a batch's appends and clears in place (the views far larger
