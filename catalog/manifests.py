@@ -13,16 +13,19 @@ its own.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import struct
 import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyiceberg.avro.file
 from pyiceberg.avro.decoder import BinaryDecoder, StreamingBinaryDecoder
-from pyiceberg.avro.file import AvroFile
+from pyiceberg.avro.file import SYNC_SIZE, AvroFile, AvroOutputFile
 from pyiceberg.conversions import from_bytes
 from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile, ManifestEntryStatus, ManifestFile
@@ -74,26 +77,111 @@ DECODE_ERRORS = (EOFError, ValueError, KeyError, IndexError, TypeError, Overflow
 # pyiceberg 0.12's Cython Avro decoder advances raw pointers by the lengths a file encodes without
 # checking the end of its buffer (apache/iceberg-python#3952, fixed by #3955 after 0.12.0): a
 # damaged manifest could crash the process with a segmentation fault instead of raising (found
-# by tests/catalog/test_fuzz_damage.py, about one run in four). The manifests and manifest lists
-# this cache reads, the first read of any such file in a process, are decoded by pyiceberg's
-# pure-Python decoder, which raises EOFError there (``bounded_avro``); pyiceberg's other reads
-# keep the fast decoder (decoding every read with the pure one made a checkpoint 36 -> 51-55 ms
-# and a restore 42 -> 69-75 ms in bench_store).
+# by tests/catalog/test_fuzz_damage.py, about one run in four). So the fast decoder decodes only
+# bytes that pyiceberg's pure-Python decoder, which raises EOFError there, has decoded whole and
+# without error in this process (their digests, ``_DECODED``); any other Avro file is decoded by
+# the pure one, whatever reads it and in whichever thread: the catalog's own reads, and
+# pyiceberg's (its scans, a commit's merge, each in its own threads). Bytes pyiceberg wrote in
+# this process count as decoded. Decoding every read with the pure decoder made a checkpoint
+# 36 -> 51-55 ms and a restore 42 -> 69-75 ms in bench_store; this way a commit decodes no more
+# files with the pure decoder than the catalog's first reads of each file.
+# pyiceberg also ends a file quietly at an end of file inside a block (a manifest list cut in
+# its block read as a checkpoint without segments): such an end raises ``AvroTruncatedError``.
 _BOUNDED = threading.local()
+_DECODED: OrderedDict[bytes, None] = OrderedDict()  # digests, least recently used out first
+_DECODED_MAX = 16384  # about 2 MB; a digest pushed out costs one more pure-Python decode
+_DECODED_LOCK = threading.Lock()
 _fast_decoder = pyiceberg.avro.file.new_decoder
+_avro_enter = AvroFile.__enter__
+_avro_read_block = AvroFile._read_block
+_avro_exit = AvroOutputFile.__exit__
+
+
+class AvroTruncatedError(ValueError):
+    """An Avro file ends inside a block (pyiceberg would take the end for the last block's)."""
+
+
+class _WholeFile(StreamingBinaryDecoder):
+    """The pure decoder of the bytes of a whole Avro file, with their digest and size."""
+
+    __slots__ = ("digest", "size")
+
+    def __init__(self, data: bytes, digest: bytes):
+        super().__init__(data)
+        self.digest = digest
+        self.size = len(data)
 
 
 def _new_decoder(data: bytes) -> BinaryDecoder:
-    return StreamingBinaryDecoder(data) if getattr(_BOUNDED, "on", False) else _fast_decoder(data)
+    if getattr(_BOUNDED, "opening", False):  # a whole file's bytes, from AvroFile.__enter__
+        _BOUNDED.opening = False
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        with _DECODED_LOCK:
+            known = digest in _DECODED
+            if known:
+                _DECODED.move_to_end(digest)
+        return _fast_decoder(data) if known else _WholeFile(data, digest)
+    bounded = getattr(_BOUNDED, "on", False) or getattr(_BOUNDED, "block", False)  # a block of a _WholeFile's
+    return StreamingBinaryDecoder(data) if bounded else _fast_decoder(data)
+
+
+def _enter(self: AvroFile) -> AvroFile:
+    _BOUNDED.opening = True
+    try:
+        return _avro_enter(self)
+    finally:
+        _BOUNDED.opening = False
+
+
+def _read_block(self: AvroFile) -> int:
+    whole = self.decoder
+    if not isinstance(whole, _WholeFile):  # the fast decoder: these bytes were decoded whole before
+        return _avro_read_block(self)
+    start = whole.tell()
+    _BOUNDED.block = True
+    try:
+        return _avro_read_block(self)
+    except EOFError:
+        # The file's end must be a block's end: after a block's sync marker, or after the header of
+        # a file without blocks (never a manifest list: pyiceberg writes its manifests as a block,
+        # empty or not).
+        if start + (SYNC_SIZE if self.block else 0) != whole.size or (
+                self.block is None and SNAPSHOT_ID_KEY in self.header.meta):
+            raise AvroTruncatedError(
+                f"the Avro file {self.input_file.location} is cut short: it ends at byte {whole.size}, not at the end "
+                "of a block") from None
+        _decoded(whole.digest)  # decoded whole by the pure decoder: the fast one may decode these bytes
+        raise
+    finally:
+        _BOUNDED.block = False
+
+
+def _decoded(digest: bytes) -> None:
+    with _DECODED_LOCK:
+        _DECODED[digest] = None
+        _DECODED.move_to_end(digest)
+        if len(_DECODED) > _DECODED_MAX:
+            _DECODED.popitem(last=False)
+
+
+def _written(self: AvroOutputFile, exctype: type[BaseException] | None, *rest: object) -> None:
+    """Bytes pyiceberg's encoder wrote whole (to a buffer: ``catalog.fileio``'s writes) are
+    well formed: reading them back, as the next commit does, may take the fast decoder."""
+    if exctype is None and isinstance(self.output_stream, io.BytesIO) and not self.output_stream.closed:
+        _decoded(hashlib.blake2b(self.output_stream.getbuffer(), digest_size=16).digest())
+    _avro_exit(self, exctype, *rest)
 
 
 pyiceberg.avro.file.new_decoder = _new_decoder
+AvroFile.__enter__ = _enter
+AvroFile._read_block = _read_block
+AvroOutputFile.__exit__ = _written
 
 
 @contextlib.contextmanager
 def bounded_avro() -> Iterator[None]:
-    """Within it, Avro files that pyiceberg reads in this thread are decoded by its bounded
-    pure-Python decoder."""
+    """Within it, every decoder pyiceberg makes in this thread is its bounded pure-Python one,
+    but for the bytes of an Avro file decoded whole before (which is so everywhere)."""
     before = getattr(_BOUNDED, "on", False)
     _BOUNDED.on = True
     try:

@@ -95,3 +95,56 @@ def test_the_catalogs_avro_reads_use_the_bounded_decoder():
         with pytest.raises(EOFError):
             decoder.read_bytes()
     assert not isinstance(pyiceberg.avro.file.new_decoder(data), StreamingBinaryDecoder)
+
+
+def test_avro_bytes_not_decoded_whole_before_get_the_bounded_decoder_in_any_thread(open_table, warehouse: str):
+    """pyiceberg reads manifests in threads of its own (a scan's plan, a commit's merge), where
+    the catalog's ``bounded_avro`` does not reach: a damaged manifest met there first went to the
+    Cython decoder. Now any Avro file is decoded by the bounded decoder until its bytes were
+    decoded whole without error (or written by pyiceberg) in this process, in whichever thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pyiceberg.avro.decoder import StreamingBinaryDecoder
+    from pyiceberg.avro.file import AvroFile
+
+    table = open_table()
+    commit_next(table)
+    table.close()
+    path = newest(os.path.join(warehouse, "state", "op", "metadata", "snap-*.avro"))
+    with open(path, "rb") as f:
+        data = f.read()
+    at = data.index(b"Location URI")  # a field's doc in the header's schema: other bytes, as valid
+    with open(path, "wb") as f:
+        f.write(data[:at] + b"l" + data[at + 1:])
+    METADATA_FILES.clear()
+    io = table.iceberg_table.io
+
+    def read() -> tuple[bool, int]:
+        with AvroFile(io.new_input(f"file://{path}")) as avro:
+            return isinstance(avro.decoder, StreamingBinaryDecoder), len(list(avro))
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(read).result() == (True, 1)  # first seen: the bounded decoder, read whole
+        assert pool.submit(read).result() == (False, 1)  # the same bytes again: the fast one
+
+
+@pytest.mark.parametrize("cut", ["inside its block", "after its header"])
+def test_a_manifest_list_cut_short_is_named(open_table, warehouse: str, cut: str):
+    """pyiceberg ends an Avro file quietly at an end of file inside a block: a manifest list cut
+    in its block opened its checkpoint without a segment. An Avro file must end at a block's end,
+    and a manifest list has a block."""
+    table = open_table()
+    commit_next(table)
+    commit_next(table)
+    table.close()
+    path = newest(os.path.join(warehouse, "state", "op", "metadata", "snap-*.avro"))
+    with open(path, "rb") as f:
+        data = f.read()
+    from pyiceberg.avro.file import AvroFile
+
+    with AvroFile(table.iceberg_table.io.new_input(f"file://{path}")) as avro:
+        header_end = avro.decoder.tell()
+    os.truncate(path, len(data) - 40 if cut == "inside its block" else header_end)
+    METADATA_FILES.clear()
+    with pytest.raises(CorruptMetadataError, match=rf"{os.path.basename(path)}.*is cut short"):
+        IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name="op").close()
