@@ -50,7 +50,7 @@ from catalog.compactor import CompactorProcess
 from catalog.output_table import OutputTable
 from catalog.task_view import CheckpointView, locations_of
 from spark_integration.compat import declare, spark_struct
-from spark_integration.errors import user_error
+from spark_integration.errors import ErrorKey, user_error
 from spark_integration.location import StateLocation
 from spark_integration.tasks import (
     HEARTBEAT,
@@ -233,6 +233,8 @@ class StatefulRunner:
         self.beacon = beacon  # what is due next and the state figures, for the ticks source
         self.watermark_delay_ms = watermark_delay_ms
         self.run_id = uuid.uuid4().hex
+        # Authenticates the processor exceptions its tasks send back (``spark_integration.errors``).
+        self.error_key = ErrorKey()
         self.query_id: str | None = None  # Spark's persistent query id, read at the first batch
         self.connect = is_connect(spark)
         self.table = location.open(layout)
@@ -282,7 +284,7 @@ class StatefulRunner:
         except Exception as e:
             # A processor's own exception, carried by its task's failure, is what the query
             # failed of (``StatefulQuery.exception``), Spark's error chained as its cause.
-            original = user_error(e)
+            original = user_error(e, self.error_key)
             self.failure = e if original is None else original
             if original is None:
                 raise
@@ -475,6 +477,7 @@ class StatefulRunner:
             time_mode=self.time_mode, event_time_column=self.event_time_column, output_dir=output_dir,
             output_io=self.table.checkpoint_view().io if self.output is None else self.output.io_properties,
             store_config=self.store_config, inline_outputs=inline, api=self.api, timezone=self.timezone,
+            error_key=self.error_key,
         )
 
     def _routed(self, df: DataFrame, columns: Sequence[str], heartbeat: bool = False) -> DataFrame:
@@ -936,8 +939,8 @@ def _stateful_query_class(base: type) -> type:
 def _user_failure(query: Any, spark_error: BaseException) -> BaseException:
     runner = getattr(query, "_icestate_runner", None)
     failure = None if runner is None else runner.failure
-    if failure is None:
-        failure = user_error(spark_error)  # a runner in another process (Spark Connect)
+    if failure is None and runner is not None:
+        failure = user_error(spark_error, runner.error_key)  # a runner in another process (Spark Connect)
     if failure is None:
         return spark_error
     if failure.__cause__ is None:

@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 from pyspark.accumulators import AccumulatorParam
 
 from catalog.task_view import CheckpointView, TaskStateTable, locations_of
-from spark_integration.errors import processor_error
+from spark_integration.errors import ErrorKey, processor_error
 from spark_integration.timers import TimerService
 from statestore.config import StoreConfig
 from statestore.faults import fail_if_first_attempt
@@ -112,6 +112,8 @@ class BatchPlan:
     task_history: dict[int, tuple[tuple[int, str], ...]] = field(default_factory=dict)
     api: str = "row"              # a StatefulProcessor's: "row" (transformWithState) or "pandas"
     timezone: str = "UTC"         # the session's, for pandas timestamps
+    # Signs a processor's exception for the driver (``spark_integration.errors``); never shown.
+    error_key: ErrorKey = field(default_factory=ErrorKey, repr=False)
 
     @property
     def compat(self) -> bool:
@@ -312,7 +314,7 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
         try:
             output = _process(plan, ts, data, kgs, initial)
         except Exception as e:
-            raise processor_error(e, plan.batch_id, task) from e
+            raise processor_error(e, plan.batch_id, task, plan.error_key) from e
         processed = time.perf_counter()
         segments = store.flush(plan.checkpoint_id)
     ts.pending = (plan.checkpoint_id, token)

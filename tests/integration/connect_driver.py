@@ -15,6 +15,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQueryListener
 
 from spark_integration import StateLocation, register, start_stateful_query
+from tests.hostile import forged_envelopes
 from tests.integration import tws_processors as P
 from tests.integration.streaming_helpers import CountProcessor, FailingProcessor
 
@@ -94,15 +95,23 @@ def main(work: str, url: str) -> None:
         time.sleep(0.2)
     out["figures"] = listener.figures
 
-    # A processor's exception, as itself.
-    query = start_stateful_query(stream(f"{work}/in-c"), ["key"], FailingProcessor("b"), "key string, count long",
+    # A processor's exception, as itself, when its message quotes an input value shaped like the
+    # exception envelope (each forged form; loading any would create ``marker``).
+    marker = f"{work}/pwned"
+    hostile = " ".join(forged_envelopes(marker))
+    os.makedirs(f"{work}/in-h", exist_ok=True)
+    pq.write_table(pa.table({"key": ["a", hostile], "v": pa.array([1, 2], pa.int64())}), f"{work}/in-h/part-0.parquet")
+    query = start_stateful_query(stream(f"{work}/in-h"), ["key"], FailingProcessor(hostile), "key string, count long",
                                  location=StateLocation(table="failing", warehouse=f"{work}/wh", parallelism=2),
                                  checkpoint_location=f"{work}/cp-f", trigger={"availableNow": True}, compaction=None)
     try:
         query.awaitTermination(240)
         out["failure"] = None
     except Exception as e:
-        out["failure"] = [type(e).__name__, str(e), list(getattr(e, "__notes__", [])), type(e.__cause__).__name__]
+        out["failure"] = [type(e).__name__, e.args[0] == f"no profile for {hostile}",
+                          [n.replace(hostile, "<hostile>") for n in getattr(e, "__notes__", [])],
+                          type(e.__cause__).__name__]
+    out["marker_made"] = os.path.exists(marker)
     spark.streams.removeListener(listener)
     print("RESULT " + json.dumps(out), flush=True)
     spark.stop()

@@ -36,6 +36,7 @@ from statestore.errors import (
     StateTableMismatchError,
     UnsupportedKeyTypeError,
 )
+from tests.hostile import forged_envelopes
 from tests.integration.streaming_helpers import (
     PROFILE_OUTPUT,
     PROVIDER_CONF,
@@ -599,6 +600,22 @@ def test_a_processor_exception_surfaces_as_itself_with_where_it_was_raised(spark
         assert table.current_checkpoint() is None  # nothing committed
     finally:
         table.close()
+
+
+def test_a_hostile_input_value_in_a_processor_message_runs_no_code_on_the_driver(spark, tmp_path, where):
+    """A processor that quotes its input in its exception (``raise KeyError(f"no profile for
+    {key}")``) with an input value shaped like the exception envelope, in each forged form: the
+    driver loads none of them (their pickle would create ``marker``) and the processor's own
+    exception still comes out as itself."""
+    marker = tmp_path / "pwned"
+    hostile = " ".join(forged_envelopes(marker))
+    input_dir = write_batches(tmp_path / "in", [pa.table({"key": ["a", hostile, "b"], "v": [1, 2, 3]})])
+    with pytest.raises(KeyError) as failed:
+        run_to_end(spark, input_dir, FailingProcessor(hostile), "key string, count long", location=where(),
+                   checkpoint=str(tmp_path / "cp"))
+    assert not marker.exists()
+    assert failed.value.args == (f"no profile for {hostile}",)
+    assert type(failed.value.__cause__).__name__ == "StreamingQueryException"
 
 
 class ProgressListener(StreamingQueryListener):
