@@ -462,6 +462,60 @@ def _seconds(properties: dict[str, str], name: str, default: float) -> float:
 
 
 def use_state_file_io(catalog: Any) -> Any:
-    """Make ``catalog``'s tables use ``StateFileIO`` unless its properties name a FileIO."""
+    """Make ``catalog``'s tables use ``StateFileIO`` unless its properties name a FileIO, and
+    take no code-loading property from their metadata (``refuse_code_from_metadata``)."""
     catalog.properties.setdefault(PY_IO_IMPL, STATE_FILE_IO)
+    return refuse_code_from_metadata(catalog)
+
+
+# Table properties whose value names a class that pyiceberg imports and calls: the FileIO, the
+# S3 retry strategy, the location provider of pyiceberg's writes. Any other property named
+# ``...-impl`` or ``....impl`` is taken to load code too, so a future one is refused by default.
+CODE_LOADING_PROPERTIES = (PY_IO_IMPL, S3_RETRY_STRATEGY_IMPL, "write.py-location-provider.impl")
+
+
+def is_code_loading(name: str) -> bool:
+    return name in CODE_LOADING_PROPERTIES or name.endswith(("-impl", ".impl"))
+
+
+def refuse_code_from_metadata(catalog: Any) -> Any:
+    """Make ``catalog`` refuse a table whose metadata sets a code-loading property
+    (``is_code_loading``) to anything else than the catalog's own configuration does.
+
+    pyiceberg builds a table's FileIO from the catalog's properties overlaid with the table
+    metadata's own (``Catalog._load_file_io``, at every load, refresh and commit), and imports
+    and calls the class a ``py-io-impl`` there names; its writes do the same with
+    ``write.py-location-provider.impl``. Table metadata is a file in the table's storage: anyone
+    who can write there could make every process that opens the table import a module of their
+    choice and call it with the table's properties. Code is loaded only as the catalog's own
+    configuration (its properties, ``.pyiceberg.yaml``, the environment) says
+    (``docs/reliability.md``, threat model). Idempotent; the catalog otherwise works as before.
+    """
+    load = catalog._load_file_io
+    if getattr(load, "_icestate_guarded", False):
+        return catalog
+
+    def _load_file_io(properties: Any = None, location: str | None = None) -> Any:
+        check_no_code_from_metadata(properties or {}, catalog.properties, location)
+        return load({} if properties is None else properties, location)
+
+    _load_file_io._icestate_guarded = True
+    catalog._load_file_io = _load_file_io
     return catalog
+
+
+def check_no_code_from_metadata(properties: dict[str, str], configured: dict[str, str], location: str | None) -> None:
+    """Raise ``UntrustedMetadataError`` when table ``properties`` set a code-loading property
+    to anything else than ``configured`` (the catalog's properties) does."""
+    from statestore.errors import UntrustedMetadataError
+
+    for name, value in properties.items():
+        if is_code_loading(name) and configured.get(name) != value:
+            shown = value if len(value) <= 200 else f"{value[:200]}..."
+            raise UntrustedMetadataError(
+                f"the table metadata {location or ''} sets {name}={shown!r}, a property that makes pyiceberg "
+                "import and run code; icestate loads code only as the catalog's own configuration says (its "
+                "properties, .pyiceberg.yaml), never as a table's metadata does, which anyone who can write to the "
+                "table's storage can change. Nothing was opened. If you set it, set it in the catalog's "
+                "configuration instead and remove it from the table's properties; if you did not, the table's "
+                "storage was tampered with: restore its metadata from a backup")

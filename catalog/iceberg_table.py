@@ -61,7 +61,7 @@ from catalog import refs
 from catalog.commit import CheckpointCommitter, adds_no_checkpoint, is_int
 from catalog.creation import load_or_create
 from catalog.defaults import DEFAULT_NAMESPACE, default_catalog
-from catalog.fileio import wait_for_deletes
+from catalog.fileio import refuse_code_from_metadata, wait_for_deletes
 from catalog.gc import GarbageCollector
 from catalog.manifests import FileEntry, ManifestCache, file_entry
 from catalog.naming import Locations
@@ -638,7 +638,7 @@ class IcebergStateTable:
 def _catalog_for(warehouse: str | None, catalog: Catalog | None) -> tuple[Catalog, bool]:
     """The catalog to use, and whether the state table owns (and closes) it."""
     if catalog is not None:
-        return catalog, False
+        return refuse_code_from_metadata(catalog), False
     if warehouse is None:
         raise ValueError("pass warehouse= (a local directory for the embedded catalog) or catalog=")
     return default_catalog(warehouse), True

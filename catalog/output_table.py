@@ -20,6 +20,7 @@ from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
 from pyiceberg.io import load_file_io
 from pyiceberg.table import Table, TableProperties
 
+from catalog.fileio import refuse_code_from_metadata
 from catalog.recovery import check_location_free, default_location
 from catalog.task_view import io_properties
 from statestore.errors import CommitConflictError, QueryMismatchError, SchemaMismatchError
@@ -45,7 +46,7 @@ class OutputTable:
         Raises SchemaMismatchError when an existing table has other columns or types.
         """
         try:
-            return cls(catalog, _opened(catalog, identifier, schema))
+            return cls(catalog, _opened(refuse_code_from_metadata(catalog), identifier, schema))
         except BaseException:
             _close(catalog)
             raise

@@ -49,6 +49,11 @@ class CorruptMetadataError(StateStoreError):
     """A metadata file of a state table (metadata.json, manifest list, manifest) cannot be read."""
 
 
+class UntrustedMetadataError(CorruptMetadataError):
+    """A table's metadata asks for something only the catalog's own configuration may ask for:
+    a property that makes pyiceberg import and run code (``catalog.fileio.refuse_code_from_metadata``)."""
+
+
 class CommitConflictError(StateStoreError):
     """A checkpoint commit lost a race against another writer and could not be retried."""
 
@@ -143,6 +148,12 @@ class StateClosedError(StateStoreError):
 
 class CatalogUnavailableError(StateStoreError, ValueError):
     """The pyiceberg catalog of a ``TableRef`` could not be loaded from its name and properties."""
+
+
+class CatalogDamagedError(CatalogUnavailableError):
+    """A SQL catalog's SQLite file (the embedded ``catalog.db``) is not a readable database: the
+    state tables' own files are intact; restore the file, or register the tables again
+    (``catalog.recovery.recover``)."""
 
 
 class TaskCommitError(StateStoreError):
