@@ -4,8 +4,12 @@ source reports. The source inside Spark's queries is in tests/integration/test_s
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 import time
+
+import pytest
 
 from spark_integration.ticks import (
     BEACON_MAX_AGE_S,
@@ -106,3 +110,55 @@ def test_unpickling_the_source_imports_nothing_of_the_store():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_beacon_of_the_wrong_shape_is_no_beacon(tmp_path):
+    """Whoever could write a beacon gets no further than 'nothing is due': fields of other types
+    (which would fail the source's comparisons inside Spark), a huge file, JSON nested deep."""
+    path = str(tmp_path / "q.json")
+    reader = _Reader(path)
+    start = reader.initialOffset()
+    good = {"checkpoint_id": 4, "time_mode": "processingtime", "next_timer_ms": 0, "watermark_ms": -1,
+            "next_watermark_ms": -1, "state": None}
+    hostile = [
+        {**good, "next_timer_ms": "0"}, {**good, "checkpoint_id": True}, {**good, "checkpoint_id": 4.5},
+        {**good, "time_mode": "sometimes"}, {**good, "state": [1]}, [good], "[" * 100_000 + "]" * 100_000,
+        {**good, "state": {"x": "y" * (1 << 20)}},
+    ]
+    for value in hostile:
+        with open(path, "w") as f:
+            f.write(value if isinstance(value, str) else json.dumps(value))
+        assert read_beacon(path) is None, value
+        assert reader.latestOffset(start, None) == start
+        assert reader.reportLatestOffset() == {"ticks": None}
+    with open(path, "w") as f:
+        json.dump(good, f)
+    assert reader.latestOffset(start, None) == {"ticks": 1, "checkpoint": 4}
+
+
+def test_beacons_live_in_a_directory_of_this_users_own(tmp_path):
+    path = beacon_path("/cp/a", ("sqlite", "wh", "ns", "t"))
+    assert os.path.basename(os.path.dirname(path)) == f"icestate-ticks-{os.getuid()}"
+    made = str(tmp_path / "new" / "q.json")
+    os.makedirs(tmp_path / "new", mode=0o755)
+    os.chmod(tmp_path / "new", 0o755)
+    with pytest.raises(PermissionError, match=r"new, is not this user's alone .*mode 755"):
+        write_beacon(made, Beacon(1, "processingtime"))
+    fresh = str(tmp_path / "fresh" / "q.json")
+    write_beacon(fresh, Beacon(1, "processingtime"))
+    assert stat.S_IMODE(os.stat(tmp_path / "fresh").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o600
+    # A link to a private directory is still refused: whoever made the link chose where it goes.
+    os.symlink(tmp_path / "fresh", tmp_path / "link")
+    with pytest.raises(PermissionError, match="not a directory"):
+        write_beacon(str(tmp_path / "link" / "q.json"), Beacon(1, "processingtime"))
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making a directory of another user's needs root")
+def test_a_beacon_directory_of_another_user_is_refused(tmp_path):
+    other = tmp_path / "other"
+    os.mkdir(other, 0o700)
+    os.chown(other, 65534, 65534)
+    with pytest.raises(PermissionError, match="owned by uid 65534"):
+        write_beacon(str(other / "q.json"), Beacon(1, "processingtime"))
+    assert os.listdir(other) == []
