@@ -894,6 +894,7 @@ def ui(
     from catalog.defaults import DEFAULT_CATALOG_FILE
     from catalog.table_ref import redacted
     from catalog.ui import create_app, state_table_names
+    from catalog.ui.app import LOOPBACK_HOSTS
 
     # Where the tables are; the table name is a stand-in (the page names the tables).
     ref = _table_ref(warehouse, catalog, properties, namespace, "any", "main")
@@ -911,12 +912,12 @@ def ui(
     def opener(name: str, branch: str = "main") -> IcebergStateTable:
         return _open_table(warehouse, catalog, properties, namespace, name, branch)
 
-    app = create_app(opener, names, where=where, scrub=lambda text: _scrubbed(text, catalog, properties),
-                     tracebacks=DEBUG["traceback"])
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name
         loopback = False
+    app = create_app(opener, names, where=where, scrub=lambda text: _scrubbed(text, catalog, properties),
+                     tracebacks=DEBUG["traceback"], trusted_hosts=(*LOOPBACK_HOSTS, host) if loopback else None)
     if not loopback:
         err_console.print(f"warning: listening on {host}, not on loopback: the page has no login, so anyone who can "
                           "reach this address can read the state of these tables", markup=False)

@@ -25,16 +25,17 @@ no catalog property. Jinja escapes every value a page shows.
 from __future__ import annotations
 
 import contextlib
+import html
 import logging
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from flask import Flask, current_app, render_template, request
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, SecurityError
 
 from catalog import inspection
 from catalog.key_text import KeyTextError, example, parse_key
@@ -56,6 +57,8 @@ MAIN = "main"
 # Opens state table ``name`` on line ``branch`` (main or a fork) at its newest checkpoint.
 Opener = Callable[[str, str], "IcebergStateTable"]
 _EXTENSION = "icestate.ui"
+# The names of a server on loopback (``create_app``'s ``trusted_hosts``).
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,16 @@ class PageError(Exception):
 
 
 def create_app(opener: Opener, list_tables: Callable[[], list[str]], *, where: str = "",
-               scrub: Callable[[str], str] = str, tracebacks: bool = False) -> Flask:
+               scrub: Callable[[str], str] = str, tracebacks: bool = False,
+               trusted_hosts: Sequence[str] | None = LOOPBACK_HOSTS) -> Flask:
     """The state browser's Flask application.
+
+    Other pages a browser shows are kept out (``docs/reliability.md``, threat model): a request
+    whose ``Host`` is not one of ``trusted_hosts`` gets 400 (a page of another site whose
+    name was made to resolve to this machine's loopback address, DNS rebinding, would
+    otherwise read the state), and a request that the browser says another site's page made
+    (``Sec-Fetch-Site`` cross-site or same-site) gets 403 (it could not read the answer, but
+    could make the server run SQL queries).
 
     Args:
         opener: opens a state table by name and line (main or a fork), at its newest checkpoint.
@@ -89,8 +100,12 @@ def create_app(opener: Opener, list_tables: Callable[[], list[str]], *, where: s
         where: where the tables are, as the page header says it (no secret in it).
         scrub: applied to every error message a page shows.
         tracebacks: log a failure's traceback (scrubbed) on the server's console.
+        trusted_hosts: the host names the page answers to (any port); None: any (a server
+            listening beyond loopback, whose names the command cannot know).
     """
     app = Flask(__name__)
+    app.config["TRUSTED_HOSTS"] = None if trusted_hosts is None else list(trusted_hosts)
+    app.before_request(_refuse_other_sites)
     app.extensions[_EXTENSION] = Browser(opener, list_tables, where, scrub, tracebacks)
     app.jinja_env.filters.update(bytes=_bytes_filter, thousands=_thousands_filter, when=_when_filter)
     app.context_processor(lambda: {"where": _browser().where})
@@ -103,6 +118,13 @@ def create_app(opener: Opener, list_tables: Callable[[], list[str]], *, where: s
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _failure)
     return app
+
+
+def _refuse_other_sites() -> None:
+    site = request.headers.get("Sec-Fetch-Site")
+    if site in ("cross-site", "same-site"):
+        raise PageError(403, "this page answers only its own pages and addresses typed into the browser, not a "
+                             f"request another site's page made ({site}): open it from the address bar")
 
 
 def state_table_names(catalog: Catalog, namespace: str) -> list[str]:
@@ -387,7 +409,14 @@ def _page_error(e: PageError) -> tuple[str, int]:
 
 
 def _http_error(e: HTTPException) -> tuple[str, int]:
+    if isinstance(e, SecurityError):  # a Host that is not trusted: no page of ours is built for it
+        return (f"<!doctype html><title>{e.code}</title><p>{html.escape(_UNTRUSTED_HOST)}</p>",
+                e.code or 400)
     return _error_page(e.code or 500, e.description or e.name)
+
+
+_UNTRUSTED_HOST = ("this state browser answers only to the names of the address it listens on (loopback: localhost, "
+                   "127.0.0.1, ::1); open it by one of them")
 
 
 def _failure(e: Exception) -> tuple[str, int]:

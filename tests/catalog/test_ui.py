@@ -40,8 +40,11 @@ from tests.catalog.catalog_helpers import table_files
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
+# Two made-up names resolve to loopback in the browser: another site's page (attacker.test) and
+# a name an attacker made resolve to this machine (rebind.test, as DNS rebinding does).
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--host-resolver-rules=MAP attacker.test 127.0.0.1, MAP rebind.test 127.0.0.1"]
 NAMESPACE = "state"
 DAY_MS = 86_400_000
 USERS = [f"u{i}" for i in range(20)]
@@ -280,6 +283,69 @@ def test_sql_reads_and_is_refused_writing(browser, server, warehouse, tmp_path):
     assert not target.exists()
     with warehouse.open("activity") as table:
         assert ([c.snapshot_id for c in table.list_checkpoints()], table_files(table)) == before
+
+
+class _Recorder:
+    """A WSGI wrapper recording each request's path and answer status."""
+
+    def __init__(self, app):
+        self.app, self.seen = app, []
+
+    def __call__(self, environ, start_response):
+        def recorded(status, headers, *rest):
+            self.seen.append((environ["PATH_INFO"], int(status.split()[0])))
+            return start_response(status, headers, *rest)
+
+        return self.app(environ, recorded)
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[int]:
+    srv = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield srv.server_port
+    finally:
+        srv.shutdown()
+        thread.join(timeout=30)
+        srv.server_close()
+
+
+def test_other_sites_pages_get_nothing(browser, warehouse):
+    """Another site's page in the same browser makes requests to the state browser (a fetch, an
+    image): refused before any table is opened or query run. A page reached by a name that is
+    not loopback's (DNS rebinding) is refused too; typed addresses and the page's own links work."""
+    opened: list[str] = []
+
+    def opener(name: str, branch: str = "main") -> IcebergStateTable:
+        opened.append(name)
+        return warehouse.open(name, branch)
+
+    recorder = _Recorder(create_app(opener, warehouse.names, where=warehouse.directory))
+    sql = "/tables/activity/sql?q=SELECT+count(*)+FROM+state_count"
+    with serving(recorder) as port:
+        target = f"http://127.0.0.1:{port}"
+        attack = (f'<img src="{target}{sql}"><script>fetch("{target}{sql}", {{mode: "no-cors"}})'
+                  '.finally(() => { document.title = "sent"; });</script>')
+
+        def attacker(environ, start_response):
+            start_response("200 OK", [("Content-Type", "text/html")])
+            return [attack.encode()]
+
+        with serving(attacker) as attacker_port:
+            browser.goto(f"http://attacker.test:{attacker_port}/")
+            browser.wait_for_function("document.title === 'sent'")
+        refused = [status for path, status in recorder.seen if path == "/tables/activity/sql"]
+        assert refused and set(refused) == {403}, recorder.seen
+        assert opened == []
+        answer = browser.goto(f"http://rebind.test:{port}/tables/activity")
+        assert answer.status == 400 and opened == []
+        answer = browser.goto(f"{target}{sql}")  # typed: answered
+        assert answer.status == 200 and opened == ["activity"]
+        browser.get_by_role("link", name="Key").first.click()  # the page's own link
+        browser.wait_for_load_state()
+        assert ("/tables/activity/key", 200) in recorder.seen
 
 
 # --- error pages and escaping (Flask's test client) -----------------------------------------
