@@ -39,7 +39,6 @@ import hashlib
 import json
 import os
 import secrets
-import stat
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -47,6 +46,8 @@ from typing import Any
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+
+from statestore.private_dir import private_directory
 
 FORMAT = "icestate_ticks"
 OPTION_BEACON = "beacon"
@@ -75,42 +76,17 @@ class Beacon:
 
 def beacon_path(checkpoint_location: str, table_identity: tuple) -> str:
     """The beacon file of a query: in a directory of this user's own in the driver host's
-    temporary directory (``beacon_directory``), named by the query's checkpoint location and
+    temporary directory (``write_beacon``), named by the query's checkpoint location and
     state table (no secret: the identity holds a digest)."""
     digest = hashlib.sha256(json.dumps([checkpoint_location, list(table_identity)], default=str).encode())
     return os.path.join(tempfile.gettempdir(), f"icestate-ticks-{os.getuid()}", f"{digest.hexdigest()[:32]}.json")
 
 
-def beacon_directory(path: str) -> str:
-    """The directory of beacon ``path``, made if missing, and checked to be this user's alone.
-
-    The temporary directory is shared by every user of the host: in a directory another user
-    made (or could write to), they could plant beacons (batches run when nothing is due, false
-    state figures in the query's progress) or links that make the driver overwrite a file of
-    its user's elsewhere. So the directory must be a real directory (not a link), owned by this
-    user, that no one else may write or read.
-
-    Raises:
-        PermissionError: it is not (the message names it and what to do).
-    """
-    directory = os.path.dirname(path)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(directory, 0o700)
-    st = os.lstat(directory)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory"
-        raise PermissionError(
-            f"the directory of the query's timer beacons, {directory}, is not this user's alone ({kind}, owned by "
-            f"uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}; this process runs as uid {os.getuid()}): another "
-            "user of the host could make the query run batches or overwrite files. Remove it (the query makes it "
-            "again, private), or point TMPDIR at a directory of your own")
-    return directory
-
-
 def write_beacon(path: str, beacon: Beacon) -> None:
-    """Replace the beacon atomically (a reader sees the old one or the new one), in a private
-    directory (``beacon_directory``), through a new file that no link can redirect."""
-    directory = beacon_directory(path)
+    """Replace the beacon atomically (a reader sees the old one or the new one), in a directory
+    of this user's own (``private_directory``: the temporary directory is shared by every user
+    of the host), through a new file that no link can redirect."""
+    directory = private_directory(os.path.dirname(path), what="the query's timer beacons")
     tmp = os.path.join(directory, f"{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -33,7 +33,7 @@ class StoreConfig:
         stores; a cached copy of a local file would only copy it), ``on`` always (tests),
         ``off`` never.
     file_cache_dir: where the cache keeps its files (each process in its own subdirectory);
-        None: ``$ICESTATE_FILE_CACHE_DIR``, else ``<temp dir>/icestate-file-cache``. One
+        None: ``$ICESTATE_FILE_CACHE_DIR``, else ``<temp dir>/icestate-file-cache-<uid>``. One
         cache per process and directory, shared by every store of the process.
     file_cache_bytes_max: bound of the cached files of one process; whole files are evicted,
         least recently used first.

@@ -68,6 +68,7 @@ import pyarrow.fs as pafs
 import xxhash
 
 from statestore.paths import is_local_filesystem
+from statestore.private_dir import private_directory
 
 try:
     import fcntl
@@ -91,8 +92,8 @@ _INIT_DIR = re.compile(r"^\.init-(\d+)-[0-9a-f]+$")
 
 
 def default_directory() -> str:
-    """``$ICESTATE_FILE_CACHE_DIR``, else ``<temp dir>/icestate-file-cache``."""
-    return os.environ.get(ENV_DIR) or os.path.join(tempfile.gettempdir(), DEFAULT_DIR_NAME)
+    """``$ICESTATE_FILE_CACHE_DIR``, else ``<temp dir>/icestate-file-cache-<uid>``."""
+    return os.environ.get(ENV_DIR) or os.path.join(tempfile.gettempdir(), f"{DEFAULT_DIR_NAME}-{os.getuid()}")
 
 
 def digest(data) -> int:
@@ -169,7 +170,9 @@ class FileCache:
         self._size_bytes = 0
         self._pid = os.getpid()
         self._closed = False
-        os.makedirs(self.root, exist_ok=True)
+        # Another user of the host must not be able to put files in it, or swap a process's
+        # directory for theirs (``private_directory``).
+        private_directory(self.root, what="the segment file cache", others_may_read=True)
         _remove_stale_directories(self.root)
         self.path, self._lock_fd = _make_own_directory(self.root)
 

@@ -9,6 +9,7 @@ are damaged on disk directly, the way a disk, a cleaner or another program could
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -447,7 +448,30 @@ def test_auto_caches_only_remote_filesystems_and_one_cache_serves_the_process(re
     other = file_cache_for(StoreConfig(file_cache_dir=str(tmp_path / "other"), file_cache_bytes_max=5), fs)
     assert other is not cache and other.bytes_max == 5
     monkeypatch.delenv(fc.ENV_DIR)
-    assert fc.default_directory() == os.path.join(fc.tempfile.gettempdir(), "icestate-file-cache")
+    assert fc.default_directory() == os.path.join(fc.tempfile.gettempdir(), f"icestate-file-cache-{os.getuid()}")
+
+
+def test_the_cache_directory_is_the_users_own(tmp_path):
+    """Another user of the host could plant segment copies in a directory they can write to, or
+    swap a process's directory for a link: such a directory is refused, naming it."""
+    made = fc.FileCache(str(tmp_path / "fresh"), 1 << 20, 0)
+    try:
+        assert stat.S_IMODE(os.stat(tmp_path / "fresh").st_mode) == 0o700
+    finally:
+        made.close()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match=r"segment file cache, .*shared, is not this user's alone .*mode 777"):
+        fc.FileCache(str(shared), 1 << 20, 0)
+    assert os.listdir(shared) == []
+    os.symlink(tmp_path / "fresh", tmp_path / "link")
+    with pytest.raises(PermissionError, match="not a directory"):
+        fc.FileCache(str(tmp_path / "link"), 1 << 20, 0)
+    readable = tmp_path / "readable"
+    readable.mkdir()
+    readable.chmod(0o755)  # a directory the user made for the cache, readable by others: accepted
+    fc.FileCache(str(readable), 1 << 20, 0).close()
 
 
 # ---------------------------------------------------------------------- the store through the cache
