@@ -199,6 +199,9 @@ def _pyiceberg_config() -> Any:
     reads it now, for what a command says about catalogs; ``load_catalog`` resolves the same."""
     from pyiceberg.utils.config import Config
 
+    from catalog.config_trust import check_pyiceberg_config
+
+    check_pyiceberg_config()
     return Config()
 
 

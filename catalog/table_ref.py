@@ -128,8 +128,10 @@ class TableRef:
             return default_catalog(self.warehouse)
         from pyiceberg.catalog import load_catalog
 
+        from catalog.config_trust import check_pyiceberg_config
         from catalog.fileio import use_state_file_io
 
+        check_pyiceberg_config()
         try:
             return use_state_file_io(load_catalog(self.catalog_name, **self.catalog_properties))
         except Exception as e:  # pyiceberg raises many types for bad or unreachable catalogs
