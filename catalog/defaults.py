@@ -45,17 +45,20 @@ def default_catalog(warehouse: str) -> SqlCatalog:
     the returned catalog and closes it (``catalog.close()``) when done.
     """
     from catalog.fileio import use_state_file_io
+    from catalog.table_ref import checked_sql_catalog
 
     root = os.path.abspath(check_warehouse(warehouse))
     os.makedirs(root, exist_ok=True)
-    return use_state_file_io(embedded_catalog_class()(
+    uri = f"sqlite:///{os.path.join(root, DEFAULT_CATALOG_FILE)}"
+    # A damaged, locked or unreadable catalog.db: an error naming it and what to do (table_ref).
+    return use_state_file_io(checked_sql_catalog(lambda: embedded_catalog_class()(
         DEFAULT_CATALOG_NAME,
         **{
-            CATALOG_URI: f"sqlite:///{os.path.join(root, DEFAULT_CATALOG_FILE)}",
+            CATALOG_URI: uri,
             CATALOG_WAREHOUSE: f"file://{root}",
             CATALOG_INIT_TABLES: "true",
         },
-    ))
+    ), uri, warehouse=root))
 
 
 def embedded_catalog_class() -> type[SqlCatalog]:

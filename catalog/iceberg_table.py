@@ -65,7 +65,7 @@ from catalog.fileio import refuse_code_from_metadata, wait_for_deletes
 from catalog.gc import GarbageCollector
 from catalog.manifests import FileEntry, ManifestCache, file_entry
 from catalog.naming import Locations
-from catalog.recovery import load_table
+from catalog.recovery import load_table, lost_entry_error
 from catalog.retention import (
     checkpoint_id_of,
     checkpoints_on_line,
@@ -648,6 +648,9 @@ def _load_existing(catalog: Catalog, identifier: tuple[str, str]) -> Table:
     try:
         return load_table(catalog, identifier)
     except (NoSuchTableError, NoSuchNamespaceError) as e:
+        lost = lost_entry_error(catalog, identifier)  # its files are there: the catalog lost its entry
+        if lost is not None:
+            raise lost from e
         raise ValueError(
             f"there is no state table {'.'.join(identifier)} in catalog {catalog.name}: check the names, or create "
             "it with IcebergStateTable.open(layout, ...)"

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import NoSuchTableError, ValidationError
+from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError, ValidationError
 from pyiceberg.io import FileIO, load_file_io
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table
@@ -44,6 +44,11 @@ class TableLocationInUseError(StateStoreError):
 
 class RecoveryError(StateStoreError):
     """``recover`` found nothing it could register."""
+
+
+class CatalogEntryLostError(StateStoreError, ValueError):
+    """An existing state table was asked for, and the catalog has no entry for it while its
+    location holds its metadata: the catalog lost the entry (``recover`` registers it again)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,32 @@ def check_location_free(identifier: tuple[str, ...], location: str, io: FileIO |
             f"({len(found)} metadata.json files, the newest {newest}): the catalog lost its entry, and a new table "
             f"there would shadow {loses}. Register it again with {remedy}, or use another table name"
         )
+
+
+def lost_entry_error(catalog: Catalog, identifier: tuple[str, str]) -> CatalogEntryLostError | None:
+    """For a table ``catalog`` does not have: the error to raise when its default location
+    holds a table's metadata (a catalog file emptied, replaced or restored from an old backup,
+    a table dropped without purge), else None."""
+    from catalog.table_ref import sqlite_file
+
+    try:
+        try:
+            location = default_location(catalog, identifier)
+        except NoSuchNamespaceError:  # a lost catalog lost its namespaces too: pyiceberg's default then
+            location = f"{catalog.properties['warehouse'].rstrip('/')}/{identifier[0]}/{identifier[1]}"
+        found = metadata_files(location, load_file_io(catalog.properties, location))
+    except Exception:  # no location to look at: the caller's "no such table" stands
+        return None
+    if not found:
+        return None
+    database = sqlite_file(catalog.properties.get("uri"))
+    return CatalogEntryLostError(
+        f"state table {'.'.join(identifier)} is not in catalog {catalog.name}"
+        f"{f' ({database})' if database else ''}, but its location {location} holds its metadata ({len(found)} "
+        f"metadata.json files, the newest {found[0].uri.rsplit('/', 1)[-1]}): the catalog lost its entry (its "
+        "file emptied, replaced or restored from an old backup, or the table dropped without purge). Register it "
+        f"again with `icestate recover --table {identifier[-1]}` (and the same --warehouse/--catalog options), or "
+        "restore the catalog from a backup")
 
 
 def load_table(catalog: Catalog, identifier: tuple[str, str]) -> Table:
@@ -156,15 +187,19 @@ def recover(catalog: Catalog, identifier: tuple[str, str], location: str | None 
     """Register the state table at ``location`` (default: where ``catalog`` puts a table of
     that name) in ``catalog`` under ``identifier``, at its newest metadata.json.
 
-    Refuses when the catalog already has the table, when the location has no metadata, when
+    Replaces an entry whose metadata file cannot be loaded (missing or damaged). Refuses when
+    the catalog already has the table, when the location has no metadata, when
     the newest metadata.json cannot be read or is not a state table's, and when two files
     share the newest version (a lost commit race: say which with ``location``'s listing).
     """
     name = ".".join(identifier)
+    unreadable = None  # why the metadata file the catalog's entry names cannot be loaded
     try:
         existing = catalog.load_table(identifier)
     except NoSuchTableError:
         existing = None
+    except (*DECODE_ERRORS, ValidationError, OSError) as e:  # a damaged entry, or its file damaged or gone
+        existing, unreadable = None, f"{type(e).__name__}: {e}"
     if existing is not None:
         raise RecoveryError(f"state table {name} is in the catalog (at {existing.metadata_location}): nothing to "
                             "recover")
@@ -190,6 +225,15 @@ def recover(catalog: Catalog, identifier: tuple[str, str], location: str | None 
     if stored_keys.get(properties, stored_keys.LAST_CHECKPOINT_ID) is None:
         raise RecoveryError(f"{newest[0].uri} is the metadata of an Iceberg table that is not a state table "
                             f"(no {stored_keys.LAST_CHECKPOINT_ID} property): not registered")
-    table = catalog.register_table(identifier, newest[0].uri)
+    if unreadable is not None:
+        # The entry names metadata that cannot be loaded (it says so for ever): replace it.
+        logger.warning("state table %s: the catalog's entry names metadata that cannot be loaded (%s): replaced by "
+                       "%s", name, unreadable, newest[0].uri)
+        catalog.drop_table(identifier)  # the catalog's entry only: no file is deleted
+    try:
+        table = catalog.register_table(identifier, newest[0].uri)
+    except (*DECODE_ERRORS, ValidationError, OSError) as e:
+        raise RecoveryError(f"the newest metadata file {newest[0].uri} cannot be loaded ({type(e).__name__}: {e}); "
+                            "move it aside and recover again to register the version before it") from e
     logger.info("state table %s registered again at %s", name, newest[0].uri)
     return table

@@ -27,12 +27,14 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Mapping
+import sqlite3
+import stat
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from catalog.defaults import DEFAULT_NAMESPACE, check_warehouse, default_catalog
-from statestore.errors import CatalogUnavailableError
+from statestore.errors import CatalogDamagedError, CatalogUnavailableError, StateStoreError
 from statestore.names import check_branch_name, check_namespace, check_table_name
 
 if TYPE_CHECKING:
@@ -133,7 +135,10 @@ class TableRef:
 
         check_pyiceberg_config()
         try:
-            return use_state_file_io(load_catalog(self.catalog_name, **self.catalog_properties))
+            return use_state_file_io(checked_sql_catalog(
+                lambda: load_catalog(self.catalog_name, **self.catalog_properties), self._configured_uri()))
+        except StateStoreError:
+            raise
         except Exception as e:  # pyiceberg raises many types for bad or unreachable catalogs
             # Not chained: pyiceberg's own message may quote the properties, secrets included.
             raise CatalogUnavailableError(
@@ -141,6 +146,17 @@ class TableRef:
                 f"{sorted(self.catalog_properties)} and its .pyiceberg.yaml / PYICEBERG_* configuration "
                 f"({type(e).__name__}: {scrub(str(e), self.catalog_properties)}): check them"
             ) from None
+
+    def _configured_uri(self) -> str | None:
+        """The catalog's ``uri`` as ``load_catalog`` will see it (given, else configured)."""
+        if "uri" in self.catalog_properties:
+            return str(self.catalog_properties["uri"])
+        try:
+            from pyiceberg.utils.config import Config
+
+            return (Config().get_catalog_config(self.catalog_name) or {}).get("uri")
+        except Exception:  # a broken configuration: load_catalog says what is wrong with it
+            return None
 
     def open(
         self, layout: StateLayout | None = None, *, checkpoint_id: int | None = None, savepoint: str | None = None,
@@ -207,3 +223,110 @@ def redacted_repr(obj: Any) -> str:
         f"{f.name}={redacted(getattr(obj, f.name)) if f.name == 'catalog_properties' else getattr(obj, f.name)!r}"
         for f in dataclasses.fields(obj) if f.repr)
     return f"{type(obj).__name__}({shown})"
+
+
+# --- the SQLite file of a SQL catalog -----------------------------------------------------------
+
+# State tables named in the message of a damaged catalog file, at most.
+TABLES_SHOWN_MAX = 10
+
+
+def checked_sql_catalog(make: Callable[[], Catalog], uri: str | None, warehouse: str | None = None) -> Catalog:
+    """``make()``, a pyiceberg catalog. When it is a SQL catalog on a SQLite file (``uri``), a
+    failure of that file, at the opening or at any later use of the catalog, is
+    ``CatalogDamagedError`` (not a database: restore it, or register the tables again) or
+    ``CatalogUnavailableError`` (locked by another process, a directory, no permission), naming
+    the file and what to do, instead of SQLAlchemy's errors, which name neither. ``warehouse``:
+    the embedded catalog's directory (its messages give the ``icestate recover`` command line
+    and the state tables found there)."""
+    database = sqlite_file(uri)
+    if database is None:
+        return make()
+    from sqlalchemy import event
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        catalog = make()
+    except DBAPIError as e:
+        problem = sqlite_problem(database, e.orig, warehouse)
+        if problem is None:
+            raise
+        raise problem from e
+    engine = getattr(catalog, "engine", None)
+    if engine is not None:
+        def on_error(context: Any) -> None:
+            problem = sqlite_problem(database, context.original_exception, warehouse)
+            if problem is not None:
+                raise problem from context.sqlalchemy_exception
+        event.listen(engine, "handle_error", on_error)
+    return catalog
+
+
+def sqlite_file(uri: str | None) -> str | None:
+    """The path of the SQLite file a SQLAlchemy ``uri`` names (None: another database, or memory)."""
+    if not uri or not str(uri).startswith("sqlite"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    try:
+        database = make_url(str(uri)).database
+    except Exception:  # not a URL SQLAlchemy reads: its own error says so
+        return None
+    return os.path.abspath(database) if database and database != ":memory:" else None
+
+
+def sqlite_problem(database: str, error: BaseException | None, warehouse: str | None) -> StateStoreError | None:
+    """The error to raise for SQLite's ``error`` on the catalog file ``database`` (None: one that
+    pyiceberg handles, such as a constraint failing under a concurrent create)."""
+    if not isinstance(error, sqlite3.DatabaseError) or isinstance(
+            error, sqlite3.IntegrityError | sqlite3.ProgrammingError | sqlite3.DataError | sqlite3.NotSupportedError):
+        return None
+    said = f"{type(error).__name__}: {error}"
+    text = str(error).lower()
+    if not isinstance(error, sqlite3.OperationalError) or "malformed" in text or "not a database" in text:
+        again = (f"`icestate recover --table NAME --warehouse {warehouse}`" if warehouse else
+                 "`icestate recover --table NAME` (with this catalog's --catalog/--property options)")
+        found = state_tables(warehouse) if warehouse else []
+        shown = "" if not found else (
+            f" (the warehouse holds state tables {', '.join(found[:TABLES_SHOWN_MAX])}"
+            f"{', ...' if len(found) > TABLES_SHOWN_MAX else ''})")
+        return CatalogDamagedError(
+            f"the catalog database {database} is damaged ({said}): the state tables' own files are not affected. "
+            f"Restore it from a backup, or move it aside and register each state table again with {again}, which "
+            f"registers a table at the newest metadata file of its location{shown}")
+    if "no such table" in text:
+        return None  # pyiceberg's: tables not created (init_catalog_tables off)
+    if "locked" in text or "busy" in text:
+        return CatalogUnavailableError(
+            f"the catalog database {database} is locked by another process ({said}): nothing was changed. Retry "
+            "once that process has finished its transaction (a sqlite3 shell holding one open, a stuck job), or "
+            "stop it")
+    if os.path.isdir(database):
+        return CatalogUnavailableError(
+            f"the catalog database {database} is a directory, not a SQLite file ({said}): move it away and put the "
+            "catalog file back there (from a backup), or let a new one be made and register the state tables "
+            "again with `icestate recover --table NAME`")
+    unusable = [p for p in (database, os.path.dirname(database))
+                if os.path.exists(p) and not os.access(p, os.R_OK | os.W_OK | (os.X_OK if os.path.isdir(p) else 0))]
+    if unusable:
+        modes = ", ".join(f"{p} has mode {stat.filemode(os.stat(p).st_mode)}" for p in unusable)
+        return CatalogUnavailableError(
+            f"the catalog database {database} cannot be read and written by this user ({said}; {modes}): give this "
+            "user read and write permission on the file and its directory, then retry")
+    return CatalogUnavailableError(
+        f"the catalog database {database} cannot be used ({said}): check the file, its directory and its disk, "
+        "then retry")
+
+
+def state_tables(warehouse: str) -> list[str]:
+    """``namespace.table`` of each table directory of the embedded catalog's ``warehouse`` that
+    holds Iceberg metadata (what ``icestate recover`` can register)."""
+    found = []
+    try:
+        for namespace in sorted(os.scandir(warehouse), key=lambda e: e.name):
+            if namespace.is_dir():
+                found += [f"{namespace.name}.{t.name}" for t in sorted(os.scandir(namespace.path), key=lambda e: e.name)
+                          if os.path.isdir(os.path.join(t.path, "metadata"))]
+    except OSError:  # the listing is a hint only
+        pass
+    return found
