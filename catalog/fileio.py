@@ -91,6 +91,27 @@ DEFAULT_S3_CONNECT_TIMEOUT_S = 3.0
 DEFAULT_S3_REQUEST_TIMEOUT_S = 10.0
 
 
+def _plain(uri: str) -> str:
+    """A local URI as its path (``file:///a`` and ``/a`` name one file); others as they are."""
+    return "/" + uri.removeprefix("file:").lstrip("/") if uri.startswith("file:") else uri
+
+
+def is_inside(uri: str, root: str) -> bool:
+    """Whether ``uri`` names a file under directory ``root`` (URIs or local paths), with no
+    empty, ``.`` or ``..`` part after it."""
+    prefix = _plain(root).rstrip("/") + "/"
+    plain = _plain(uri)
+    return plain.startswith(prefix) and all(p not in ("", ".", "..") for p in plain[len(prefix):].split("/"))
+
+
+def table_root(metadata_location: str) -> str | None:
+    """The table directory that the place of its metadata file says, ``<root>/metadata/<file>``
+    (the place the catalog recorded, not what the file says); None when it is not there."""
+    head = metadata_location.rpartition("/")[0]
+    root, _, name = head.rpartition("/")
+    return root if name == "metadata" and root else None
+
+
 def is_metadata_file(location: str) -> bool:
     """Whether ``location`` names an Iceberg metadata file (immutable, uniquely named)."""
     return "/metadata/" in location and location.endswith((".metadata.json", ".avro"))
@@ -388,8 +409,21 @@ class StateFileIO(PyArrowFileIO):
         file = super().new_output(location)
         return _MetadataFile(file) if is_metadata_file(location) else file
 
+    # The table directory this FileIO may delete in (``confine_deletes``); None: anywhere.
+    _deletes_root: str | None = None
+
+    def confine_deletes(self, root: str) -> None:
+        """Delete nothing outside ``root``, the table's directory: pyiceberg deletes the old
+        metadata files a table's metadata log names, and that log is a file in the table's
+        storage, which could name any file this process can reach."""
+        self._deletes_root = root
+
     def delete(self, location: str | InputFile | OutputFile) -> None:
         path = location if isinstance(location, str) else location.location
+        if self._deletes_root is not None and not is_inside(path, self._deletes_root):
+            log.error("not deleting %s: it is outside the table's directory %s, so the table's metadata that named "
+                      "it is damaged or was tampered with", path, self._deletes_root)
+            return
         if not is_metadata_file(path):
             super().delete(path)
             return
@@ -472,15 +506,21 @@ def use_state_file_io(catalog: Any) -> Any:
 # S3 retry strategy, the location provider of pyiceberg's writes. Any other property named
 # ``...-impl`` or ``....impl`` is taken to load code too, so a future one is refused by default.
 CODE_LOADING_PROPERTIES = (PY_IO_IMPL, S3_RETRY_STRATEGY_IMPL, "write.py-location-provider.impl")
+# Table properties that send pyiceberg's writes out of the table's directory: files would be
+# written where the metadata says, and its own deletes (confined to the table's directory)
+# would leave them behind.
+LOCATION_PROPERTIES = ("write.metadata.path", "write.data.path", "write.object-storage.path",
+                       "write.folder-storage.path")
 
 
-def is_code_loading(name: str) -> bool:
-    return name in CODE_LOADING_PROPERTIES or name.endswith(("-impl", ".impl"))
+def is_refused_in_metadata(name: str) -> bool:
+    """Whether a table's metadata may not set ``name`` (``check_no_code_from_metadata``)."""
+    return name in CODE_LOADING_PROPERTIES or name in LOCATION_PROPERTIES or name.endswith(("-impl", ".impl"))
 
 
 def refuse_code_from_metadata(catalog: Any) -> Any:
     """Make ``catalog`` refuse a table whose metadata sets a code-loading property
-    (``is_code_loading``) to anything else than the catalog's own configuration does.
+    (``is_refused_in_metadata``) to anything else than the catalog's own configuration does.
 
     pyiceberg builds a table's FileIO from the catalog's properties overlaid with the table
     metadata's own (``Catalog._load_file_io``, at every load, refresh and commit), and imports
@@ -497,7 +537,11 @@ def refuse_code_from_metadata(catalog: Any) -> Any:
 
     def _load_file_io(properties: Any = None, location: str | None = None) -> Any:
         check_no_code_from_metadata(properties or {}, catalog.properties, location)
-        return load({} if properties is None else properties, location)
+        io = load({} if properties is None else properties, location)
+        root = None if location is None else table_root(location)
+        if root is not None and isinstance(io, StateFileIO):
+            io.confine_deletes(root)
+        return io
 
     _load_file_io._icestate_guarded = True
     catalog._load_file_io = _load_file_io
@@ -510,12 +554,14 @@ def check_no_code_from_metadata(properties: dict[str, str], configured: dict[str
     from statestore.errors import UntrustedMetadataError
 
     for name, value in properties.items():
-        if is_code_loading(name) and configured.get(name) != value:
+        if is_refused_in_metadata(name) and configured.get(name) != value:
             shown = value if len(value) <= 200 else f"{value[:200]}..."
+            does = ("sends pyiceberg's writes out of the table's directory" if name in LOCATION_PROPERTIES
+                    else "makes pyiceberg import and run code")
             raise UntrustedMetadataError(
-                f"the table metadata {location or ''} sets {name}={shown!r}, a property that makes pyiceberg "
-                "import and run code; icestate loads code only as the catalog's own configuration says (its "
-                "properties, .pyiceberg.yaml), never as a table's metadata does, which anyone who can write to the "
-                "table's storage can change. Nothing was opened. If you set it, set it in the catalog's "
-                "configuration instead and remove it from the table's properties; if you did not, the table's "
-                "storage was tampered with: restore its metadata from a backup")
+                f"the table metadata {location or ''} sets {name}={shown!r}, a property that {does}; icestate takes "
+                "such properties only from the catalog's own configuration (its properties, .pyiceberg.yaml), "
+                "never from a table's metadata, which anyone who can write to the table's storage can change. "
+                "Nothing was opened. If you set it, set it in the catalog's configuration instead and remove it "
+                "from the table's properties; if you did not, the table's storage was tampered with: restore its "
+                "metadata from a backup")

@@ -40,7 +40,7 @@ from pyiceberg.table import Table
 from pyiceberg.table.refs import MAIN_BRANCH
 from pyiceberg.table.snapshots import Snapshot
 
-from catalog.fileio import METADATA_FILES, delete_later, wait_for_deletes
+from catalog.fileio import METADATA_FILES, delete_later, is_inside, table_root, wait_for_deletes
 from catalog.manifests import ManifestCache
 from catalog.naming import METADATA_DIR, Locations, merged_away_manifests, metadata_json_version
 from catalog.recovery import foreign_metadata
@@ -113,12 +113,26 @@ class GarbageCollector:
         crash_point(FILES_DELETED)
 
     def _delete_later(self, uris: list[str]) -> None:
-        """Forget ``uris`` now (no cache serves them from memory) and delete them in the background."""
+        """Forget ``uris`` now (no cache serves them from memory) and delete them in the
+        background; never a file outside the table's directory (``_inside``)."""
+        uris = [uri for uri in uris if self._inside(uri)]
         for uri in uris:
             METADATA_FILES.discard(uri)
         self._cache.forget(uris)
         for uri in uris:
             delete_later(self._delete_file, uri)
+
+    def _inside(self, uri: str) -> bool:
+        """Whether ``uri`` is a file of the table's directory, as the place of its metadata file
+        says (the place the catalog recorded). Manifests name the files to delete, and a
+        manifest is a file in the table's storage: whoever could write there could otherwise
+        make this process delete any file it can reach (``docs/reliability.md``)."""
+        root = table_root(self._table.metadata_location)
+        if root is not None and is_inside(uri, root) and is_inside(uri, self._table.location()):
+            return True
+        logger.error("not deleting %s: it is outside the directory of state table %s (%s), so the metadata that named "
+                     "it is damaged or was tampered with", uri, self._name, root or self._table.metadata_location)
+        return False
 
     def _expire(self, snapshot_ids: list[int]) -> bool:
         try:
