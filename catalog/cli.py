@@ -874,8 +874,8 @@ def ui(
     properties: CatalogProperties = None,
     namespace: Namespace = "state",
     host: Annotated[str, typer.Option(
-        help="Address to listen on. The page has no login: keep the loopback address unless everyone who "
-             "can reach this machine may read the state.")] = "127.0.0.1",
+        help="Address to listen on. Keep the loopback address: beyond it the page and its token travel "
+             "over plain HTTP.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8765,
     open_browser: Annotated[bool, typer.Option(
         "--open/--no-open", help="Open the page in the default web browser.")] = True,
@@ -885,10 +885,12 @@ def ui(
     Shows each table's checkpoints over time, its savepoints and forks, how its state
     spreads over key groups, one key's state and history, what changed between two
     checkpoints, and the answers of SQL queries. Read-only: nothing on the page writes.
+    The address it prints holds a token: only a browser that opened it is answered.
 
     Example: icestate ui --warehouse ./warehouse
     """
     import ipaddress
+    import secrets
     import threading
     import webbrowser
 
@@ -897,7 +899,7 @@ def ui(
     from catalog.defaults import DEFAULT_CATALOG_FILE
     from catalog.table_ref import redacted
     from catalog.ui import create_app, state_table_names
-    from catalog.ui.app import LOOPBACK_HOSTS
+    from catalog.ui.app import LOOPBACK_HOSTS, TOKEN_PARAMETER
 
     # Where the tables are; the table name is a stand-in (the page names the tables).
     ref = _table_ref(warehouse, catalog, properties, namespace, "any", "main")
@@ -919,19 +921,64 @@ def ui(
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name
         loopback = False
+    token = secrets.token_urlsafe(24)
     app = create_app(opener, names, where=where, scrub=lambda text: _scrubbed(text, catalog, properties),
-                     tracebacks=DEBUG["traceback"], trusted_hosts=(*LOOPBACK_HOSTS, host) if loopback else None)
+                     tracebacks=DEBUG["traceback"], trusted_hosts=(*LOOPBACK_HOSTS, host) if loopback else None,
+                     token=token)
     if not loopback:
-        err_console.print(f"warning: listening on {host}, not on loopback: the page has no login, so anyone who can "
-                          "reach this address can read the state of these tables", markup=False)
-    server = make_server(host, port, app, threaded=True)
-    url = f"http://{host if ':' not in host else f'[{host}]'}:{server.server_port}/"
+        err_console.print(f"warning: listening on {host}, not on loopback: anyone who can reach this address and "
+                          "learns its token can read the state of these tables, over plain HTTP", markup=False)
+    server = make_server(host, port, app, threaded=True, request_handler=_request_handler_class())
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{server.server_port}/?{TOKEN_PARAMETER}={token}"
     console.print(f"state browser of {where} at [bold]{url}[/bold] (Ctrl-C stops it)", highlight=False)
-    if open_browser:
-        threading.Timer(0.5, webbrowser.open, [url]).start()
+    start_page = _start_page(url, server.server_port) if open_browser else None
+    if start_page is not None:
+        # The browser opens a file that leads to the address: the token never goes on a command line.
+        threading.Timer(0.5, webbrowser.open, [f"file://{start_page}"]).start()
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.server_close()
+        if start_page is not None:
+            with contextlib.suppress(OSError):
+                os.remove(start_page)
+
+
+def _start_page(url: str, port: int) -> str:
+    """A page of the user's own that leads the browser to ``url`` (which holds the token)."""
+    import html
+    import tempfile
+
+    from statestore.private_dir import private_directory
+
+    directory = private_directory(os.path.join(tempfile.gettempdir(), f"icestate-ui-{os.getuid()}"),
+                                  what="the state browser's start pages")
+    path = os.path.join(directory, f"open-{port}.html")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f'<!doctype html><meta http-equiv="refresh" content="0;url={html.escape(url)}">'
+                f'<a href="{html.escape(url)}">state browser</a>')
+    return path
+
+
+def _token_scrubbed(line: str) -> str:
+    import re
+
+    from catalog.ui.app import TOKEN_PARAMETER
+
+    return re.sub(rf"([?&]{TOKEN_PARAMETER}=)[^&\s]*", r"\1...", line)
+
+
+def _request_handler_class() -> type:
+    from werkzeug.serving import WSGIRequestHandler
+
+    class Handler(WSGIRequestHandler):
+        """Werkzeug's, logging each request without the browser's token."""
+
+        def log(self, type: str, message: str, *args: Any) -> None:
+            super().log(type, "%s", _token_scrubbed(message % args if args else message))
+
+    return Handler
+

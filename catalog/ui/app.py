@@ -25,6 +25,8 @@ no catalog property. Jinja escapes every value a page shows.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hmac
 import html
 import logging
 import traceback
@@ -33,8 +35,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
-from flask import Flask, current_app, render_template, request
+from flask import Flask, Response, current_app, redirect, render_template, request
 from werkzeug.exceptions import HTTPException, SecurityError
 
 from catalog import inspection
@@ -57,6 +60,8 @@ MAIN = "main"
 # Opens state table ``name`` on line ``branch`` (main or a fork) at its newest checkpoint.
 Opener = Callable[[str, str], "IcebergStateTable"]
 _EXTENSION = "icestate.ui"
+# The address parameter that carries the browser's token (``create_app``'s ``token``).
+TOKEN_PARAMETER = "token"
 # The names of a server on loopback (``create_app``'s ``trusted_hosts``).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 
@@ -84,7 +89,7 @@ class PageError(Exception):
 
 def create_app(opener: Opener, list_tables: Callable[[], list[str]], *, where: str = "",
                scrub: Callable[[str], str] = str, tracebacks: bool = False,
-               trusted_hosts: Sequence[str] | None = LOOPBACK_HOSTS) -> Flask:
+               trusted_hosts: Sequence[str] | None = LOOPBACK_HOSTS, token: str | None = None) -> Flask:
     """The state browser's Flask application.
 
     Other pages a browser shows are kept out (``docs/reliability.md``, threat model): a request
@@ -102,10 +107,15 @@ def create_app(opener: Opener, list_tables: Callable[[], list[str]], *, where: s
         tracebacks: log a failure's traceback (scrubbed) on the server's console.
         trusted_hosts: the host names the page answers to (any port); None: any (a server
             listening beyond loopback, whose names the command cannot know).
+        token: when given, a request is answered only with the token in its address (which
+            sets a cookie and leads to the same address without it) or with that cookie: the
+            page is its starter's, not every local user's (``icestate ui`` makes one).
     """
     app = Flask(__name__)
     app.config["TRUSTED_HOSTS"] = None if trusted_hosts is None else list(trusted_hosts)
     app.before_request(_refuse_other_sites)
+    if token is not None:
+        app.before_request(functools.partial(_require_token, token))
     app.extensions[_EXTENSION] = Browser(opener, list_tables, where, scrub, tracebacks)
     app.jinja_env.filters.update(bytes=_bytes_filter, thousands=_thousands_filter, when=_when_filter)
     app.context_processor(lambda: {"where": _browser().where})
@@ -125,6 +135,22 @@ def _refuse_other_sites() -> None:
     if site in ("cross-site", "same-site"):
         raise PageError(403, "this page answers only its own pages and addresses typed into the browser, not a "
                              f"request another site's page made ({site}): open it from the address bar")
+
+
+def _require_token(token: str) -> Response | None:
+    """Answer a request that brings ``token`` in its address or its cookie; with the address,
+    set the cookie and go to the same address without the token (out of the history and logs)."""
+    cookie = f"icestate_ui_{request.host.rpartition(':')[2]}"  # one per port: several browsers may run
+    given = request.args.get(TOKEN_PARAMETER)
+    if given is not None and hmac.compare_digest(given.encode(), token.encode()):
+        rest = [(k, v) for k, v in request.args.items(multi=True) if k != TOKEN_PARAMETER]
+        answer = redirect(request.path + (f"?{urlencode(rest)}" if rest else ""), code=303)
+        answer.set_cookie(cookie, token, httponly=True, samesite="Strict")
+        return answer
+    if hmac.compare_digest(request.cookies.get(cookie, "").encode(), token.encode()):
+        return None
+    raise PageError(403, "this state browser answers only the address `icestate ui` printed when it started (with "
+                         "its token): open that address")
 
 
 def state_table_names(catalog: Catalog, namespace: str) -> list[str]:

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import html
+import http.cookiejar
 import os
 import re
+import stat
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -348,6 +351,29 @@ def test_other_sites_pages_get_nothing(browser, warehouse):
         assert ("/tables/activity/key", 200) in recorder.seen
 
 
+def test_a_browser_without_the_token_gets_nothing(browser, warehouse):
+    """With a token (as ``icestate ui`` starts it), only a browser that opened the address
+    holding it is answered: it then browses without the token in its address."""
+    opened: list[str] = []
+
+    def opener(name: str, branch: str = "main") -> IcebergStateTable:
+        opened.append(name)
+        return warehouse.open(name, branch)
+
+    with serving(create_app(opener, warehouse.names, where=warehouse.directory, token="s3cret-token")) as port:
+        base = f"http://127.0.0.1:{port}"
+        answer = browser.goto(f"{base}/tables/activity")
+        assert answer.status == 403 and opened == []
+        answer = browser.goto(f"{base}/tables/activity?token=wrong")
+        assert answer.status == 403 and opened == []
+        answer = browser.goto(f"{base}/tables/activity?branch=main&token=s3cret-token")
+        assert answer.status == 200 and browser.url == f"{base}/tables/activity?branch=main"
+        browser.get_by_role("link", name="Key").first.click()
+        browser.wait_for_load_state()
+        assert "/tables/activity/key" in browser.url and opened == ["activity", "activity"]
+    browser.context.clear_cookies()
+
+
 # --- error pages and escaping (Flask's test client) -----------------------------------------
 
 @pytest.fixture(scope="module")
@@ -481,11 +507,39 @@ def test_ui_command_serves_the_state_tables(warehouse):
                           cwd=ROOT) as child:
         try:
             first = child.stdout.readline()
-            url = re.search(r"http://127\.0\.0\.1:\d+/", first)
+            url = re.search(r"(http://127\.0\.0\.1:\d+/)\?token=([A-Za-z0-9_-]{32})", first)
             assert url, (first, child.stderr.read() if child.poll() is not None else "")
-            with urllib.request.urlopen(url.group(0), timeout=60) as answer:
+            base, token = url.groups()
+            # Without the token (another local user): refused. With it: a cookie, then the pages.
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(base, timeout=60)
+            assert refused.value.code == 403
+            assert "answers only the address `icestate ui` printed" in html.unescape(refused.value.read().decode())
+            browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+            with browser.open(url.group(0), timeout=60) as answer:
                 page = answer.read().decode()
-            assert answer.status == 200 and "activity" in page and "visits" in page
+            assert answer.status == 200 and answer.url == base and "activity" in page and "visits" in page
+            with browser.open(f"{base}tables/activity", timeout=60) as answer:
+                assert answer.status == 200
         finally:
             child.terminate()
             child.wait(timeout=30)
+        log = child.stderr.read()
+    assert "GET /tables/activity" in log and "token=..." in log  # werkzeug's request log, token scrubbed
+    assert token not in log
+
+
+def test_the_browser_is_opened_on_a_page_of_the_users_own():
+    """``icestate ui`` opens the browser on a file that leads to the address with the token, so
+    that the token is never on the browser's command line (which other local users can read)."""
+    from catalog.cli import _start_page
+
+    url = "http://127.0.0.1:8765/?token=abc&x=<y>"
+    path = _start_page(url, 8765)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+        with open(path) as f:
+            assert f'content="0;url={html.escape(url)}"' in f.read()
+    finally:
+        os.remove(path)
