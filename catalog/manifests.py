@@ -30,7 +30,7 @@ from pyiceberg.conversions import from_bytes
 from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile, ManifestEntryStatus, ManifestFile
 from pyiceberg.table.snapshots import Snapshot
-from pyiceberg.types import IntegerType
+from pyiceberg.types import IntegerType, ListType
 
 from statestore.errors import CorruptMetadataError
 
@@ -214,14 +214,24 @@ def unreadable_as_corrupt(what: str, uri: str) -> Iterator[None]:
 
 
 class ManifestCache:
-    """Contents of manifest lists and manifests, read once per path."""
+    """Contents of manifest lists and manifests, read once per path.
+
+    Bounded by entries: at most ``LISTS_MAX`` manifest lists and ``MANIFESTS_MAX`` manifests,
+    the least recently used forgotten first (read again if asked for). A table holds one list
+    per retained snapshot and some manifests per list, so the bounds matter only to a table
+    that retains thousands of checkpoints; what keeps a process flat is that expired snapshots'
+    lists and manifests are forgotten (``forget`` by the writer that deletes them, ``keep_only``
+    by a reader that follows the table)."""
+
+    LISTS_MAX = 1024
+    MANIFESTS_MAX = 16384
 
     def __init__(self, io: FileIO, key_group_field_id: int):
         self._io = io
         self._key_group_field_id = key_group_field_id
-        self._lists: dict[str, tuple[ManifestFile, ...]] = {}
-        self._entries: dict[str, tuple[FileEntry, ...]] = {}
-        self._listed_by: dict[str, str] = {}  # manifest -> a manifest list naming it
+        self._lists: OrderedDict[str, tuple[ManifestFile, ...]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[FileEntry, ...]] = OrderedDict()
+        self._listed_by: dict[str, str] = {}  # manifest -> a cached manifest list naming it
 
     def manifests(self, snapshot: Snapshot) -> tuple[ManifestFile, ...]:
         """The manifests a snapshot's manifest list names."""
@@ -247,6 +257,8 @@ class ManifestCache:
             self._lists[path] = manifests
             for m in manifests:
                 self._listed_by.setdefault(m.manifest_path, path)
+            self._bound()
+        self._lists.move_to_end(path)
         return self._lists[path]
 
     def entries(self, manifest: ManifestFile) -> tuple[FileEntry, ...]:
@@ -254,6 +266,8 @@ class ManifestCache:
         path = manifest.manifest_path
         if path not in self._entries:
             self._entries[path] = self._read(manifest)
+            self._bound()
+        self._entries.move_to_end(path)
         return self._entries[path]
 
     def _read(self, manifest: ManifestFile) -> tuple[FileEntry, ...]:
@@ -288,7 +302,9 @@ class ManifestCache:
             with ThreadPoolExecutor(workers, thread_name_prefix="icestate-manifests") as pool:
                 for manifest, entries in zip(missing, pool.map(self._read, missing), strict=True):
                     self._entries[manifest.manifest_path] = entries
-        return {e.path: e for m in manifests for e in self.entries(m) if e.live}
+        files = {e.path: e for m in manifests for e in self.entries(m) if e.live}
+        self._bound()
+        return files
 
     def manifest_paths(self, snapshots: Iterable[Snapshot]) -> set[str]:
         return {m.manifest_path for s in snapshots for m in self.manifests(s)}
@@ -308,3 +324,27 @@ class ManifestCache:
             self._lists.pop(p, None)
             self._entries.pop(p, None)
             self._listed_by.pop(p, None)
+
+    def _bound(self) -> None:
+        """Forget the least recently used lists and manifests beyond the bounds."""
+        while len(self._lists) > self.LISTS_MAX:
+            path, manifests = self._lists.popitem(last=False)
+            for m in manifests:
+                if self._listed_by.get(m.manifest_path) == path:
+                    del self._listed_by[m.manifest_path]
+        while len(self._entries) > self.MANIFESTS_MAX:
+            self._entries.popitem(last=False)
+
+
+# pyiceberg (0.12) keeps every Avro reader and writer it builds in ``Singleton._instances``, keyed
+# by their arguments, schema included, and a ``ListType`` hashes by identity
+# (``hash(data.values())``, a fresh view object): a key with a list in its schema was never found
+# again, so each read of a manifest list or manifest kept one more reader with its schema, for
+# good, in every process that reads a table's metadata (a writer and a reader restoring after
+# each of 200 checkpoints: 7,940 more ``NestedField``s; the soak's driver grew by it). A list type
+# hashes here by its values, as pyiceberg's ``MapType`` does, so equal schemas share one reader.
+def _list_type_hash(self: ListType) -> int:
+    return hash(self.__getnewargs__())
+
+
+ListType.__hash__ = _list_type_hash  # type: ignore[method-assign]

@@ -232,6 +232,7 @@ class StateReader:
             group.applied[name] = max(0, applied - len(parts))
             self._cache.resized(kg)
         self._forget_indexes()
+        self._forget_dead_footers()
         self._trim()
 
     def catch_up(self, newer: Sequence[SegmentFile], after_checkpoint_id: int) -> None:
@@ -260,6 +261,7 @@ class StateReader:
                 if group is not None and desc.name in group.views:
                     group.pending.setdefault(desc.name, []).append(frame)
                     self._cache.resized(kg)
+        self._forget_dead_footers()
         self._trim()
 
     def reset(self) -> None:
@@ -269,6 +271,13 @@ class StateReader:
         self._prefetched = None
         self._cache.clear()
         self._unsettled.clear()
+
+    def _forget_dead_footers(self) -> None:
+        """Keep the footers of the table's live segments of this reader's key groups only: the
+        table moves on (compaction, retention), and the footers of the segments it dropped
+        would stay until the footer cache's bound."""
+        if self._segments.footers_held():
+            self._segments.keep_footers({s.path for s in self._table.segments(self.key_group_range)})
 
     def stats(self) -> dict[str, int]:
         """The cache's and the segment reader's counters."""

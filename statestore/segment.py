@@ -22,7 +22,7 @@ from __future__ import annotations
 import base64
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -211,6 +211,16 @@ class SegmentReader:
         self.files_opened = 0
         # Bytes of files fetched by this read's prefetch that the cache had no room for.
         self._staged: dict[str, pa.Buffer] = {}
+
+    def footers_held(self) -> int:
+        return len(self._footers)
+
+    def keep_footers(self, paths: Collection[str]) -> None:
+        """Forget the footers of every segment but ``paths``: a reader that follows a table
+        (a task's store, batch after batch) would otherwise keep the footer of each segment it
+        ever read, compacted and expired ones included, up to ``footer_cache_entries_max``."""
+        for path in [p for p in self._footers if p not in paths]:
+            del self._footers[path]
 
     def read(self, segments: Sequence[SegmentFile], key_groups: np.ndarray, columns: Sequence[str],
              keys: KeyRequest | None = None) -> list[pa.Table]:
