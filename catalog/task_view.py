@@ -24,6 +24,7 @@ since the driver commits.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -85,7 +86,11 @@ class CheckpointView:
         return None if self.checkpoint is None else self.checkpoint.checkpoint_id
 
 
-_LOCATIONS: dict[tuple, Locations] = {}
+# Filesystems kept per process, the least recently used dropped first: one per storage and
+# storage properties, and the properties change when credentials are renewed (a session token
+# per hour), so a worker running for days would otherwise keep one client per renewal.
+LOCATIONS_MAX = 16
+_LOCATIONS: OrderedDict[tuple, Locations] = OrderedDict()
 _LOCATIONS_LOCK = threading.Lock()
 
 
@@ -97,6 +102,9 @@ def locations_of(location: str, io: Mapping[str, str]) -> Locations:
         found = _LOCATIONS.get(key)
         if found is None:
             found = _LOCATIONS[key] = Locations.of(location, _file_io(location, io))
+            while len(_LOCATIONS) > LOCATIONS_MAX:
+                _LOCATIONS.popitem(last=False)
+        _LOCATIONS.move_to_end(key)
         return found
 
 

@@ -81,3 +81,18 @@ def test_pyiceberg_builds_no_avro_reader_per_metadata_file(open_table):
     cached = follow(4)
     assert follow(8) == cached
     assert len(reader.segments(EVERY)) == 12
+
+
+def test_a_worker_keeps_a_bounded_number_of_filesystems(tmp_path):
+    """Storage properties change when credentials are renewed: each set has its filesystem,
+    and a worker running for days keeps at most ``LOCATIONS_MAX`` of them."""
+    from catalog import task_view
+
+    location = f"file://{tmp_path}/table"
+    first = task_view.locations_of(location, {"s3.session-token": "0"})
+    for token in range(1, task_view.LOCATIONS_MAX * 2):
+        task_view.locations_of(location, {"s3.session-token": str(token)})
+    assert len(task_view._LOCATIONS) <= task_view.LOCATIONS_MAX
+    newest = task_view.locations_of(location, {"s3.session-token": str(task_view.LOCATIONS_MAX * 2 - 1)})
+    assert newest is task_view.locations_of(location, {"s3.session-token": str(task_view.LOCATIONS_MAX * 2 - 1)})
+    assert task_view.locations_of(location, {"s3.session-token": "0"}) is not first  # dropped, made again
