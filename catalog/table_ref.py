@@ -306,6 +306,10 @@ def sqlite_problem(database: str, error: BaseException | None, warehouse: str | 
             f"the catalog database {database} is a directory, not a SQLite file ({said}): move it away and put the "
             "catalog file back there (from a backup), or let a new one be made and register the state tables "
             "again with `icestate recover --table NAME`")
+    if not os.path.isdir(os.path.dirname(database)):
+        return CatalogUnavailableError(
+            f"the catalog database {database} cannot be made: its directory does not exist ({said}). Create the "
+            "directory, or name the catalog file that holds the state tables")
     unusable = [p for p in (database, os.path.dirname(database))
                 if os.path.exists(p) and not os.access(p, os.R_OK | os.W_OK | (os.X_OK if os.path.isdir(p) else 0))]
     if unusable:

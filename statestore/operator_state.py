@@ -40,6 +40,9 @@ from statestore.names import check_operator_state_name
 
 STATE_COLUMN = "state"
 INDEX_COLUMN = "idx"
+# Parquet footer metadata of an operator state file: JSON {"checkpoint_id", "task_index"} it was
+# written for, checked against its checkpoint's record when read (older files have none).
+WRITTEN_FOR_KEY = "icestate.operator-state-of"
 
 
 class Redistribution(enum.Enum):
@@ -209,20 +212,44 @@ class OperatorStateStore:
             arrays[desc.value_column] = pa.array(full, desc.value_type)
             offset += len(values)
         table = pa.table(arrays).replace_schema_metadata({stored_keys.OPERATOR_STATE_MODES: json.dumps(
-            {d.name: d.mode.value for d in self._descriptors.values()})})
+            {d.name: d.mode.value for d in self._descriptors.values()}),
+            WRITTEN_FOR_KEY: json.dumps({"checkpoint_id": checkpoint_id, "task_index": self.task_index})})
         path = self._table.new_operator_state_path(checkpoint_id, self.task_index)
-        pq.write_table(table, path, filesystem=self._table.filesystem, compression="zstd")
+        pq.write_table(table, path, filesystem=self._table.filesystem, compression="zstd", write_page_checksum=True)
         size = self._table.filesystem.get_file_info(path).size
         return OperatorStateFile(path, checkpoint_id, self.task_index, size)
 
 
 def _read(fs: pafs.FileSystem, f: OperatorStateFile, descriptors: dict[str, OperatorStateDescriptor]) -> dict:
-    """{state name: list} of one old task's file (only the declared variables)."""
+    """{state name: list} of one old task's file (only the declared variables). A file that is
+    not the one its checkpoint recorded (its size, the checkpoint and task it was written for,
+    its pages' checksums) is ``CorruptSegmentError`` naming it."""
+    problem = None
     try:
-        table = pq.read_table(f.path, filesystem=fs)
-    except (OSError, pa.ArrowException) as e:
-        raise CorruptSegmentError(f"operator state file {f.path} of task {f.task_index} (checkpoint "
-                                  f"{f.checkpoint_id}) is missing or unreadable: {e}") from e
+        with fs.open_input_file(f.path) as raw:
+            size = raw.size()
+            if f.size_bytes and size != f.size_bytes:
+                problem = f"it has {size} bytes where its checkpoint recorded {f.size_bytes}"
+            else:
+                table = pq.ParquetFile(raw, page_checksum_verification=True).read()
+    except (OSError, pa.ArrowException, ValueError, UnicodeDecodeError) as e:  # ValueError: a damaged footer
+        problem = f"{type(e).__name__}: {e}"
+    if problem is None:
+        written_for = (table.schema.metadata or {}).get(WRITTEN_FOR_KEY.encode())
+        try:
+            record = None if written_for is None else json.loads(written_for)
+            if record is not None and (record["checkpoint_id"], record["task_index"]) != (f.checkpoint_id,
+                                                                                         f.task_index):
+                problem = (f"it holds the operator state of task {record['task_index']} at checkpoint "
+                           f"{record['checkpoint_id']}: another operator state file was copied over it")
+            elif not {STATE_COLUMN, INDEX_COLUMN} <= set(table.column_names):
+                problem = f"it has no {STATE_COLUMN!r} and {INDEX_COLUMN!r} columns"
+        except (ValueError, TypeError, KeyError) as e:
+            problem = f"its footer does not say which checkpoint and task it holds ({e})"
+    if problem is not None:
+        raise CorruptSegmentError(
+            f"operator state file {f.path} of task {f.task_index} (checkpoint {f.checkpoint_id}) is missing or "
+            f"damaged: {problem}. Restore it from a backup, or restore an older checkpoint that does not use it")
     states = table.column(STATE_COLUMN).to_pylist()
     out: dict[str, list] = {}
     for name, desc in descriptors.items():

@@ -1,7 +1,8 @@
-"""Settings of the fuzzing tests (issue 14): names, key and value types and values, damaged files.
+"""Settings of the fuzzing tests: names, key and value types and values, damaged files.
 
-In CI each property runs a few dozen derandomized examples (the same ones every run; the
-three modules together take about a minute). A fuzzing campaign sets
+In CI each property runs a fixed number of derandomized examples (the same ones every run),
+a few dozen where an example takes milliseconds and a handful where it takes seconds (the
+damaged files on S3), plus its explicit ``@example``s. A fuzzing campaign sets
 ``ICESTATE_FUZZ_EXAMPLES`` to the number of examples per property and gets fresh random
 examples every run::
 

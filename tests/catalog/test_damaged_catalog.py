@@ -244,3 +244,13 @@ def test_any_damage_of_the_catalog_database_reads_the_table_as_it_was_or_is_name
         except StateStoreError:
             pass  # the entry lost (an emptied database), or the metadata file it names unreadable
     shutil.rmtree(os.path.dirname(database))
+
+
+def test_a_catalog_database_in_a_missing_directory_is_named(tmp_path):
+    """SQLite cannot make a file in a directory that does not exist: "unable to open database file"."""
+    database = tmp_path / "gone" / "catalog.db"
+    ref = TableRef("op", catalog_name="statestore", catalog_properties={
+        "type": "sql", "uri": f"sqlite:///{database}", "warehouse": f"file://{tmp_path}/wh"})
+    with pytest.raises(CatalogUnavailableError, match=f"the catalog database {database} cannot be made: its "
+                                                      "directory does not exist"):
+        ref.open(LAYOUT)

@@ -1,4 +1,4 @@
-"""Errors that say what is wrong (issue 14, defect 12): a damaged metadata.json, manifest list or
+"""Errors that say what is wrong: a damaged metadata.json, manifest list or
 manifest is reported as CorruptMetadataError naming the file and what to do, not as a decode
 error of pyiceberg's; a zombie writer whose successor committed and expired gets a commit
 conflict, not a FileNotFoundError."""

@@ -1,51 +1,78 @@
-"""Fuzzing of damaged files (issue 14): every damaged file is named or read correctly; never a
-different state silently, never committed data deleted.
+"""Fuzzing of damaged files: every damaged file is named or read correctly; never a different
+state silently, never committed data deleted, never a crash.
 
 Strategy
-    A real Iceberg state table (local warehouse) is built once: four checkpoints of a value
-    state, a list state and a map state, with puts, appends, a cleared value, a cleared list
-    and a removed map entry. The state of each checkpoint is remembered as the store reads it
-    (batched and per key) and as ``catalog.sql.connect`` shows it (the ``state_<name>`` tables and
-    the raw ``entries`` view); so are the files each checkpoint references. Every file is then
-    made two hours old (so that the orphan sweep's grace period protects nothing), and the
-    warehouse is kept as a pristine copy.
+    A real Iceberg state table is built once per place (local disk with the embedded catalog;
+    S3 on moto's server, ``tests/s3_server.py``, with a SQLite catalog file): four checkpoints
+    of a value state, a list state and a map state, with puts, appends, a cleared value, a
+    cleared list and a removed map entry, each with the operator state of two tasks (a split
+    and a union list); a compaction of the newest checkpoint (its segments merged, in a commit
+    of its own); a fifth checkpoint; then a fork at it with two checkpoints of its own. The
+    state of each checkpoint of each line is remembered as the store reads it (batched and per
+    key), as ``catalog.sql.connect`` shows it (the ``state_<name>`` tables and the raw
+    ``entries`` view) and as a task restoring the operator state gets it; so are the files each
+    checkpoint references. Every file is remembered (its bytes) as the pristine table.
 
-    Each example starts from a copy of the pristine warehouse and damages one file chosen by
-    hypothesis among the metadata.json files (current and older), the manifest lists, the
-    manifests and the segments, in one way: truncated at an offset, a byte flipped, bytes
-    overwritten at an offset, emptied, deleted, or replaced by another file of the same kind
-    of the same table. Then, as a fresh process (``METADATA_FILES`` cleared, no file cache), it
-    opens the table and reads every checkpoint.
+    Each example damages one file chosen by hypothesis among the metadata.json files (current
+    and older), the manifest lists, the manifests, the segments and the operator state files,
+    of the main line, the fork or the compaction (``Damage.origin``), in one way: truncated at
+    an offset, a byte flipped, bytes overwritten at an offset, emptied, deleted, or replaced by
+    another file of the same kind of the same table. Then, as a fresh process (``METADATA_FILES``
+    cleared, no file cache), it opens the table and reads every checkpoint of both lines.
+
+    The reads run in a child process (``in_child``, one for the module, started again after a
+    death): a damaged file that crashes the process (pyiceberg's Cython Avro decoder did) fails
+    the example instead of killing the test run. The child starts over from the pristine files
+    after each example.
 
 Properties
-    1. Each read (opening the table, each checkpoint through the store and through SQL) gives
-       exactly the remembered state, or raises one of the store's errors
-       (``StateStoreError``) whose message names the damaged file. No other exception type.
+    1. Each read (opening the table, each checkpoint through the store, through SQL and as
+       operator state) gives exactly the remembered state, or raises one of the store's errors
+       (``StateStoreError``) whose message names the damaged file. No other exception type,
+       and the process lives.
     2. The next checkpoint's commit and a garbage collection with the orphan sweep (where the
        table opens) delete no undamaged file that a retained checkpoint references.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import functools
+import multiprocessing
 import os
 import shutil
 import tempfile
-import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from catalog import IcebergStateTable
+from catalog import IcebergStateTable, TableRef
+from catalog import gc as gc_module
+from catalog.compaction import compact
 from catalog.fileio import METADATA_FILES, wait_for_deletes
+from catalog.retention import operator_files_of
 from catalog.sql import connect
-from statestore import ListStateDescriptor, MapStateDescriptor, StateStore, StoreConfig, ValueStateDescriptor
+from statestore import (
+    ListStateDescriptor,
+    MapStateDescriptor,
+    OperatorStateDescriptor,
+    OperatorStateStore,
+    Redistribution,
+    StateStore,
+    StoreConfig,
+    ValueStateDescriptor,
+)
 from statestore.errors import CorruptMetadataError, CorruptSegmentError, StateStoreError
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import StateLayout
+from tests import s3_server
 from tests.catalog.catalog_helpers import commit_next, snapshot_files, table_files
 from tests.fuzzing import fuzz_settings
 
@@ -53,15 +80,34 @@ ELSEWHERE = StoreConfig(file_cache_mode="off")  # a reader on another host: noth
 LAYOUT = StateLayout.of(pa.schema([("user", pa.string())]), [
     ValueStateDescriptor("count", pa.int64()), ListStateDescriptor("events", pa.string()),
     MapStateDescriptor("seen", pa.int32(), key_type=pa.string())], 16)
-USERS = ["a", "b", "c", "d"]
+OPERATOR = (OperatorStateDescriptor("offsets", pa.int64(), Redistribution.SPLIT),
+            OperatorStateDescriptor("sources", pa.string(), Redistribution.UNION))
+USERS = ["a", "b", "c", "d", "e"]
 NOW_MS = 1_700_000_000_000
 TABLE = "t"
-KINDS = ("metadata.json", "manifest list", "manifest", "segment")
+FORK = "f"
+S3_BUCKET = "icestate-fuzz-damage"
+KINDS = ("metadata.json", "manifest list", "manifest", "segment", "operator state")
 MODES = ("truncate", "flip", "overwrite", "empty", "delete", "replace")
+# Where a file came from: the main line's checkpoints, the compaction, or the fork's checkpoints.
+ORIGINS = ("main", "compaction", "fork")
 
 
 def keys(names: list[str]) -> pa.Table:
     return pa.table({"user": pa.array(names, pa.string())})
+
+
+def checkpoint(table: IcebergStateTable, store: StateStore, step: int) -> None:
+    """Commit the store's writes with the operator state of two tasks (what a two-task job
+    restoring at any parallelism redistributes)."""
+    cp = table.next_checkpoint_id()
+    segments = store.flush(cp)
+    tasks = [OperatorStateStore(table, OPERATOR, task_index=t, parallelism=2) for t in range(2)]
+    for t, task in enumerate(tasks):
+        task.get_list_state("offsets").update([100 * step + t, 100 * step + t + 10])
+        task.get_list_state("sources").update([f"s{step}-{t}"])
+    table.commit_checkpoint(cp, segments, parallelism=2, operator_state=[task.flush(cp) for task in tasks])
+    store.checkpoint_complete(cp)
 
 
 def write_checkpoints(table: IcebergStateTable) -> None:
@@ -72,20 +118,30 @@ def write_checkpoints(table: IcebergStateTable) -> None:
     count.update_batch(keys(["a", "b"]), [1, 2])
     events.add_batch(keys(["a", "a", "b"]), ["x", "y", "z"])
     seen.put_batch(keys(["a", "b"]), ["u", "u"], [1, 2])
-    store.checkpoint()
+    checkpoint(table, store, 1)
     count.update_batch(keys(["a", "c"]), [3, 4])
     events.add_batch(keys(["c"]), ["w"])
     seen.put_batch(keys(["a"]), ["v"], [5])
-    store.checkpoint()
+    checkpoint(table, store, 2)
     count.clear_batch(keys(["b"]))
     events.clear_batch(keys(["a"]))
     seen.remove_batch(keys(["a"]), ["u"])
-    store.checkpoint()
+    checkpoint(table, store, 3)
     store.set_current_key("d")
     count.update(9)
     events.add("q")
     seen.put("t", 7)
-    store.checkpoint()
+    checkpoint(table, store, 4)
+
+
+def write_more(table: IcebergStateTable, step: int, user: str) -> None:
+    """One more checkpoint: a value, an append and a map entry of ``user``."""
+    store = StateStore(table, config=ELSEWHERE)
+    store.set_current_key(user)
+    store.get_state("count").update(step)
+    store.get_state("events").add(f"n{step}")
+    store.get_state("seen").put(f"k{step}", step)
+    checkpoint(table, store, step)
 
 
 def read_state(table: IcebergStateTable) -> dict:
@@ -102,6 +158,12 @@ def read_state(table: IcebergStateTable) -> dict:
     return state
 
 
+def read_operator_state(table: IcebergStateTable) -> list:
+    """The opened checkpoint's operator state as the one task of a restoring job gets it."""
+    task = OperatorStateStore(table, OPERATOR, task_index=0, parallelism=1)
+    return [task.get_list_state(d.name).get() for d in OPERATOR]
+
+
 def read_sql(table: IcebergStateTable, checkpoint_id: int) -> dict:
     """The checkpoint as ``catalog.sql.connect`` shows it: the live state tables and the raw entries."""
     con = connect(table, checkpoint_id=checkpoint_id, now_ms=NOW_MS)
@@ -111,18 +173,47 @@ def read_sql(table: IcebergStateTable, checkpoint_id: int) -> dict:
     return shown
 
 
-@dataclass(frozen=True)
-class Built:
-    """The pristine table: where it is, its checkpoints' states and files, its files by kind."""
+def read_all(table: IcebergStateTable, checkpoint_id: int) -> tuple:
+    table.restore(checkpoint_id)
+    return read_state(table), read_operator_state(table), read_sql(table, checkpoint_id)
 
-    root: str  # holds "pristine" (kept) and "wh" (the warehouse every example damages)
-    states: dict  # checkpoint id -> (store state, SQL state)
-    referenced: dict  # checkpoint id -> every file its snapshot references
-    files: dict  # kind -> sorted relative paths
+
+@dataclass(frozen=True)
+class Place:
+    """Where the fuzzed table lives: ``local`` (the embedded catalog in ``root``/wh) or ``s3``
+    (its files on moto under a prefix of ``S3_BUCKET``, its SQLite catalog in ``root``/wh)."""
+
+    kind: str
+    root: str
+    endpoint: str | None = None
 
     @property
     def warehouse(self) -> str:
         return os.path.join(self.root, "wh")
+
+    def ref(self, branch: str = "main") -> TableRef:
+        if self.kind == "local":
+            return TableRef(TABLE, warehouse=self.warehouse, branch=branch)
+        assert self.endpoint is not None
+        return TableRef(TABLE, catalog_name="fuzz", branch=branch, catalog_properties={
+            "type": "sql", "uri": f"sqlite:///{self.warehouse}/catalog.db", "init_catalog_tables": "true",
+            "warehouse": f"s3://{S3_BUCKET}/{os.path.basename(self.root)}", **s3_server.properties(self.endpoint)})
+
+    def open(self, branch: str = "main", **kwargs) -> IcebergStateTable:
+        return self.ref(branch).open(LAYOUT, **kwargs)
+
+
+@dataclass(frozen=True)
+class Built:
+    """The pristine table: where it is, its checkpoints' states and files, its files by kind."""
+
+    place: Place
+    filesystem: pafs.FileSystem
+    location: str  # the table's directory as a filesystem path
+    states: dict  # (line, checkpoint id) -> (store state, operator state, SQL state)
+    referenced: dict  # (line, checkpoint id) -> every file (filesystem path) its snapshot references
+    files: dict  # kind -> sorted (path relative to the location, origin)
+    pristine: dict  # path relative to the location -> bytes; and the catalog file's bytes
 
 
 def kind_of(relative: str) -> str | None:
@@ -132,53 +223,105 @@ def kind_of(relative: str) -> str | None:
     if name.endswith(".avro"):
         return "manifest list" if name.startswith("snap-") else "manifest"
     if name.endswith(".parquet") and relative.startswith("data"):
-        return "segment"
+        return "operator state" if "/operator/" in relative else "segment"
     return None
 
 
-@functools.cache
-def built() -> Built:
-    """Build the pristine table once per test process."""
-    root = os.path.realpath(tempfile.mkdtemp(prefix="icestate-fuzz-damage-"))
-    warehouse = os.path.join(root, "wh")
-    with IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name=TABLE) as table:
+def listing(fs: pafs.FileSystem, location: str) -> dict[str, bytes]:
+    """Every file under ``location``, by relative path, with its bytes."""
+    wait_for_deletes()
+    infos = fs.get_file_info(pafs.FileSelector(location, recursive=True, allow_not_found=True))
+    found = {}
+    for info in infos:
+        if info.type == pafs.FileType.File:
+            with fs.open_input_stream(info.path) as f:
+                found[os.path.relpath(info.path, location)] = f.read()
+    return found
+
+
+def referenced_paths(table: IcebergStateTable) -> set[str]:
+    """Every file the opened checkpoint's snapshot references, as filesystem paths."""
+    snapshot = table.iceberg_table.snapshot_by_id(table.current_checkpoint().snapshot_id)
+    uris = snapshot_files(table, snapshot) | {table.iceberg_table.metadata_location.removeprefix("file://")}
+    uris |= {f["path"] for f in operator_files_of(snapshot)}
+    return {table.filesystem.normalize_path(u.removeprefix("file://").removeprefix("s3://")) for u in uris}
+
+
+def build(place: Place) -> Built:
+    """Build the table of ``place`` (module docstring) and remember everything about it."""
+    phases: list[set[str]] = []
+    with place.open() as table:
+        fs = table.filesystem
+        location = fs.normalize_path(table.location.removeprefix("file://").removeprefix("s3://"))
         write_checkpoints(table)
-        wait_for_deletes()
+        phases.append(set(listing(fs, location)))
+        with place.open() as compactor:
+            assert compact(compactor) is not None
+        phases.append(set(listing(fs, location)))
+        table.restore()
+        write_more(table, 5, "e")
+        table.fork(FORK)
+    with place.open(FORK) as fork:
+        write_more(fork, 6, "a")
+        write_more(fork, 7, "e")
+    files = listing(fs, location)
+    origin = {**{p: "fork" for p in files}, **{p: "compaction" for p in phases[1]}, **{p: "main" for p in phases[0]}}
     METADATA_FILES.clear()
     states, referenced = {}, {}
-    with IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name=TABLE) as table:
-        for info in table.list_checkpoints():
-            table.restore(info.checkpoint_id)
-            states[info.checkpoint_id] = (read_state(table), read_sql(table, info.checkpoint_id))
-            referenced[info.checkpoint_id] = snapshot_files(table, table.snapshot) | {
-                table.iceberg_table.metadata_location.removeprefix("file://")}
-        location = table.location.removeprefix("file://")
-    assert sorted(states) == [1, 2, 3, 4]
-    old = time.time() - 2 * 3600
-    files: dict[str, list[str]] = {k: [] for k in KINDS}
-    for directory, _, names in os.walk(location):
-        for n in names:
-            path = os.path.join(directory, n)
-            os.utime(path, (old, old))
-            kind = kind_of(os.path.relpath(path, location))
-            if kind is not None:
-                files[kind].append(os.path.relpath(path, warehouse))
-    shutil.copytree(warehouse, os.path.join(root, "pristine"))
-    return Built(root, states, referenced, {k: sorted(v) for k, v in files.items()})
+    for line in ("main", FORK):
+        with place.open(line) as table:
+            for info in table.list_checkpoints():
+                if line == FORK and ("main", info.checkpoint_id) in states:
+                    continue  # the fork's base: the main line's checkpoint
+                states[line, info.checkpoint_id] = read_all(table, info.checkpoint_id)
+                referenced[line, info.checkpoint_id] = referenced_paths(table)
+    assert sorted(states) == [("f", 6), ("f", 7), *(("main", cp) for cp in range(1, 6))], sorted(states)
+    by_kind: dict[str, list] = {k: [] for k in KINDS}
+    for relative in files:
+        kind = kind_of(relative)
+        if kind is not None:
+            by_kind[kind].append((relative, origin[relative]))
+    with open(os.path.join(place.warehouse, "catalog.db"), "rb") as f:
+        files["catalog.db"] = f.read()
+    return Built(place, fs, location, states, referenced, {k: sorted(v) for k, v in by_kind.items()}, files)
 
 
-def fresh_copy(b: Built) -> None:
-    shutil.rmtree(b.warehouse)
-    shutil.copytree(os.path.join(b.root, "pristine"), b.warehouse)
+@functools.cache
+def built(kind: str, endpoint: str | None) -> Built:
+    """The table of this place, built once per process."""
+    root = os.path.realpath(tempfile.mkdtemp(prefix=f"icestate-fuzz-damage-{kind}-"))
+    os.makedirs(os.path.join(root, "wh"))
+    # Files count as settled at once (the sweep's grace, made for crashed commits under way, would
+    # otherwise protect every file of a table this young): the sweep may delete any orphan.
+    gc_module.COMPACTION_GRACE_SECONDS = -3600
+    return build(Place(kind, root, endpoint))
+
+
+def start_over(b: Built, damaged: str) -> None:
+    """The pristine table again after an example that damaged ``damaged``: the files it added
+    deleted, the damaged file and the files it deleted written back (the others are as they
+    were: a file's name is never used for other bytes)."""
+    wait_for_deletes()
+    infos = b.filesystem.get_file_info(pafs.FileSelector(b.location, recursive=True, allow_not_found=True))
+    now = {os.path.relpath(i.path, b.location) for i in infos if i.type == pafs.FileType.File}
+    for relative in now - b.pristine.keys():
+        b.filesystem.delete_file(f"{b.location}/{relative}")
+    for relative in (b.pristine.keys() - now - {"catalog.db"}) | {damaged}:
+        with b.filesystem.open_output_stream(f"{b.location}/{relative}") as f:
+            f.write(b.pristine[relative])
+    with open(os.path.join(b.place.warehouse, "catalog.db"), "wb") as f:
+        f.write(b.pristine["catalog.db"])
     METADATA_FILES.clear()  # as a fresh process
 
 
 @dataclass(frozen=True)
 class Damage:
-    """One damage, drawn before the table exists: which file of a kind (an index into them),
-    how, where (an offset from the start or the end) and with what bytes."""
+    """One damage, drawn before the table exists: which file of a kind and origin (an index into
+    them; any origin when the kind has none of it), how, where (an offset from the start or
+    the end) and with what bytes."""
 
     kind: str
+    origin: str
     index: int
     mode: str
     offset: int
@@ -188,89 +331,155 @@ class Damage:
 
     def resolve(self, b: Built) -> tuple[str, int, str]:
         """(the file, the offset in it, its replacement) in the built table."""
-        files = b.files[self.kind]
+        every = [f for f, _ in b.files[self.kind]]
+        files = [f for f, o in b.files[self.kind] if o == self.origin] or every
         target = files[self.index % len(files)]
-        size = os.path.getsize(os.path.join(b.root, "pristine", target))
+        size = len(b.pristine[target])
         offset = min(size - 1, self.offset) if not self.from_end else max(0, size - 1 - self.offset)
-        others = [f for f in files if f != target] or [target]
+        others = [f for f in every if f != target] or [target]
         return target, offset, others[self.other % len(others)]
 
 
 damages = st.builds(
-    Damage, kind=st.sampled_from(KINDS), index=st.integers(0, 63), mode=st.sampled_from(MODES),
-    offset=st.one_of(st.integers(0, 64), st.integers(0, 1 << 16)), from_end=st.booleans(),
-    data=st.binary(min_size=1, max_size=8), other=st.integers(0, 63))
+    Damage, kind=st.sampled_from(KINDS), origin=st.sampled_from(ORIGINS), index=st.integers(0, 63),
+    mode=st.sampled_from(MODES), offset=st.one_of(st.integers(0, 64), st.integers(0, 1 << 16)),
+    from_end=st.booleans(), data=st.binary(min_size=1, max_size=8), other=st.integers(0, 63))
 
 
 def damage(b: Built, target: str, mode: str, offset: int, data: bytes, other: str) -> None:
-    path = os.path.join(b.warehouse, target)
+    path = f"{b.location}/{target}"
+    old = b.pristine[target]
     if mode == "delete":
-        os.remove(path)
-    elif mode == "empty":
-        open(path, "wb").close()
+        b.filesystem.delete_file(path)
+        return
+    if mode == "empty":
+        new = b""
     elif mode == "truncate":
-        os.truncate(path, offset)
+        new = old[:offset]
     elif mode == "replace":
-        shutil.copyfile(os.path.join(b.warehouse, other), path)
+        new = b.pristine[other]
     else:
-        with open(path, "r+b") as f:
-            f.seek(offset)
-            old = f.read(len(data))
-            new = bytes(x ^ 0xFF for x in old) if mode == "flip" else data
-            f.seek(offset)
-            f.write(new[: max(1, len(old))] if old else new)
+        at = old[offset:offset + len(data)]
+        new = old[:offset] + (bytes(x ^ 0xFF for x in at) if mode == "flip" else data[:max(1, len(at))]) + \
+            old[offset + len(at) if at else offset:]
+    with b.filesystem.open_output_stream(path) as f:
+        f.write(new)
 
 
 def named(error: StateStoreError, target: str) -> None:
     assert os.path.basename(target) in str(error), f"the error does not name the damaged file {target}: {error!r}"
 
 
-@fuzz_settings(40)
-@given(choice=damages)
-def test_a_damaged_file_is_named_or_read_correctly_and_never_deletes_committed_data(choice: Damage):
-    """Properties 1 and 2 for one damaged file (see the module docstring)."""
-    b = built()
+def check_damage(kind: str, endpoint: str | None, choice: Damage) -> None:
+    """Properties 1 and 2 for one damaged file (see the module docstring), in this process."""
+    b = built(kind, endpoint)
     target, offset, other = choice.resolve(b)
     mode = choice.mode
-    fresh_copy(b)
     damage(b, target, mode, offset, choice.data, other)
+    METADATA_FILES.clear()  # as a fresh process
     try:
-        table = IcebergStateTable.open(LAYOUT, warehouse=b.warehouse, table_name=TABLE)
-    except StateStoreError as e:
-        named(e, target)
-        return
-    try:
-        retained = [info.checkpoint_id for info in table.list_checkpoints()]
-        assert retained == sorted(b.states), f"checkpoints {retained} after damaging {target} ({mode})"
-        for cp, (state, sql) in b.states.items():
-            try:
-                table.restore(cp)
-                assert read_state(table) == state, f"checkpoint {cp} reads otherwise after damaging {target} ({mode})"
-            except StateStoreError as e:
-                named(e, target)
-            try:
-                assert read_sql(table, cp) == sql, f"SQL of checkpoint {cp} otherwise after damaging {target} ({mode})"
-            except StateStoreError as e:
-                named(e, target)
-        # Retention and the orphan sweep: the next checkpoint, then a collection.
+        check_reads(b, target, f"damaging {target} ({mode} at {offset}) on {kind}")
+    finally:
+        start_over(b, target)
+
+
+def check_reads(b: Built, target: str, what: str) -> None:
+    for line in ("main", FORK):
         try:
-            table.restore()
+            table = b.place.open(line)
+        except StateStoreError as e:
+            named(e, target)
+            continue
+        with table:
+            expected = sorted(cp for at, cp in b.states if at == line or (line == FORK and cp <= 5))
+            retained = [info.checkpoint_id for info in table.list_checkpoints()]
+            assert retained == expected, f"{line}: checkpoints {retained} after {what}"
+            for (at, cp), state in b.states.items():
+                if at != line:
+                    continue
+                try:
+                    assert read_all(table, cp) == state, f"{line} checkpoint {cp} reads otherwise after {what}"
+                except StateStoreError as e:
+                    named(e, target)
+    # Retention and the orphan sweep: the next checkpoint, then a collection (main line).
+    try:
+        with b.place.open() as table:
             store = StateStore(table, config=ELSEWHERE)
             store.get_state("count").update_batch(keys(["e"]), [5])
             store.checkpoint()
             table.collect_garbage()
-        except StateStoreError as e:
-            named(e, target)
-        wait_for_deletes()
-    finally:
-        table.close()
-    damaged = os.path.join(b.warehouse, target)
-    for cp, paths in b.referenced.items():
-        lost = sorted(p for p in paths if p != damaged and not os.path.exists(p))
-        assert not lost, f"after damaging {target} ({mode}), files of checkpoint {cp} were deleted: {lost}"
+            wait_for_deletes()
+    except StateStoreError as e:
+        named(e, target)
+    damaged = f"{b.location}/{target}"
+    for (line, cp), paths in b.referenced.items():
+        lost = sorted(p for p in paths if p != damaged and
+                      b.filesystem.get_file_info(p).type != pafs.FileType.File)
+        assert not lost, f"after {what}, files of {line} checkpoint {cp} were deleted: {lost}"
 
 
-# Regression tests of the defects this fuzzing found (issue 14), one per defect, on the table
+# --- the child process ------------------------------------------------------------------------
+
+_CHILD: list[ProcessPoolExecutor] = []
+
+
+def in_child(fn: Callable[..., None], *args: object) -> None:
+    """``fn(*args)`` in this module's child process (started when first needed, and again after
+    it died): its assertion errors are raised here; its death fails the example."""
+    if not _CHILD:
+        _CHILD.append(ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                          initializer=faulthandler.enable))
+    try:
+        _CHILD[0].submit(fn, *args).result()
+    except BrokenProcessPool:
+        _CHILD.pop().shutdown(wait=False)
+        raise AssertionError(f"the process died (see its fault report above): {fn.__name__}{args}") from None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _child_process() -> Iterator[None]:
+    yield
+    while _CHILD:
+        _CHILD.pop().shutdown()
+
+
+@pytest.fixture(scope="module")
+def fuzz_s3(s3_server_endpoint: str) -> str:
+    s3_server.create_bucket(s3_server_endpoint, S3_BUCKET)
+    return s3_server_endpoint
+
+
+@fuzz_settings(16)
+@given(choice=damages)
+# In CI too, whatever the examples drawn: damage in the fork, the compaction and the operator state.
+@example(choice=Damage("operator state", "main", 0, "replace", 0, False, b"\0", 1))
+@example(choice=Damage("segment", "fork", 0, "flip", 200, False, b"\0", 0))
+@example(choice=Damage("manifest list", "fork", 1, "truncate", 30, True, b"\0", 0))
+@example(choice=Damage("manifest", "compaction", 0, "overwrite", 40, True, b"\xff\xff\xff\xff\x0f", 0))
+@example(choice=Damage("segment", "compaction", 0, "delete", 0, False, b"\0", 0))
+def test_a_damaged_file_is_named_or_read_correctly_and_never_deletes_committed_data(choice: Damage):
+    """Properties 1 and 2 for one damaged file of the table on local disk."""
+    in_child(check_damage, "local", None, choice)
+
+
+@fuzz_settings(2)
+@given(choice=damages)
+@example(choice=Damage("manifest list", "compaction", 0, "truncate", 100, True, b"\0", 0))
+@example(choice=Damage("operator state", "fork", 0, "flip", 60, False, b"\0", 0))
+def test_a_damaged_file_on_s3_is_named_or_read_correctly_and_never_deletes_committed_data(fuzz_s3: str,
+                                                                                          choice: Damage):
+    """Properties 1 and 2 for one damaged object of the table on S3 (moto's server)."""
+    in_child(check_damage, "s3", fuzz_s3, choice)
+
+
+def test_a_process_that_dies_fails_the_example_and_the_next_one_runs():
+    """The harness itself: a read that kills its process is a failure, not the end of the run."""
+    with pytest.raises(AssertionError, match="the process died"):
+        in_child(os.abort)
+    in_child(os.getpid)
+
+
+# Regression tests of the defects this fuzzing found, one per defect, on the table
 # of the catalog tests (``commit_next``: two segments per checkpoint).
 
 
@@ -378,3 +587,20 @@ def test_a_segment_footer_whose_text_is_not_utf8_is_named(open_table):
         f.write(data)
     with pytest.raises(CorruptSegmentError, match=os.path.basename(segment.path)):
         StateStore(open_table(), config=ELSEWHERE).scan("count")
+
+
+def test_an_operator_state_file_replaced_by_another_tasks_is_named(open_table):
+    """An operator state file replaced by another task's file of the same checkpoint was read
+    silently: a restoring job got that task's lists twice and the other's never. The file now
+    records the checkpoint and task it was written for (and its pages their checksums), and a
+    read checks them and its size against the checkpoint's record."""
+    table = open_table()
+    tasks = [OperatorStateStore(table, OPERATOR, task_index=t, parallelism=2) for t in range(2)]
+    for t, task in enumerate(tasks):
+        task.get_list_state("offsets").update([t, t + 10])
+    cp = table.next_checkpoint_id()
+    table.commit_checkpoint(cp, [], parallelism=2, operator_state=[task.flush(cp) for task in tasks])
+    first, second = sorted(table.operator_state_files(), key=lambda f: f.task_index)
+    shutil.copyfile(second.path, first.path)
+    with pytest.raises(CorruptSegmentError, match=rf"{os.path.basename(first.path)}.*another operator state file"):
+        OperatorStateStore(table, OPERATOR, task_index=0, parallelism=1).get_list_state("offsets").get()
