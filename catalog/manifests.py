@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import os
 import struct
 import threading
 import zlib
@@ -176,6 +177,14 @@ pyiceberg.avro.file.new_decoder = _new_decoder
 AvroFile.__enter__ = _enter
 AvroFile._read_block = _read_block
 AvroOutputFile.__exit__ = _written
+
+
+def _new_lock_after_fork() -> None:
+    global _DECODED_LOCK
+    _DECODED_LOCK = threading.Lock()  # a thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 @contextlib.contextmanager
