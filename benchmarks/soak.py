@@ -1,4 +1,4 @@
-"""Soak: a stateful streaming query for a long while (30 minutes by default), with a checkpoint
+"""Soak: a stateful streaming query for a long while (90 minutes by default), with a checkpoint
 every few seconds, retention and compaction on; what must stay flat is sampled and plotted.
 
 The query (local[2], this process is the driver): Spark's ``rate`` source at ``--rows-per-second``,
@@ -8,29 +8,33 @@ state (the key's count) and a map state of per-minute counts with a 2-minute TTL
 state is bounded while every batch writes, expires and tombstones entries. Trigger every
 ``--trigger-seconds``; each batch is one checkpoint; retention keeps the default 10 checkpoints;
 the compactor process runs the default policy. The batch output goes to a ``foreach_batch``
-that counts it.
+that counts it. Spark's own history is bounded as in production (``SPARK_HISTORY``).
 
 Sampled every ``--sample-seconds``: resident memory and open file descriptors of the driver's
-Python, its JVM, the Python workers and the compactor (from ``/proc``); the table's segment files
-per unit (max and mean) and retained checkpoints; the files and bytes under the table's location;
-the entries the state holds (the state figures of the newest batch report). Per batch: its duration and commit time.
-After a warm-up (``--warmup-minutes``), the mean of each figure over the window after the
-warm-up is compared with its mean over the last window of the same length: the ratio is the
-drift (1.0: flat). Results: ``soak.json`` and ``soak.png`` (one panel per figure, against
-minutes).
+Python, its JVM, the Python workers (together and each) and the compactor (from ``/proc``); the
+table's segment files per unit (max and mean) and retained checkpoints; the files and bytes under
+the table's location; the entries the state holds (the state figures of the newest batch
+report). Per batch: its duration and commit time. After a warm-up (``--warmup-minutes``), the
+mean of each figure over the window after the warm-up is compared with its mean over the last
+window of the same length (a third of the rest, 1 to 10 minutes; batch figures: medians): the
+ratio is the drift (1.0: flat; flat: at most ``FLAT``). Results: ``soak.json`` and ``soak.png``
+(one panel per figure, against minutes) in ``docs/benchmarks/soak/``, and while it runs
+``soak.partial.json`` every 5 minutes. ``--diagnose DIR``: each process's cache sizes and object
+counts, to find what grows.
 
-    python -m benchmarks.soak --minutes 30
+    python -m benchmarks.soak --minutes 90
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -41,6 +45,10 @@ from benchmarks import harness
 TABLE = "soak"
 TTL_MS = 120_000
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+# Opt-in diagnosis (``--diagnose DIR``): where each process (the driver, every Python worker)
+# appends what it holds (tracemalloc's biggest growths, object counts by type) as JSON lines.
+DIAGNOSE_ENV = "ICESTATE_SOAK_DIAGNOSE"
+DIAGNOSE_EVERY_S = 60.0
 
 try:  # the processor: pyspark is there whenever the soak runs; the module imports without it
     from pyspark.sql import Row
@@ -50,6 +58,10 @@ try:  # the processor: pyspark is there whenever the soak runs; the module impor
         """A key's count (value state) and its per-minute counts (map state, 2-minute TTL)."""
 
         def init(self, handle: StatefulProcessorHandle) -> None:
+            if os.environ.get(DIAGNOSE_ENV):  # --diagnose; by name: this class travels pickled by value
+                from benchmarks.soak import diagnose
+
+                diagnose()
             self.count = handle.getValueState("count", "n long")
             self.minutes = handle.getMapState("minutes", "minute long", "n long", TTL_MS)
 
@@ -63,6 +75,72 @@ try:  # the processor: pyspark is there whenever the soak runs; the module impor
             yield Row(key=key[0], count=total)
 except ImportError:  # pragma: no cover
     SoakProcessor = None  # type: ignore[assignment,misc]
+
+
+# --- diagnosis ----------------------------------------------------------------------------------
+
+_DIAGNOSIS: dict[str, Any] = {}  # per process: the first snapshot and when the last line was written
+
+
+def diagnose(force: bool = False) -> None:
+    """Append this process's growth since its first call to ``$ICESTATE_SOAK_DIAGNOSE/<pid>.jsonl``,
+    at most every ``DIAGNOSE_EVERY_S``: what grows is found by measuring, in the driver and in
+    the workers alike: the sizes of the caches, object counts by type and, when ``PYTHONTRACEMALLOC`` is
+    set, tracemalloc's biggest growths (tracing slows the query several times over)."""
+    folder = os.environ.get(DIAGNOSE_ENV)
+    now = time.monotonic()
+    if not folder or (not force and now - _DIAGNOSIS.get("at", -1e9) < DIAGNOSE_EVERY_S):
+        return
+    import collections
+    import gc
+    import json
+    import tracemalloc
+
+    import pyarrow as pa
+
+    _DIAGNOSIS["at"] = now
+    objects = gc.get_objects()
+    types = collections.Counter(type(o).__qualname__ for o in objects)
+    line: dict[str, Any] = {"time": time.time(), "rss_mb": round(_rss_and_fds(os.getpid())[0] / 2**20, 1),
+                            "arrow_mb": round(pa.total_allocated_bytes() / 2**20, 1),
+                            "types": dict(types.most_common(60)), "caches": cache_sizes(objects)}
+    if tracemalloc.is_tracing():
+        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+        first = _DIAGNOSIS.setdefault("first", snapshot)
+        line["traced_mb"] = round(tracemalloc.get_traced_memory()[0] / 2**20, 1)
+        line["growth"] = [{"kb": round(d.size_diff / 1024, 1), "count": d.count_diff,
+                           "where": d.traceback.format(limit=1)} for d in snapshot.compare_to(first, "lineno")[:25]]
+    with open(Path(folder) / f"{os.getpid()}.jsonl", "a") as out:
+        out.write(json.dumps(line) + "\n")
+
+
+def cache_sizes(objects: list) -> dict[str, list]:
+    """Entries (and bytes where counted) of every cache of the read path alive in this process."""
+    sizes: dict[str, list] = {}
+
+    def add(name: str, value: Any) -> None:
+        sizes.setdefault(name, []).append(value)
+
+    for o in objects:
+        kind = type(o).__qualname__
+        if kind == "ManifestCache":
+            add(kind, [len(o._lists), len(o._entries), len(o._listed_by)])
+        elif kind == "KeyGroupCache":
+            add(kind, [len(o), o.size_bytes])
+        elif kind == "SegmentReader":
+            add(kind, len(o._footers))
+        elif kind == "MetadataFileCache":
+            add(kind, [len(o._files), o.size_bytes])
+        elif kind == "FileCache":
+            add(kind, [len(o._entries), o._size_bytes])
+        elif kind == "StateReader":
+            add(kind, [len(o._point_index), len(o._batch_index), len(o._unsettled)])
+        elif kind == "StatefulRunner":
+            add(kind, [len(o.reports), len(o.task_tokens), len(o.task_history), len(o._projections)])
+    from spark_integration import tasks
+
+    sizes["task_stores"] = [len(tasks._STORES)]
+    return sizes
 
 
 # --- /proc --------------------------------------------------------------------------------------
@@ -117,11 +195,16 @@ def process_figures() -> dict[str, float]:
             groups["compactor"].append(pid)
         elif "python" in cmd:
             groups["workers"].append(pid)
-    figures: dict[str, float] = {}
+    figures: dict[str, Any] = {}
     for name, pids in groups.items():
+        if not pids:  # not started yet (the compactor starts after the first checkpoint): no figure
+            figures[f"{name}_rss_mb"] = figures[f"{name}_fds"] = None
+            continue
         pairs = [_rss_and_fds(p) for p in pids]
         figures[f"{name}_rss_mb"] = round(sum(r for r, _ in pairs) / 2**20, 1)
         figures[f"{name}_fds"] = sum(f for _, f in pairs)
+        if name == "workers":  # each worker on its own: a worker's growth must not hide in the sum
+            figures["worker_rss_mb"] = {str(p): round(r / 2**20, 1) for p, (r, _) in zip(pids, pairs, strict=True)}
     figures["workers"] = len(groups["workers"])
     return figures
 
@@ -140,11 +223,45 @@ def table_figures(table: Any, location: Path) -> dict[str, float]:
 
 # --- the run ------------------------------------------------------------------------------------
 
+# The history Spark's driver keeps, bounded as a long-running deployment bounds it. Spark's status
+# store (there without the UI too: it backs the status tracker) keeps the newest 1,000 jobs,
+# stages and SQL executions with their tasks and plan metrics by default; a soak's JVM kept
+# 1.5-2 MB more live heap a minute through its first minutes (class histograms after a full
+# GC, 64 -> 71 MB from minute 2 to 6: SQLPlanMetric, StageData, TaskDataWrapper,
+# RDDOperationNode) and its resident memory grew 12 % in 8 minutes, toward those bounds. Nothing
+# of ours reads that history; the streaming query's own (recent progress, the offset and commit
+# logs' batches) is bounded too.
+SPARK_HISTORY = {
+    "spark.ui.retainedJobs": "100", "spark.ui.retainedStages": "100", "spark.ui.retainedTasks": "10000",
+    "spark.sql.ui.retainedExecutions": "50", "spark.ui.retainedDeadExecutors": "10",
+    "spark.sql.streaming.ui.retainedQueries": "10", "spark.sql.streaming.ui.retainedProgressUpdates": "100",
+    "spark.sql.streaming.numRecentProgressUpdates": "100", "spark.sql.streaming.minBatchesToRetain": "20",
+}
+
+
+def jvm_heap(pid: int) -> dict[str, float]:
+    """The JVM's heap as its garbage collector sees it (``jstat -gc``, KB), to tell the heap's
+    growth toward its bound from what the JVM holds."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["jstat", "-gc", str(pid)], capture_output=True, text=True, timeout=20).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    half = len(out) // 2
+    return {k: float(v.replace(",", ".")) for k, v in zip(out[:half], out[half:], strict=True) if v != "-"}
+
 
 def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float, sample_seconds: float,
-        warmup_minutes: float, root: Path) -> dict:
+        warmup_minutes: float, root: Path, diagnose_dir: Path | None = None,
+        on_sample: Callable[[dict], None] | None = None, retain_checkpoints: int = 10) -> dict:
+    """Run the query for ``minutes``, sampling; ``on_sample`` sees the result so far after each
+    sample (a long run's figures can be looked at before it ends)."""
     os.environ["PYTHONPATH"] = os.pathsep.join([str(harness.REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if diagnose_dir is not None:
+        diagnose_dir.mkdir(parents=True, exist_ok=True)
+        os.environ[DIAGNOSE_ENV] = str(diagnose_dir)
     from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
@@ -152,8 +269,10 @@ def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float,
     from catalog import IcebergStateTable
     from spark_integration.query import runner_of
 
-    spark = (SparkSession.builder.master("local[2]").appName("icestate-soak")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+    builder = SparkSession.builder.master("local[2]").appName("icestate-soak")
+    for key, value in SPARK_HISTORY.items():
+        builder = builder.config(key, value)
+    spark = (builder.config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.sql.shuffle.partitions", "2")
              .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
              .config("spark.sql.session.timeZone", "UTC").config("spark.driver.memory", "1g")
@@ -163,7 +282,7 @@ def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float,
               .select(F.concat(F.lit("k"), (F.col("value") % keys).cast("string")).alias("key"), "value"))
     warehouse = root / "warehouse"
     location = spark_integration.StateLocation(table=TABLE, warehouse=str(warehouse), max_parallelism=64,
-                                               parallelism=2)
+                                               parallelism=2, retain_checkpoints=retain_checkpoints)
     emitted = [0]
 
     def count_output(df: Any, batch_id: int) -> None:
@@ -193,6 +312,10 @@ def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float,
                 if table is None and runner.reports:
                     table = IcebergStateTable.open_existing(warehouse=str(warehouse), table_name=TABLE)
                 sample = {"minute": round((time.monotonic() - started) / 60, 3), **process_figures()}
+                if diagnose_dir is not None:
+                    diagnose()
+                    sample["jvm_heap"] = {pid: jvm_heap(pid) for pid in _descendants(os.getpid())
+                                          if "java" in _cmdline(pid).split(" ", 1)[0]}
                 if table is not None:
                     sample.update(table_figures(table, warehouse / "state" / TABLE))
                 figures = next((r.state for r in reversed(runner.reports) if r.state), None) or {}
@@ -200,6 +323,8 @@ def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float,
                 collect(sample["minute"])
                 sample["batches"] = len(batches)
                 samples.append(sample)
+                if on_sample is not None:
+                    on_sample({"samples": samples, "batches": batches, "emitted_rows": emitted[0]})
                 status.update(f"soaking: minute {sample['minute']:.1f} of {minutes}, {sample['batches']} batches, "
                               f"{sample.get('table_files', 0)} files, {sample.get('files_per_unit_max', 0)} per unit")
                 time.sleep(sample_seconds)
@@ -219,27 +344,68 @@ FIGURES = ("driver_rss_mb", "jvm_rss_mb", "workers_rss_mb", "compactor_rss_mb", 
            "checkpoints_retained", "entries")
 
 
-def drift(samples: list[dict], batches: list[dict], warmup_minutes: float) -> dict[str, dict]:
-    """Per figure: its mean over the window after the warm-up and over the last window of the
-    same length, and their ratio (1.0: flat)."""
+# What must stay flat after the warm-up (the drift criterion): the late window's mean at most
+# this much above the early window's.
+FLAT = 1.03
+MUST_BE_FLAT = ("driver_rss_mb", "jvm_rss_mb", "worker_rss_mb_each", "compactor_rss_mb", "driver_fds", "jvm_fds",
+                "workers_fds", "compactor_fds", "table_files", "batch_commit_ms_median")
+
+
+def windows(samples: list[dict], warmup_minutes: float) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The window after the warm-up and the last window, of the same length: a third of what
+    follows the warm-up, at most 10 minutes (empty when nothing follows it)."""
     end = samples[-1]["minute"] if samples else 0.0
-    window = max(1.0, min(5.0, (end - warmup_minutes) / 3))
-    early = lambda m: warmup_minutes <= m < warmup_minutes + window  # noqa: E731
-    late = lambda m: m >= end - window  # noqa: E731
+    window = max(0.0, min(10.0, (end - warmup_minutes) / 3))
+    return (warmup_minutes, warmup_minutes + window), (end - window, end + 1e-9)
+
+
+def _compare(a: list[float], b: list[float], average: Any = statistics.mean) -> dict | None:
+    if not a or not b:
+        return None
+    early, late = average(a), average(b)
+    return {"early": round(early, 2), "late": round(late, 2), "ratio": round(late / early, 3) if early else None}
+
+
+def steady_from(samples: list[dict], warmup_minutes: float) -> float:
+    """When the warm-up ends: after ``warmup_minutes``, and not before retention holds as many
+    checkpoints as it keeps, the compactor runs and has compacted once (segment files per unit
+    fell): on a loaded machine the first batches are slow, and a table still filling up would
+    read as growth."""
+    kept = max((s.get("checkpoints_retained") or 0 for s in samples), default=0)
+    for before, s in itertools.pairwise(samples):
+        if s.get("checkpoints_retained") == kept and s.get("compactor_rss_mb") is not None and \
+                (s.get("files_per_unit_max") or 0) < (before.get("files_per_unit_max") or 0):
+            return max(warmup_minutes, s["minute"])
+    return max(warmup_minutes, samples[-1]["minute"] if samples else 0.0)
+
+
+def drift(samples: list[dict], batches: list[dict], warmup_minutes: float) -> dict[str, dict]:
+    """Per figure: its mean over the window after the warm-up (``steady_from``) and over the
+    last window of the same length, and their ratio (1.0: flat); per batch figure, the medians
+    of the batches of each window. ``worker_rss_mb_each``: the Python worker that grew most of
+    those alive in both windows."""
+    (a0, a1), (b0, b1) = windows(samples, steady_from(samples, warmup_minutes))
+    early = [s for s in samples if a0 <= s["minute"] < a1]
+    late = [s for s in samples if b0 <= s["minute"] < b1]
     out = {}
     for name in FIGURES:
-        a = [s[name] for s in samples if early(s["minute"]) and s.get(name) is not None]
-        b = [s[name] for s in samples if late(s["minute"]) and s.get(name) is not None]
-        if a and b:
-            out[name] = {"early": round(statistics.mean(a), 2), "late": round(statistics.mean(b), 2),
-                         "ratio": round(statistics.mean(b) / statistics.mean(a), 3) if statistics.mean(a) else None}
-    n = len(batches)
+        compared = _compare([s[name] for s in early if s.get(name) is not None],
+                            [s[name] for s in late if s.get(name) is not None])
+        if compared:
+            out[name] = compared
+    each = [c for pid in {p for s in late for p in s.get("worker_rss_mb", {})}
+            if (c := _compare([s["worker_rss_mb"][pid] for s in early if pid in s.get("worker_rss_mb", {})],
+                              [s["worker_rss_mb"][pid] for s in late if pid in s.get("worker_rss_mb", {})]))]
+    if each:
+        out["worker_rss_mb_each"] = max(each, key=lambda c: c["ratio"] or 0)
     for name in ("duration_ms", "commit_ms"):
-        if n >= 6:
-            third = n // 3
-            a = statistics.median(x[name] for x in batches[third:2 * third])
-            b = statistics.median(x[name] for x in batches[-third:])
-            out[f"batch_{name}_median"] = {"early": a, "late": b, "ratio": round(b / a, 3) if a else None}
+        compared = _compare([x[name] for x in batches if a0 <= x["minute"] < a1],
+                            [x[name] for x in batches if b0 <= x["minute"] < b1], statistics.median)
+        if compared:
+            out[f"batch_{name}_median"] = compared
+    for name, d in out.items():
+        if name in MUST_BE_FLAT:
+            d["flat"] = d["ratio"] is not None and d["ratio"] <= FLAT
     return out
 
 
@@ -270,39 +436,68 @@ def plot(result: dict, path: Path) -> None:
     harness.save_figure(fig, path, dpi=100)
 
 
+# Where the soak's results go (``--results-dir``, or ``$ICESTATE_BENCH_RESULTS_DIR`` as a test sets it).
+RESULTS = harness.REPO / "docs" / "benchmarks" / "soak"
+PARTIAL_EVERY_S = 300
+
+
+def finished(result: dict, config: dict) -> dict:
+    """``result`` with its drift figures and the run's configuration."""
+    return {**result, "drift": drift(result["samples"], result["batches"], config["warmup_minutes"]),
+            "config": config}
+
+
 def main(
-    minutes: Annotated[float, typer.Option(help="How long the query runs.")] = 30.0,
+    minutes: Annotated[float, typer.Option(help="How long the query runs.")] = 90.0,
     rows_per_second: Annotated[int, typer.Option(help="Rows of the rate source per second.")] = 2000,
     keys: Annotated[int, typer.Option(help="Distinct keys (value % keys).")] = 20_000,
     trigger_seconds: Annotated[float, typer.Option(help="Seconds between micro-batches (checkpoints).")] = 3.0,
     sample_seconds: Annotated[float, typer.Option(help="Seconds between samples.")] = 15.0,
-    warmup_minutes: Annotated[float, typer.Option(help="Minutes left out of the drift figures.")] = 5.0,
+    warmup_minutes: Annotated[float, typer.Option(help="Minutes left out of the drift figures.")] = 15.0,
     workdir: Annotated[Path | None, typer.Option(
         help="Where the warehouse goes (default: a temporary folder).")] = None,
+    diagnose_dir: Annotated[Path | None, typer.Option(
+        "--diagnose", help="Record the caches' sizes and object counts of the driver and the workers in this "
+                           "folder (with PYTHONTRACEMALLOC set, tracemalloc's growths too; slows the query).")] = None,
+    retain_checkpoints: Annotated[int, typer.Option(help="Checkpoints retention keeps.")] = 10,
+    results_dir: Annotated[Path | None, typer.Option(
+        help=f"Where soak.json and soak.png go (default: ${harness.RESULTS_DIR_ENV}, else "
+             f"{RESULTS.relative_to(harness.REPO)}).")] = None,
 ) -> None:
     """Run a stateful query for a long while and check that what must stay flat does."""
+    harness.RESULTS_DIR = results_dir or (Path(os.environ[harness.RESULTS_DIR_ENV])
+                                          if os.environ.get(harness.RESULTS_DIR_ENV) else RESULTS)
     root = workdir or Path(tempfile.mkdtemp(prefix="icestate-soak-"))
     root.mkdir(parents=True, exist_ok=True)
-    started = time.time()
+    config = {"minutes": minutes, "rows_per_second": rows_per_second, "keys": keys, "trigger_seconds": trigger_seconds,
+              "sample_seconds": sample_seconds, "warmup_minutes": warmup_minutes, "ttl_ms": TTL_MS,
+              "retain_checkpoints": retain_checkpoints,
+              "started": time.time(), "machine": harness.machine_info(), "spark": SPARK_HISTORY}
+    written = [time.monotonic()]
+
+    def partial(result: dict) -> None:  # the figures so far, every few minutes
+        if time.monotonic() - written[0] >= PARTIAL_EVERY_S:
+            written[0] = time.monotonic()
+            harness.write_results("soak.partial.json", finished(result, config))
+
     try:
-        result = run(minutes, rows_per_second, keys, trigger_seconds, sample_seconds, warmup_minutes, root)
+        result = run(minutes, rows_per_second, keys, trigger_seconds, sample_seconds, warmup_minutes, root,
+                     diagnose_dir, partial, retain_checkpoints)
     finally:
         if workdir is None:
             shutil.rmtree(root, ignore_errors=True)
-    result["drift"] = drift(result["samples"], result["batches"], warmup_minutes)
-    result["config"] = {"minutes": minutes, "rows_per_second": rows_per_second, "keys": keys,
-                        "trigger_seconds": trigger_seconds, "sample_seconds": sample_seconds,
-                        "warmup_minutes": warmup_minutes, "ttl_ms": TTL_MS, "started": started,
-                        "machine": harness.machine_info()}
+    result = finished(result, config)
     harness.write_results("soak.json", result)
+    harness.results_path("soak.partial.json").unlink(missing_ok=True)
     plot(result, harness.results_path("soak.png"))
     from rich.table import Table
 
-    table = Table(title=f"soak: drift after {warmup_minutes:g} min warm-up (late / early; 1.0 is flat)")
-    for column in ("figure", "early", "late", "ratio"):
+    table = Table(title=f"soak: drift after {warmup_minutes:g} min warm-up (late / early; 1.0 is flat; "
+                        f"flat: at most {FLAT})")
+    for column in ("figure", "early", "late", "ratio", "flat"):
         table.add_column(column)
     for name, d in result["drift"].items():
-        table.add_row(name, str(d["early"]), str(d["late"]), str(d["ratio"]))
+        table.add_row(name, str(d["early"]), str(d["late"]), str(d["ratio"]), str(d.get("flat", "")))
     harness.console.print(table)
     harness.console.print(f"{len(result['batches'])} batches, {result['emitted_rows']:,} output rows; "
                           f"results in {harness.results_path('soak.json')}")
