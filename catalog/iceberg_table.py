@@ -650,7 +650,7 @@ def _load_existing(catalog: Catalog, identifier: tuple[str, str]) -> Table:
     except (NoSuchTableError, NoSuchNamespaceError) as e:
         lost = lost_entry_error(catalog, identifier)  # its files are there: the catalog lost its entry
         if lost is not None:
-            raise lost from e
+            raise lost from None
         raise ValueError(
             f"there is no state table {'.'.join(identifier)} in catalog {catalog.name}: check the names, or create "
             "it with IcebergStateTable.open(layout, ...)"

@@ -99,8 +99,8 @@ def lost_entry_error(catalog: Catalog, identifier: tuple[str, str]) -> CatalogEn
         found = metadata_files(location, load_file_io(catalog.properties, location))
     except Exception:  # no location to look at: the caller's "no such table" stands
         return None
-    if not found:
-        return None
+    if not found or _filed_under_other_names(catalog, identifier):
+        return None  # not lost: a SQL catalog files tables under its name, and this one was given another
     database = sqlite_file(catalog.properties.get("uri"))
     return CatalogEntryLostError(
         f"state table {'.'.join(identifier)} is not in catalog {catalog.name}"
@@ -111,12 +111,30 @@ def lost_entry_error(catalog: Catalog, identifier: tuple[str, str]) -> CatalogEn
         "restore the catalog from a backup")
 
 
+def _filed_under_other_names(catalog: Catalog, identifier: tuple[str, str]) -> bool:
+    """Whether a SQL catalog's database holds ``identifier`` under another catalog name."""
+    engine = getattr(catalog, "engine", None)
+    if engine is None:
+        return False
+    from sqlalchemy import text
+
+    try:
+        with engine.connect() as connection:
+            return connection.execute(text(
+                "SELECT 1 FROM iceberg_tables WHERE table_namespace = :namespace AND table_name = :name LIMIT 1"),
+                {"namespace": identifier[0], "name": identifier[1]}).first() is not None
+    except Exception:  # the database cannot tell: the lost entry is the likelier story
+        return False
+
+
 def load_table(catalog: Catalog, identifier: tuple[str, str]) -> Table:
     """``catalog.load_table``, with a damaged current metadata.json reported as
     ``CorruptMetadataError`` naming the file (the newest one in the table's default location,
     which is the current one unless the catalog put the table elsewhere) and what to do."""
     try:
         table = catalog.load_table(identifier)
+    except StateStoreError:  # the catalog's own (its database damaged: a ValueError too)
+        raise
     except (*DECODE_ERRORS, ValidationError, FileNotFoundError) as e:  # ValidationError: JSON of the wrong shape
         name = ".".join(identifier)
         try:
@@ -198,6 +216,8 @@ def recover(catalog: Catalog, identifier: tuple[str, str], location: str | None 
         existing = catalog.load_table(identifier)
     except NoSuchTableError:
         existing = None
+    except StateStoreError:  # the catalog's own (its database damaged: a ValueError too)
+        raise
     except (*DECODE_ERRORS, ValidationError, OSError) as e:  # a damaged entry, or its file damaged or gone
         existing, unreadable = None, f"{type(e).__name__}: {e}"
     if existing is not None:
@@ -232,6 +252,8 @@ def recover(catalog: Catalog, identifier: tuple[str, str], location: str | None 
         catalog.drop_table(identifier)  # the catalog's entry only: no file is deleted
     try:
         table = catalog.register_table(identifier, newest[0].uri)
+    except StateStoreError:
+        raise
     except (*DECODE_ERRORS, ValidationError, OSError) as e:
         raise RecoveryError(f"the newest metadata file {newest[0].uri} cannot be loaded ({type(e).__name__}: {e}); "
                             "move it aside and recover again to register the version before it") from e

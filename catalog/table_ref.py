@@ -247,8 +247,8 @@ def checked_sql_catalog(make: Callable[[], Catalog], uri: str | None, warehouse:
 
     try:
         catalog = make()
-    except DBAPIError as e:
-        problem = sqlite_problem(database, e.orig, warehouse)
+    except (DBAPIError, UnicodeDecodeError) as e:  # UnicodeDecodeError: text of a damaged row
+        problem = sqlite_problem(database, e.orig if isinstance(e, DBAPIError) else e, warehouse)
         if problem is None:
             raise
         raise problem from e
@@ -257,7 +257,7 @@ def checked_sql_catalog(make: Callable[[], Catalog], uri: str | None, warehouse:
         def on_error(context: Any) -> None:
             problem = sqlite_problem(database, context.original_exception, warehouse)
             if problem is not None:
-                raise problem from context.sqlalchemy_exception
+                raise problem from context.sqlalchemy_exception or context.original_exception
         event.listen(engine, "handle_error", on_error)
     return catalog
 
@@ -278,12 +278,14 @@ def sqlite_file(uri: str | None) -> str | None:
 def sqlite_problem(database: str, error: BaseException | None, warehouse: str | None) -> StateStoreError | None:
     """The error to raise for SQLite's ``error`` on the catalog file ``database`` (None: one that
     pyiceberg handles, such as a constraint failing under a concurrent create)."""
-    if not isinstance(error, sqlite3.DatabaseError) or isinstance(
+    if not isinstance(error, sqlite3.DatabaseError | UnicodeDecodeError) or isinstance(
             error, sqlite3.IntegrityError | sqlite3.ProgrammingError | sqlite3.DataError | sqlite3.NotSupportedError):
         return None
     said = f"{type(error).__name__}: {error}"
     text = str(error).lower()
-    if not isinstance(error, sqlite3.OperationalError) or "malformed" in text or "not a database" in text:
+    # A row whose text is not UTF-8 any more (UnicodeDecodeError, "could not decode") is damage too.
+    if not isinstance(error, sqlite3.OperationalError) or any(
+            words in text for words in ("malformed", "not a database", "could not decode")):
         again = (f"`icestate recover --table NAME --warehouse {warehouse}`" if warehouse else
                  "`icestate recover --table NAME` (with this catalog's --catalog/--property options)")
         found = state_tables(warehouse) if warehouse else []

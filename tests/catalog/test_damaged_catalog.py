@@ -254,3 +254,30 @@ def test_a_catalog_database_in_a_missing_directory_is_named(tmp_path):
     with pytest.raises(CatalogUnavailableError, match=f"the catalog database {database} cannot be made: its "
                                                       "directory does not exist"):
         ref.open(LAYOUT)
+
+
+def test_a_catalog_row_whose_text_is_not_utf8_is_named(warehouse: str):
+    """A flipped byte in the text of the table's row (found by the property above) raised
+    UnicodeDecodeError, or sqlite3's "Could not decode to UTF-8 column", from SQLAlchemy's fetch."""
+    database = committed(warehouse)
+    with open(database, "rb") as f:
+        data = bytearray(f.read())
+    data[data.rindex(b".metadata.json") - 3] = 0xFF  # inside the row's metadata location
+    with open(database, "wb") as f:
+        f.write(data)
+    for opener in OPENERS.values():
+        with pytest.raises(CatalogDamagedError, match=f"the catalog database {database} is damaged "
+                                                      r"\((UnicodeDecodeError|OperationalError: Could not decode)"):
+            opener(warehouse).close()
+
+
+def test_a_table_filed_under_another_catalog_name_is_not_called_lost(warehouse: str):
+    """A SQL catalog files its tables under its name: opened under another name, the table is
+    not there while its files are. That is a wrong name, not a lost entry (``icestate recover``
+    would register the table a second time)."""
+    committed(warehouse)
+    ref = TableRef("op", catalog_name="another", catalog_properties={
+        "type": "sql", "uri": f"sqlite:///{warehouse}/catalog.db", "warehouse": f"file://{warehouse}"})
+    with pytest.raises(ValueError, match=r"there is no state table state\.op in catalog another") as raised:
+        ref.open()
+    assert not isinstance(raised.value, CatalogEntryLostError)
