@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sqlite3
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -85,11 +87,14 @@ def check_location_free(identifier: tuple[str, ...], location: str, io: FileIO |
         )
 
 
-def lost_entry_error(catalog: Catalog, identifier: tuple[str, str]) -> CatalogEntryLostError | None:
+def lost_entry_error(catalog: Catalog, identifier: tuple[str, str]) -> StateStoreError | None:
     """For a table ``catalog`` does not have: the error to raise when its default location
-    holds a table's metadata (a catalog file emptied, replaced or restored from an old backup,
-    a table dropped without purge), else None."""
-    from catalog.table_ref import sqlite_file
+    holds a table's metadata, else None. ``CatalogDamagedError`` when the catalog's SQLite file
+    fails its integrity check (a damaged index finds no row), ``CatalogEntryLostError`` naming
+    the catalog names that file holds the table under, if any (a SQL catalog files tables
+    under its name), else saying the entry was lost (a catalog file emptied, replaced or
+    restored from an old backup, a table dropped without purge)."""
+    from catalog.table_ref import sqlite_file, sqlite_problem
 
     try:
         try:
@@ -97,34 +102,61 @@ def lost_entry_error(catalog: Catalog, identifier: tuple[str, str]) -> CatalogEn
         except NoSuchNamespaceError:  # a lost catalog lost its namespaces too: pyiceberg's default then
             location = f"{catalog.properties['warehouse'].rstrip('/')}/{identifier[0]}/{identifier[1]}"
         found = metadata_files(location, load_file_io(catalog.properties, location))
+    except StateStoreError as e:  # the catalog's database damaged, say
+        return e
     except Exception:  # no location to look at: the caller's "no such table" stands
         return None
-    if not found or _filed_under_other_names(catalog, identifier):
-        return None  # not lost: a SQL catalog files tables under its name, and this one was given another
+    if not found:
+        return None
+    name = ".".join(identifier)
     database = sqlite_file(catalog.properties.get("uri"))
+    in_database = f" ({database})" if database else ""
+    problems, others = _ask_database(catalog, identifier)
+    if database is not None and problems:
+        directory = os.path.dirname(database)
+        embedded = catalog.properties.get("warehouse") == f"file://{directory}"
+        return sqlite_problem(database, sqlite3.DatabaseError(f"integrity check: {'; '.join(problems)}"),
+                              directory if embedded else None)
+    if others:
+        return CatalogEntryLostError(
+            f"state table {name} is not filed under catalog name {catalog.name!r}{in_database} but under "
+            f"{', '.join(map(repr, others))}, and its location {location} holds its metadata: open it with that "
+            "catalog name (a SQL catalog files its tables under its name), or, if that name is damaged, restore the "
+            "catalog from a backup")
     return CatalogEntryLostError(
-        f"state table {'.'.join(identifier)} is not in catalog {catalog.name}"
-        f"{f' ({database})' if database else ''}, but its location {location} holds its metadata ({len(found)} "
-        f"metadata.json files, the newest {found[0].uri.rsplit('/', 1)[-1]}): the catalog lost its entry (its "
-        "file emptied, replaced or restored from an old backup, or the table dropped without purge). Register it "
-        f"again with `icestate recover --table {identifier[-1]}` (and the same --warehouse/--catalog options), or "
-        "restore the catalog from a backup")
+        f"state table {name} is not in catalog {catalog.name}{in_database}, but its location {location} holds its "
+        f"metadata ({len(found)} metadata.json files, the newest {found[0].uri.rsplit('/', 1)[-1]}): the catalog "
+        "lost its entry (its file emptied, replaced or restored from an old backup, or the table dropped without "
+        f"purge). Register it again with `icestate recover --table {identifier[-1]}` (and the same "
+        "--warehouse/--catalog options), or restore the catalog from a backup")
 
 
-def _filed_under_other_names(catalog: Catalog, identifier: tuple[str, str]) -> bool:
-    """Whether a SQL catalog's database holds ``identifier`` under another catalog name."""
+# Problems of a SQLite integrity check shown in an error, at most.
+INTEGRITY_PROBLEMS_SHOWN = 3
+
+
+def _ask_database(catalog: Catalog, identifier: tuple[str, str]) -> tuple[list[str], list[str]]:
+    """Of a SQL catalog's database: what a SQLite one's integrity check finds wrong, and the
+    catalog names it holds ``identifier`` under (nothing when it cannot tell)."""
     engine = getattr(catalog, "engine", None)
     if engine is None:
-        return False
+        return [], []
     from sqlalchemy import text
 
+    problems: list[str] = []
     try:
         with engine.connect() as connection:
-            return connection.execute(text(
-                "SELECT 1 FROM iceberg_tables WHERE table_namespace = :namespace AND table_name = :name LIMIT 1"),
-                {"namespace": identifier[0], "name": identifier[1]}).first() is not None
-    except Exception:  # the database cannot tell: the lost entry is the likelier story
-        return False
+            if engine.dialect.name == "sqlite":
+                # Only here, on the way to an error: it reads the whole (small) file.
+                problems = [r[0] for r in connection.execute(text("PRAGMA integrity_check")).fetchall()
+                            if r[0] != "ok"][:INTEGRITY_PROBLEMS_SHOWN]
+            names = connection.execute(text(
+                "SELECT DISTINCT catalog_name FROM iceberg_tables WHERE table_namespace = :namespace AND "
+                "table_name = :name AND catalog_name != :catalog"),
+                {"namespace": identifier[0], "name": identifier[1], "catalog": catalog.name}).scalars().all()
+        return problems, sorted(names)
+    except Exception as e:  # a database failing its queries is damaged; another cannot tell
+        return ([f"{type(e).__name__}: {e}"] if engine.dialect.name == "sqlite" else []), []
 
 
 def load_table(catalog: Catalog, identifier: tuple[str, str]) -> Table:

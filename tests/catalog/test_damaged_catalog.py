@@ -271,13 +271,45 @@ def test_a_catalog_row_whose_text_is_not_utf8_is_named(warehouse: str):
             opener(warehouse).close()
 
 
-def test_a_table_filed_under_another_catalog_name_is_not_called_lost(warehouse: str):
+def test_a_table_filed_under_another_catalog_name_says_which(warehouse: str):
     """A SQL catalog files its tables under its name: opened under another name, the table is
     not there while its files are. That is a wrong name, not a lost entry (``icestate recover``
     would register the table a second time)."""
     committed(warehouse)
     ref = TableRef("op", catalog_name="another", catalog_properties={
         "type": "sql", "uri": f"sqlite:///{warehouse}/catalog.db", "warehouse": f"file://{warehouse}"})
-    with pytest.raises(ValueError, match=r"there is no state table state\.op in catalog another") as raised:
+    with pytest.raises(CatalogEntryLostError, match=r"not filed under catalog name 'another'.* but under "
+                                                    r"'statestore'.*open it with that catalog name") as raised:
         ref.open()
-    assert not isinstance(raised.value, CatalogEntryLostError)
+    assert "icestate recover" not in str(raised.value)
+
+
+def test_a_catalog_database_whose_index_is_damaged_is_named(warehouse: str):
+    """The row of the table is intact and its index entry is not: the lookup finds nothing (found
+    by the property above, which took it for a wrong catalog name). SQLite's integrity check,
+    run on the way to that error, tells."""
+    database = committed(warehouse)
+    with contextlib.closing(sqlite3.connect(database)) as db:
+        index = db.execute("SELECT rootpage FROM sqlite_master WHERE type = 'index' AND tbl_name = 'iceberg_tables'"
+                           ).fetchone()[0]
+        page_size = db.execute("PRAGMA page_size").fetchone()[0]
+    with open(database, "r+b") as f:  # the name of the table in the index's page only
+        f.seek((index - 1) * page_size)
+        page = bytearray(f.read(page_size))
+        at = page.rindex(b"op")
+        page[at:at + 2] = b"oq"
+        f.seek((index - 1) * page_size)
+        f.write(page)
+    with pytest.raises(CatalogDamagedError, match=f"the catalog database {database} is damaged .*integrity check"):
+        TableRef("op", warehouse=warehouse).open()
+
+
+def test_a_catalog_database_damaged_in_the_name_of_the_table_is_named(warehouse: str):
+    """The table's name in its row no longer UTF-8: the lookup finds nothing, and the look at
+    the location for a lost entry, which queries the catalog again, turned the catalog's error
+    into a "no such table" (found by the property above)."""
+    database = committed(warehouse)
+    with contextlib.closing(sqlite3.connect(database)) as db, db:  # "op" as the bytes 6f ff
+        db.execute("UPDATE iceberg_tables SET table_name = CAST(X'6FFF' AS TEXT)")
+    with pytest.raises(CatalogDamagedError, match=f"the catalog database {database} is damaged"):
+        TableRef("op", warehouse=warehouse).open()
