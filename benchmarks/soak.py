@@ -103,7 +103,10 @@ def diagnose(force: bool = False) -> None:
     types = collections.Counter(type(o).__qualname__ for o in objects)
     line: dict[str, Any] = {"time": time.time(), "rss_mb": round(_rss_and_fds(os.getpid())[0] / 2**20, 1),
                             "arrow_mb": round(pa.total_allocated_bytes() / 2**20, 1),
-                            "types": dict(types.most_common(60)), "caches": cache_sizes(objects)}
+                            "types": dict(types.most_common(60)), "caches": cache_sizes(objects),
+                            "functions": dict(collections.Counter(
+                                f"{o.__module__}.{o.__qualname__}" for o in objects
+                                if type(o).__name__ == "function").most_common(40))}
     if tracemalloc.is_tracing():
         snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
         first = _DIAGNOSIS.setdefault("first", snapshot)
