@@ -6,7 +6,7 @@ checkpoints that retention keeps, a driver whose memory climbs.
 
 Drift is the soak's own: the mean of a figure over the last third of the run after its warm-up
 over its mean in the first third (the warm-up: a minute, and until retention is full and the
-compactor runs). A lighter query than the long run's (a tenth of its rows, one batch a second,
+compactor has compacted once). A lighter query than the long run's (a tenth of its rows, a batch a second,
 5 checkpoints retained) gets there sooner on a loaded machine."""
 
 from __future__ import annotations
