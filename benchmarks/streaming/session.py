@@ -20,6 +20,9 @@ ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvi
 HDFS = "org.apache.spark.sql.execution.streaming.state.HDFSBackedStateStoreProvider"
 PROVIDER_CONF = "spark.sql.streaming.stateStore.providerClass"
 SPARK_CONF = {
+    # Every batch of a run is measured: Spark's recent progress and our runner's batch reports
+    # (which follow the same setting) keep them all.
+    "spark.sql.streaming.numRecentProgressUpdates": "100000",
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
     "spark.sql.shuffle.partitions": "4",

@@ -618,6 +618,19 @@ def test_a_hostile_input_value_in_a_processor_message_runs_no_code_on_the_driver
     assert type(failed.value.__cause__).__name__ == "StreamingQueryException"
 
 
+def test_a_runner_keeps_as_many_batch_reports_as_spark_keeps_progress_updates(spark, tmp_path, where):
+    """The runner's reports are bounded as Spark bounds a query's recent progress
+    (``spark.sql.streaming.numRecentProgressUpdates``, 100 by default): the newest stay."""
+    input_dir = write_batches(tmp_path / "in", key_batches(3, 12, 4))
+    spark.conf.set("spark.sql.streaming.numRecentProgressUpdates", "2")
+    try:
+        runner = run_to_end(spark, input_dir, CountProcessor(), "key string, count long", location=where(),
+                            checkpoint=str(tmp_path / "cp"))
+    finally:
+        spark.conf.unset("spark.sql.streaming.numRecentProgressUpdates")
+    assert [r.batch_id for r in runner.reports] == [1, 2]
+
+
 class ProgressListener(StreamingQueryListener):
     """Every progress event of every query, as a listener of Spark's gets them."""
 
