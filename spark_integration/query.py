@@ -34,7 +34,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +71,7 @@ from statestore.config import StoreConfig
 from statestore.errors import (
     QueryCheckpointUnreadableError,
     QueryMismatchError,
+    QuerySourcesMismatchError,
     SchemaMismatchError,
     StateOutOfStepError,
     TaskReportError,
@@ -240,8 +240,13 @@ class StatefulRunner:
         self.store_config = store_config
         self.api = api
         self.failure: BaseException | None = None  # what the last failed batch raised
+        # Why the query was stopped before its first batch could run (``WorkerEnvironmentError``
+        # from the warm-up beside its start); the query's failure.
+        self.setup_failure: BaseException | None = None
+        self.warm_thread: threading.Thread | None = None  # the warm-up beside the start (``_warm_beside``)
         self.timezone = spark.conf.get("spark.sql.session.timeZone") or "UTC"
-        self.beacon = beacon  # what is due next and the state figures, for the ticks source
+        # What is due next and the state figures, for the ticks source; None for a query without it.
+        self.beacon = beacon
         self.watermark_delay_ms = watermark_delay_ms
         self.run_id = uuid.uuid4().hex
         # Authenticates the processor exceptions its tasks send back (``spark_integration.errors``).
@@ -273,7 +278,7 @@ class StatefulRunner:
         plain values; the session, the open tables, the compactor and the routing columns are
         made again there (``_revive``), from the batch's own session."""
         state = dict(self.__dict__)
-        for name in ("spark", "table", "output", "compactor", "_reports", "_beats_frame"):
+        for name in ("spark", "table", "output", "compactor", "_reports", "_beats_frame", "warm_thread"):
             state[name] = None
         state["_projections"] = {}
         return state
@@ -398,7 +403,8 @@ class StatefulRunner:
             self.task_tokens[task] = token = (plan.checkpoint_id, stats["token"])
             self.task_history[task] = (*self.task_history.get(task, ())[1 - TOKENS_KEPT:], token)
         report.state = self.state_figures(plan, report, state_commit_ms)
-        write_beacon(self.beacon, dataclasses.replace(beacon, state=report.state))
+        if self.beacon is not None:
+            write_beacon(self.beacon, dataclasses.replace(beacon, state=report.state))
         kill_if_asked("state_committed", batch_id)
         if self.compactor is not None:
             self.compactor.checkpoint_committed(self.table)
@@ -711,8 +717,7 @@ def _warm_workers(spark: SparkSession, location: StateLocation, view: Checkpoint
     wait for. Also the check that the workers can import the library at all: a worker that
     runs another interpreter than the driver (``PYSPARK_PYTHON`` unset) fails here, with a
     message that says so, instead of in the first batch with a ``ModuleNotFoundError``."""
-    connect = is_connect(spark)
-    cores = location.parallelism if connect else spark.sparkContext.defaultParallelism
+    cores = location.parallelism if is_connect(spark) else spark.sparkContext.defaultParallelism
     workers = max(1, min(cores, location.parallelism))
 
     def warm(batches):
@@ -727,16 +732,24 @@ def _warm_workers(spark: SparkSession, location: StateLocation, view: Checkpoint
         with _described(spark, "icestate: warm Python workers"):
             spark.range(0, workers, 1, workers).mapInArrow(warm, "pid long").collect()
     except Exception as e:
-        missing = _import_failure(str(e))
-        if missing is not None:
-            python = (None if connect else getattr(spark.sparkContext, "pythonExec", None)) or os.environ.get(
-                "PYSPARK_PYTHON") or "python3"
-            raise WorkerEnvironmentError(
-                f"Spark's Python workers cannot import icestate ({missing}): they run {python!r}, this driver runs "
-                f"{sys.executable!r}. Set PYSPARK_PYTHON={sys.executable} before the SparkSession starts (on a "
-                "cluster: an interpreter with icestate and its dependencies on every executor)"
-            ) from None
+        failure = _environment_error(spark, str(e))
+        if failure is not None:
+            raise failure from None
         log.warning("warming Python workers failed (the first batch starts them): %s", e)
+
+
+def _environment_error(spark: Any, text: str) -> WorkerEnvironmentError | None:
+    """The error that says what to do when Spark's ``text`` (a failed job's) shows that a Python
+    worker could not import a module."""
+    missing = _import_failure(text)
+    if missing is None:
+        return None
+    python = (None if is_connect(spark) else getattr(spark.sparkContext, "pythonExec", None)) or os.environ.get(
+        "PYSPARK_PYTHON") or "python3"
+    return WorkerEnvironmentError(
+        f"Spark's Python workers cannot import icestate ({missing}): they run {python!r}, this driver runs "
+        f"{sys.executable!r}. Set PYSPARK_PYTHON={sys.executable} before the SparkSession starts (on a "
+        "cluster: an interpreter with icestate and its dependencies on every executor)")
 
 
 @contextlib.contextmanager
@@ -774,7 +787,7 @@ def start_stateful_query(
     foreach_batch: Callable[[DataFrame, int], None] | None = None, output_table: str | None = None,
     time_mode: str = "None", event_time_column: str | None = None, initial_state: DataFrame | None = None,
     query_name: str | None = None, store_config: StoreConfig | None = None, warm_workers: bool = True,
-    compaction: CompactionPolicy | None = DEFAULT_COMPACTION, api: str = "row",
+    compaction: CompactionPolicy | None = DEFAULT_COMPACTION, api: str = "row", progress_figures: bool = False,
 ) -> StreamingQuery:
     """Start a streaming query that runs ``processor`` per key with state in an Iceberg table.
 
@@ -802,12 +815,13 @@ def start_stateful_query(
         initial_state: rows to seed state in the first batch: for a StatefulProcessor, fed
             to ``handleInitialState`` per row; for a vectorized one, key columns plus one
             column per value state.
-        warm_workers: while the query starts (beside the driver's own start-up work), run a
+        warm_workers: beside the query's start (the stream does not wait for it), run a
             small job that starts Python workers on the executors, imports the store's modules
             in them and opens the state table, so the first batch's tasks find warm workers
-            (Spark reuses them), and read the ticks source once so that Spark's planners of it
-            are started; a worker that cannot import the library fails the start with
-            ``WorkerEnvironmentError``.
+            (Spark reuses them), and read the ticks source once (when the query has it) so that
+            Spark's planners of it are started; a worker that cannot import the library fails
+            the query with ``WorkerEnvironmentError`` (from ``awaitTermination`` and
+            ``exception``), before any state is written.
         api: for a ``StatefulProcessor``, the API it is written for: ``"row"`` (Spark's
             ``transformWithState``: ``Row``s in, ``Row``s out) or ``"pandas"`` (Spark's
             ``transformWithStateInPandas``: a key's rows as a pandas DataFrame, DataFrames out).
@@ -815,10 +829,20 @@ def start_stateful_query(
             of its own started when a unit of the state table needs it and stopped with the
             query (``catalog.compactor``); None turns it off (``icestate compact`` then
             compacts on demand).
+        progress_figures: show the state figures of the last committed batch in Spark's
+            progress (``lastProgress``, every ``StreamingQueryListener``) under the
+            ``icestate_ticks`` source's ``latestOffset``, also without timers. A query with
+            timers has that source anyway (it runs the batches without input when a timer is
+            due) and always shows them; without timers the source is left out unless asked for
+            here, because it is a Python data source that Spark starts Python processes for,
+            one after another, before the first batch. Fixed for the life of a checkpoint
+            location (Spark's checkpoint records its sources).
 
     Raises (before any state is written): SchemaMismatchError for missing key columns or
     an output that does not fit, UnsupportedKeyTypeError, StateTableMismatchError when the
-    table holds state of another key schema or max parallelism.
+    table holds state of another key schema or max parallelism, QuerySourcesMismatchError
+    when timers or ``progress_figures`` need the ticks source in a checkpoint started without
+    it.
     """
     from pyspark.sql.pandas.types import to_arrow_schema
 
@@ -882,30 +906,29 @@ def start_stateful_query(
         beacon=beacon_path(checkpoint_location, location.identity), api=api, output_table=output_table,
         watermark_delay_ms=None if watermark is None or watermark[0] != event_time_column else watermark[1],
     )
-    # The warm-up job runs while the driver registers the ticks source (registering a Python
-    # data source starts a Python process of its own) and, beside both, one batch read of the
-    # ticks source starts the Python planners that the stream's start and first batch would
-    # otherwise start (``ticks.warm_planner``). The stream starts after the warm-up: started
-    # beside it, the query's start was 1.2 s sooner on an idle machine, but on a loaded one
-    # (a standalone cluster on two cores) the streaming source's own Python process missed
-    # Spark's fixed 10 s to connect back and the query failed. Workers that cannot import the
-    # library fail the start, not its first batch.
-    with ThreadPoolExecutor(1, thread_name_prefix="icestate-warm-workers") as pool:
-        warm = pool.submit(_warm_workers, spark, location, runner.table.checkpoint_view(), layout) \
-            if warm_workers else None
-        try:
-            # The ticks source runs a batch without input when a timer is due, as Spark does, and
-            # shows the state figures in the query's progress.
-            sweep_beacons(keep=runner.beacon)
-            source = ticks_frame(df, runner.beacon)
-            if warm_workers:
-                threading.Thread(target=_warm_ticks_planner, args=(spark, runner.beacon),
-                                 name="icestate-warm-ticks-planner", daemon=True).start()
-        finally:
-            failure = None if warm is None else warm.exception()  # waits for the warm-up
-    if failure is not None:
+    # The ticks source is a Python data source: Spark starts Python processes for it one after
+    # another before the first batch (the lookup of data sources, its creation, the stream's own
+    # reader). Only a query that needs it has it: one with timers (batches without input when a
+    # timer is due), one that shows the state figures in its progress, and one whose checkpoint
+    # already has it (Spark refuses a checkpoint whose sources changed).
+    try:
+        ticks = _with_ticks(spark, checkpoint_location, runner.table.current_checkpoint(),
+                            needed=mode != "none", asked=progress_figures)
+    except BaseException:
         runner.close()
-        raise failure
+        raise
+    if ticks:
+        # Batches without input when a timer is due, as Spark's, and the state figures in the
+        # query's progress.
+        sweep_beacons(keep=runner.beacon)
+        source = ticks_frame(df, runner.beacon)
+        if warm_workers:
+            threading.Thread(target=_warm_ticks_planner, args=(spark, runner.beacon),
+                             name="icestate-warm-ticks-planner", daemon=True).start()
+    else:
+        runner.beacon = None
+        source = df
+    view = runner.table.checkpoint_view()  # taken before the stream's first batch moves the table on
     writer = source.writeStream.foreachBatch(runner).option("checkpointLocation", checkpoint_location)
     if query_name:
         writer = writer.queryName(query_name)
@@ -917,7 +940,81 @@ def start_stateful_query(
     _RUNNERS[query.id] = runner
     threading.Thread(target=_close_when_terminated, args=(query, runner), name="icestate-query-watch",
                      daemon=True).start()
+    if warm_workers:
+        # The stream does not wait for the warm-up: its first batch plans meanwhile, and its
+        # tasks take the warmed workers. With the ticks source the warm-up waits until the
+        # stream has started the source's own Python process, which must connect back to Spark
+        # within a fixed 10 s (on a loaded machine, started beside the warm-up's workers, it
+        # once missed them and the query failed).
+        runner.warm_thread = threading.Thread(target=_warm_beside, args=(query, runner, view, ticks),
+                                              name="icestate-warm-workers", daemon=True)
+        runner.warm_thread.start()
     return query
+
+
+def _with_ticks(spark: SparkSession, checkpoint_location: str, info: Any, needed: bool, asked: bool) -> bool:
+    """Whether the query runs with the ticks source: as its checkpoint was started, or, for a
+    new checkpoint, when timers need it or the figures are asked for."""
+    existing = _checkpoint_has_ticks(spark, checkpoint_location, info)
+    if existing is None:
+        return needed or asked
+    if not existing and (needed or asked):
+        why = "its processor has timers (time_mode)" if needed else "progress_figures=True asks for the state figures"
+        raise QuerySourcesMismatchError(
+            f"the query's checkpoint {checkpoint_location} was started without the icestate_ticks source, but "
+            f"{why}, which needs it; Spark refuses a checkpoint whose sources changed. Start the query on a new "
+            "checkpointLocation (and a new state table, or a fork of this one: IcebergStateTable.fork), or keep "
+            "the query as it was started")
+    return existing
+
+
+def _checkpoint_has_ticks(spark: SparkSession, checkpoint_location: str, info: Any) -> bool | None:
+    """Whether Spark's checkpoint of this query lists the ticks source among its sources (its
+    offset log: one line per source after the version and the batch metadata); None when Spark
+    has recorded no batch there yet. The entry read is that of the state table's newest batch
+    when this query wrote it (Spark keeps its recent entries), else batch 0's."""
+    try:
+        query_id = _query_id(spark, checkpoint_location)
+    except QueryCheckpointUnreadableError:
+        return None  # a new checkpoint location
+    batch = 0
+    if info is not None and info.batch_id is not None and info.properties.get(stored_keys.QUERY_ID) == query_id:
+        batch = info.batch_id
+    try:
+        lines = _read_checkpoint_file(spark, checkpoint_location, f"offsets/{batch}").splitlines()
+    except Exception:  # none written yet (a query stopped before its first batch)
+        return None
+    return any(_is_ticks_offset(line) for line in lines[2:])
+
+
+def _is_ticks_offset(line: str) -> bool:
+    try:
+        offset = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(offset, dict) and set(offset) == {"ticks", "checkpoint"}
+
+
+def _warm_beside(query: StreamingQuery, runner: StatefulRunner, view: CheckpointView, after_sources: bool) -> None:
+    """The warm-up of a started query (``_warm_workers``); a worker environment that cannot run
+    the library stops the query with ``WorkerEnvironmentError`` as its failure."""
+    try:
+        if after_sources:
+            deadline = time.monotonic() + 15.0
+            while time.monotonic() < deadline and query.isActive and query.status.get("message", "").startswith(
+                    "Initializing"):
+                time.sleep(0.05)
+        # A query that failed meanwhile (the ticks source's process, run by the same interpreter
+        # as the workers, failed to connect back) is diagnosed all the same; one stopped is not.
+        if not query.isActive and type(query).__bases__[0].exception(query) is None:
+            return
+        _warm_workers(runner.spark, runner.location, view, runner.layout)
+    except WorkerEnvironmentError as e:
+        runner.setup_failure = e
+        with contextlib.suppress(Exception):
+            query.stop()
+    except Exception as e:  # a query stopped meanwhile; the first batch starts the workers
+        log.debug("warming Python workers beside the query's start: %s", e)
 
 
 _QUERY_CLASSES: dict[type, type] = {}
@@ -930,16 +1027,20 @@ def _stateful_query_class(base: type) -> type:
     if base not in _QUERY_CLASSES:
         def exception(self):
             spark_error = base.exception(self)
-            return spark_error if spark_error is None else _user_failure(self, spark_error)
+            return _setup_failure(self) if spark_error is None else _user_failure(self, spark_error)
 
         def awaitTermination(self, timeout=None):
             try:
-                return base.awaitTermination(self, timeout)
+                ended = base.awaitTermination(self, timeout)
             except Exception as spark_error:
                 failure = _user_failure(self, spark_error)
                 if failure is spark_error:
                     raise
                 raise failure from spark_error
+            failure = _setup_failure(self)
+            if failure is not None:
+                raise failure
+            return ended
 
         _QUERY_CLASSES[base] = type(f"Stateful{base.__name__}", (base,), {
             "exception": exception, "awaitTermination": awaitTermination,
@@ -948,11 +1049,24 @@ def _stateful_query_class(base: type) -> type:
     return _QUERY_CLASSES[base]
 
 
+def _setup_failure(query: Any) -> BaseException | None:
+    runner = getattr(query, "_icestate_runner", None)
+    return None if runner is None else runner.setup_failure
+
+
 def _user_failure(query: Any, spark_error: BaseException) -> BaseException:
     runner = getattr(query, "_icestate_runner", None)
     failure = None if runner is None else runner.failure
     if failure is None and runner is not None:
         failure = user_error(spark_error, runner.error_key)  # a runner in another process (Spark Connect)
+    if (failure is None or failure is spark_error) and runner is not None:
+        # The workers' environment cannot run the library: the warm-up beside the start says so
+        # (waited for: the stream may fail first, e.g. when the ticks source's process, run by
+        # the same interpreter, cannot connect back), or the first batch's tasks did.
+        warm = runner.warm_thread
+        if warm is not None and warm is not threading.current_thread():
+            warm.join(timeout=120)
+        failure = runner.setup_failure or _environment_error(runner.spark, str(spark_error)) or failure
     if failure is None:
         return spark_error
     if failure.__cause__ is None:

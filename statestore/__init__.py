@@ -33,6 +33,7 @@ _EXPORTS = {
     "NoCurrentKeyError": "statestore.errors",
     "QueryCheckpointUnreadableError": "statestore.errors",
     "QueryMismatchError": "statestore.errors",
+    "QuerySourcesMismatchError": "statestore.errors",
     "SchemaMismatchError": "statestore.errors",
     "StateClosedError": "statestore.errors",
     "StateDescriptorMismatchError": "statestore.errors",

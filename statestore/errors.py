@@ -109,7 +109,8 @@ class StateVariableDeletedError(StateStoreError, RuntimeError):
 
 class WorkerEnvironmentError(StateStoreError, RuntimeError):
     """Spark's Python workers cannot import the library (another interpreter than the
-    driver's, without icestate or its dependencies): found when a query starts."""
+    driver's, without icestate or its dependencies): found by the warm-up beside a query's
+    start, or by its first batch; the query fails with it before any state is written."""
 
 
 class ProcessorError(StateStoreError, RuntimeError):
@@ -127,6 +128,11 @@ class QueryCheckpointUnreadableError(StateStoreError):
 
 class QueryMismatchError(StateStoreError):
     """A state or output table holds the batches of another streaming query than this one."""
+
+
+class QuerySourcesMismatchError(QueryMismatchError):
+    """A query needs a source (the ticks source of timers and progress figures) that its Spark
+    checkpoint was started without: Spark refuses a checkpoint whose sources changed."""
 
 
 class StateOutOfStepError(QueryMismatchError):

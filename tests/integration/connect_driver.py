@@ -83,7 +83,8 @@ def main(work: str, url: str) -> None:
     counts = StateLocation(table="counts", warehouse=f"{work}/wh", parallelism=2)
     query = start_stateful_query(stream(files(f"{work}/in-c", ["aab", "bca", "d"])), ["key"], CountProcessor(),
                                  "key string, count long", location=counts, checkpoint_location=f"{work}/cp-c",
-                                 trigger={"availableNow": True}, output_table="out.counts", compaction=None)
+                                 trigger={"availableNow": True}, output_table="out.counts", compaction=None,
+                                 progress_figures=True)
     query.awaitTermination(240)
     out["counts_error"] = repr(query.exception())
     register(spark)

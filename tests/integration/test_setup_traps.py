@@ -1,6 +1,7 @@
-"""Setup traps, found when a query starts, not in its first batch: Python workers that run
-another interpreter than the driver (``PYSPARK_PYTHON`` unset, the usual trap with a
-virtual environment) cannot import the library, and the start says so.
+"""Setup traps, found as a query starts, not as an obscure failure of its first batch: Python
+workers that run another interpreter than the driver (``PYSPARK_PYTHON`` unset, the usual trap
+with a virtual environment) cannot import the library, and the query fails saying so (the
+warm-up beside its start finds it; the stream does not wait for the warm-up).
 
 The driver runs in a subprocess of its own: a worker interpreter is fixed when a
 SparkContext starts, and the test session's workers are right.
@@ -31,25 +32,29 @@ DRIVER = textwrap.dedent('''
              .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
              .getOrCreate())
     df = spark.readStream.schema("key string, v long").parquet(work + "/in")
+    query = start_stateful_query(df, ["key"], CountProcessor(), "key string, count long",
+                                 location=StateLocation(table="t", warehouse=work + "/wh", parallelism=1),
+                                 checkpoint_location=work + "/cp", compaction=None,
+                                 time_mode=sys.argv[2])
     try:
-        start_stateful_query(df, ["key"], CountProcessor(), "key string, count long",
-                             location=StateLocation(table="t", warehouse=work + "/wh", parallelism=1),
-                             checkpoint_location=work + "/cp", compaction=None)
+        query.awaitTermination(180)
     except WorkerEnvironmentError as e:
+        assert isinstance(query.exception(), WorkerEnvironmentError)
         print("REFUSED:", e)
-        print("ACTIVE QUERIES:", len(spark.streams.active))  # none was started
+        print("ACTIVE QUERIES:", len(spark.streams.active))  # the query was stopped
         sys.exit(0)
-    print("STARTED")
+    print("RAN ON:", query.exception())
     sys.exit(3)
 ''')
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("slow", [False, True], ids=["fails-at-once", "fails-late"])
-def test_workers_without_the_library_fail_the_start_with_what_to_do(tmp_path: Path, slow: bool):
-    """The refusal comes from the start whether the workers fail at once or late (``slow``:
-    each Python process of Spark's waits 3 s first, so the warm-up fails after the ticks
-    source's planners started beside it); no query is left running."""
+@pytest.mark.parametrize(("slow", "time_mode"), [(False, "None"), (True, "ProcessingTime")],
+                         ids=["fails-at-once", "fails-late-with-ticks"])
+def test_workers_without_the_library_fail_the_query_with_what_to_do(tmp_path: Path, slow: bool, time_mode: str):
+    """The query fails with what to do whether the workers fail at once or late (``slow``: each
+    Python process of Spark's waits 3 s first, so the warm-up fails after the ticks source of a
+    query with timers started its own processes); no query is left running."""
     bare = tmp_path / "bare"
     venv.create(bare, with_pip=False)  # an interpreter without pyarrow, polars or icestate
     python = bare / "bin" / "python"
@@ -62,7 +67,8 @@ def test_workers_without_the_library_fail_the_start_with_what_to_do(tmp_path: Pa
     env = {**os.environ, "PYSPARK_PYTHON": str(python), "PYSPARK_DRIVER_PYTHON": sys.executable,
            "PYTHONPATH": os.getcwd()}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path), time_mode], stdout=out,
+                                stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
         try:
             code = proc.wait(timeout=240)

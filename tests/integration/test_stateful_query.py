@@ -31,6 +31,7 @@ from spark_integration import (
     start_stateful_query,
 )
 from statestore.errors import (
+    QuerySourcesMismatchError,
     SchemaMismatchError,
     StateOutOfStepError,
     StateTableMismatchError,
@@ -658,7 +659,8 @@ def test_the_ticks_source_reads_as_an_empty_batch_beside_a_query(spark, tmp_path
     batches = key_batches(2, 30, 7)
     query = start_stateful_query(stream(spark, write_batches(tmp_path / "in", batches)), ["key"], CountProcessor(),
                                  "key string, count long", location=where(), checkpoint_location=str(tmp_path / "cp"),
-                                 trigger={"availableNow": True}, foreach_batch=lambda df, b: df.count())
+                                 trigger={"availableNow": True}, foreach_batch=lambda df, b: df.count(),
+                                 progress_figures=True)
     try:
         runner = runner_of(query)
         assert spark.read.format(FORMAT).option(OPTION_BEACON, runner.beacon).load().count() == 0
@@ -669,6 +671,75 @@ def test_the_ticks_source_reads_as_an_empty_batch_beside_a_query(spark, tmp_path
     assert [r.batch_id for r in runner.reports if not r.skipped] == [0, 1]
 
 
+def _source_descriptions(query) -> list[list[str]]:
+    return [[source["description"] for source in progress["sources"]] for progress in query.recentProgress]
+
+
+def test_a_query_without_timers_runs_on_its_input_alone(spark, tmp_path, where):
+    """Without timers and without ``progress_figures``, the query has no Python data source
+    (whose processes Spark would start one after another before its first batch): its progress
+    lists the input's source alone, no beacon is written, and its state is the input's tally."""
+    from spark_integration.ticks import beacon_path
+
+    batches = key_batches(3, 30, 7)
+    location = where()
+    checkpoint = str(tmp_path / "cp")
+    query = start_stateful_query(stream(spark, write_batches(tmp_path / "in", batches)), ["key"], CountProcessor(),
+                                 "key string, count long", location=location, checkpoint_location=checkpoint,
+                                 trigger={"availableNow": True}, foreach_batch=lambda df, b: df.count())
+    try:
+        query.awaitTermination(300)
+        assert query.exception() is None
+    finally:
+        query.stop()
+    runner = runner_of(query)
+    assert runner.beacon is None and not os.path.exists(beacon_path(checkpoint, location.identity))
+    described = _source_descriptions(query)
+    assert len(described) == 3 and all(len(d) == 1 and "FileStreamSource" in d[0] for d in described), described
+    assert state_counts(location) == counts(batches)
+
+
+def test_a_checkpoint_keeps_the_sources_it_was_started_with(spark, tmp_path, where):
+    """Spark refuses a checkpoint whose sources changed. A query started with the ticks source
+    keeps it when restarted without asking (and its progress goes on showing the figures); one
+    started without it cannot gain it: asking for the figures then is refused, with what to do,
+    before anything runs, and the query restarts as it was started."""
+    batches = key_batches(4, 30, 7)
+    inputs = {name: tmp_path / f"in-{name}" for name in ("with", "without")}
+    for name in inputs:
+        write_batches(inputs[name], batches[:2])
+    for name, figures in (("with", True), ("without", False)):
+        run_to_end(spark, str(inputs[name]), CountProcessor(), "key string, count long", location=where(name),
+                   checkpoint=str(tmp_path / f"cp-{name}"), progress_figures=figures)
+        write_batches(inputs[name], batches)  # two more files
+
+    with_ticks = start_stateful_query(stream(spark, str(inputs["with"])), ["key"], CountProcessor(),
+                                      "key string, count long", location=where("with"),
+                                      checkpoint_location=str(tmp_path / "cp-with"), trigger={"availableNow": True})
+    try:
+        with_ticks.awaitTermination(300)
+        assert with_ticks.exception() is None
+    finally:
+        with_ticks.stop()
+    assert [len(d) for d in _source_descriptions(with_ticks)] == [2, 2]
+    assert json.loads(with_ticks.recentProgress[-1]["sources"][1]["latestOffset"])["icestate"]["batchId"] == 2
+
+    before = IcebergStateTable.open_existing(warehouse=where("without").warehouse, table_name="without")
+    try:
+        newest = before.current_checkpoint().checkpoint_id
+    finally:
+        before.close()
+    with pytest.raises(QuerySourcesMismatchError, match="new checkpointLocation"):
+        start_stateful_query(stream(spark, str(inputs["without"])), ["key"], CountProcessor(), "key string, count long",
+                             location=where("without"), checkpoint_location=str(tmp_path / "cp-without"),
+                             trigger={"availableNow": True}, progress_figures=True)
+    assert not spark.streams.active
+    runner = run_to_end(spark, str(inputs["without"]), CountProcessor(), "key string, count long",
+                        location=where("without"), checkpoint=str(tmp_path / "cp-without"))
+    assert [r.checkpoint_id for r in runner.reports if not r.skipped] == [newest + 1, newest + 2]
+    assert state_counts(where("without")) == counts(batches)
+
+
 def test_state_figures_reach_a_streaming_query_listener(spark, tmp_path, where):
     """The state figures of the last committed batch are in every progress event, under the
     ticks source's ``latestOffset``; they agree with the runner's reports."""
@@ -677,7 +748,8 @@ def test_state_figures_reach_a_streaming_query_listener(spark, tmp_path, where):
     spark.streams.addListener(listener)
     try:
         runner = run_to_end(spark, write_batches(tmp_path / "in", batches), CountProcessor(), "key string, count long",
-                            location=where(), checkpoint=str(tmp_path / "cp"), foreach_batch=lambda df, b: df.count())
+                            location=where(), checkpoint=str(tmp_path / "cp"), foreach_batch=lambda df, b: df.count(),
+                            progress_figures=True)
         deadline = time.monotonic() + 30
         while len(listener.progress) < len(batches) and time.monotonic() < deadline:
             time.sleep(0.2)  # the listener bus delivers asynchronously
