@@ -176,7 +176,8 @@ def main(
         "ratios": {
             "first_trigger_ours_over_spark_count": ratio(med("ours-compat", "start_to_first_trigger_s"),
                                                           med("spark-count-rocksdb", "start_to_first_trigger_s")),
-            "end_ours_over_spark_tws": ratio(med("ours-compat", "start_to_end_s"), med("spark-tws-rows", "start_to_end_s")),
+            "end_ours_over_spark_tws": ratio(med("ours-compat", "start_to_end_s"),
+                                             med("spark-tws-rows", "start_to_end_s")),
             "end_ours_over_spark_count": ratio(med("ours-compat", "start_to_end_s"),
                                                med("spark-count-rocksdb", "start_to_end_s")),
         },
@@ -197,8 +198,9 @@ def main(
                       cell("import_s"))
     console.print(table)
     r = results["ratios"]
-    console.print(f"ours / Spark groupBy().count(), to first trigger: {fmt(r['first_trigger_ours_over_spark_count'], '.2f', 'x')}"
-                  f"; ours / Spark transformWithState, to end: {fmt(r['end_ours_over_spark_tws'], '.2f', 'x')}")
+    first, end = r["first_trigger_ours_over_spark_count"], r["end_ours_over_spark_tws"]
+    console.print(f"ours / Spark groupBy().count(), to first trigger: {fmt(first, '.2f', 'x')}; "
+                  f"ours / Spark transformWithState, to end: {fmt(end, '.2f', 'x')}")
     console.print(f"results: {path}")
 
 

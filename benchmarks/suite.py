@@ -13,6 +13,9 @@ leaves the others' figures), in this order:
 - ``processors`` (``bench_processors``): one task's micro-batch of Spark-API processors with
   value, list and map state, and of the vectorized count, replayed at store level as the state
   grows (does a batch cost its own keys or the state?);
+- ``start`` (``bench_start``): a tiny ``availableNow`` query in fresh drivers, ours against
+  Spark's ``groupBy().count()`` (to the first trigger) and ``transformWithState`` with the same
+  processor (to the query's end);
 - ``spark`` (``bench_spark``): inside Spark, on the same input in the same run: throughput of
   ours against Spark's stateless floor (the same keyed count of each batch with no state) and
   Spark's state stores; the state-size scenarios (checkpoint, restart, rescale and state on disk
@@ -79,6 +82,9 @@ STEPS = (
          {"tiny": ["--sizes", "2000,10000", "--events", "2000", "--batches", "2"],
           "quick": ["--sizes", "1000000,5000000", "--batches", "3"], "full": []},
          {m: "bench_processors.json" for m in MODES}),
+    Step("start", "benchmarks.bench_start",
+         {"tiny": ["--repeat", "1"], "quick": ["--repeat", "3"], "full": ["--repeat", "5"]},
+         {m: "bench_start.json" for m in MODES}),
     Step("spark", "benchmarks.bench_spark",
          {"tiny": [*_SPARK_COMMON, "--workloads", "throughput,scaling,cache", "--datasets", "main",
                    "--only", "spark-floor-count,ours-vectorized", "--events", "20000",
@@ -215,6 +221,13 @@ def headline(results: dict) -> list[dict]:
         what = "vectorized processor, value state" if kind == "vectorized" else f"Spark-API processor, {kind} state"
         rows.append(_row(f"{what}: a batch at {sizes[-1]:,} / {sizes[0]:,} state keys", v,
                          "x", "<= 1.3", _at_most(v, 1.3), "the same batch at the smallest state"))
+    start = (results.get("start") or {}).get("ratios") or {}
+    v = start.get("first_trigger_ours_over_spark_count")
+    rows.append(_row("tiny query in a fresh driver: start call to first trigger / Spark groupBy().count()", v, "x",
+                     "<= 1.5", _at_most(v, 1.5), "spark-count-rocksdb, same input"))
+    v = start.get("end_ours_over_spark_tws")
+    rows.append(_row("tiny query in a fresh driver: start call to its end / Spark transformWithState", v, "x",
+                     "<= 1", _at_most(v, 1.0), "spark-tws-rows, the same processor class"))
     v = (results.get("compaction") or {}).get("p99_ratio_with_compactor")
     rows.append(_row("checkpoint p99 with the compactor / without", v, "x", "<= 1.5", _at_most(v, 1.5),
                      "ours without compaction"))

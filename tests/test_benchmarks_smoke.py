@@ -160,7 +160,9 @@ def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
                     "state on disk at 3,000 keys / Spark's RocksDB checkpoint",
                     "rescale 4 -> 8 (metadata), big / small state",
                     "checkpoint p99 with the compactor / without",
-                    "Spark-API processor, list state: a batch at 10,000 / 2,000 state keys"):
+                    "Spark-API processor, list state: a batch at 10,000 / 2,000 state keys",
+                    "tiny query in a fresh driver: start call to first trigger / Spark groupBy().count()",
+                    "tiny query in a fresh driver: start call to its end / Spark transformWithState"):
         assert rows[measure]["value"] > 0, rows[measure]
     spark = json.loads((tmp_path / "spark.json").read_text())
     ours = next(r for r in spark["throughput"] if r["impl"] == "ours-vectorized")
@@ -176,6 +178,12 @@ def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
     processors = json.loads((tmp_path / "bench_processors.json").read_text())
     assert {(r["kind"], r["state_keys"]) for r in processors["runs"]} == {
         (k, n) for k in ("value", "list", "map", "vectorized") for n in (2000, 10000)}
-    for name in ("headline.png", "spark.png", "spark_state.png", "bench_store.png", "bench_processors.png"):
+    start = json.loads((tmp_path / "bench_start.json").read_text())
+    assert {impl: len(runs) for impl, runs in start["runs"].items()} == {
+        "spark-count-rocksdb": 1, "spark-tws-rows": 1, "ours-compat": 1}
+    assert all(r["batches"] >= 1 and 0 < r["start_to_first_trigger_s"] < r["start_to_end_s"]
+               for runs in start["runs"].values() for r in runs)
+    for name in ("headline.png", "spark.png", "spark_state.png", "bench_store.png", "bench_processors.png",
+                 "bench_start.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "| store: warm batched lookup / polars left join |" in (tmp_path / "summary.md").read_text()
