@@ -1,7 +1,8 @@
 """Soak: a stateful streaming query for a long while (90 minutes by default), with a checkpoint
 every few seconds, retention and compaction on; what must stay flat is sampled and plotted.
 
-The query (local[2], this process is the driver): Spark's ``rate`` source at ``--rows-per-second``,
+The query (local[2], in a driver process of its own, so that the measured driver holds what a
+user's job holds and none of this harness): Spark's ``rate`` source at ``--rows-per-second``,
 keyed by ``value % --keys`` (every key comes back every keys/rate seconds), through a Spark
 ``StatefulProcessor`` run unchanged by ``start_stateful_query`` in ProcessingTime mode: a value
 state (the key's count) and a map state of per-minute counts with a 2-minute TTL, so the live
@@ -28,9 +29,11 @@ counts, to find what grows.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -187,10 +190,11 @@ def _rss_and_fds(pid: int) -> tuple[int, int]:
     return rss, fds
 
 
-def process_figures() -> dict[str, float]:
-    """Resident MB and open files of the driver's Python, its JVM, the Python workers, the compactor."""
-    groups: dict[str, list[int]] = {"driver": [os.getpid()], "jvm": [], "workers": [], "compactor": []}
-    for pid in _descendants(os.getpid()):
+def process_figures(driver: int) -> dict[str, float]:
+    """Resident MB and open files of the driver's Python (process ``driver``), its JVM, the Python
+    workers, the compactor."""
+    groups: dict[str, list[int]] = {"driver": [driver], "jvm": [], "workers": [], "compactor": []}
+    for pid in _descendants(driver):
         cmd = _cmdline(pid)
         if "java" in cmd.split(" ", 1)[0]:
             groups["jvm"].append(pid)
@@ -258,20 +262,106 @@ def jvm_heap(pid: int) -> dict[str, float]:
 def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float, sample_seconds: float,
         warmup_minutes: float, root: Path, diagnose_dir: Path | None = None,
         on_sample: Callable[[dict], None] | None = None, retain_checkpoints: int = 10) -> dict:
-    """Run the query for ``minutes``, sampling; ``on_sample`` sees the result so far after each
-    sample (a long run's figures can be looked at before it ends)."""
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(harness.REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    """Run the query for ``minutes`` in a driver process of its own (``drive``), sampling it from
+    here: the measured driver holds the Spark session and the runner as a user's job does, and
+    nothing of this harness (its table reader, its samples, its console). ``on_sample`` sees the
+    result so far after each sample (a long run's figures can be looked at before it ends)."""
+    path = os.pathsep.join([str(harness.REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path}
+    env.setdefault("PYSPARK_PYTHON", sys.executable)
     if diagnose_dir is not None:
         diagnose_dir.mkdir(parents=True, exist_ok=True)
-        os.environ[DIAGNOSE_ENV] = str(diagnose_dir)
+        env[DIAGNOSE_ENV] = str(diagnose_dir)
+    from catalog import IcebergStateTable
+
+    root.mkdir(parents=True, exist_ok=True)
+    reports, stop = root / "batches.jsonl", root / "stop"
+    reports.unlink(missing_ok=True)
+    stop.unlink(missing_ok=True)
+    config = {"minutes": minutes, "rows_per_second": rows_per_second, "keys": keys, "trigger_seconds": trigger_seconds,
+              "retain_checkpoints": retain_checkpoints, "root": str(root)}
+    (root / "driver.json").write_text(json.dumps(config))
+    warehouse = root / "warehouse"
+    log = root / "driver.log"
+    with open(log, "w") as out:
+        driver = subprocess.Popen([sys.executable, "-m", "benchmarks.soak", "--drive", str(root / "driver.json")],
+                                  cwd=harness.REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    started_wall, started = time.time(), time.monotonic()
+    samples: list[dict] = []
+    batches: list[dict] = []
+    emitted = [0]
+    entries: list[int | None] = [None]
+    deadline = started + minutes * 60
+    table = None
+    read_to = [0]
+
+    def collect() -> None:  # the batch reports the driver appended since the last call
+        if not reports.exists():
+            return
+        with open(reports) as f:
+            f.seek(read_to[0])
+            for line in f:
+                if not line.endswith("\n"):
+                    break  # being written
+                read_to[0] += len(line.encode())
+                r = json.loads(line)
+                batches.append({"batch_id": r["batch_id"], "minute": round((r["time"] - started_wall) / 60, 3),
+                                **{k: r[k] for k in ("duration_ms", "commit_ms", "tasks_ms")}})
+                emitted[0], entries[0] = r["emitted"], r["entries"]
+
+    try:
+        with harness.console.status("soaking") as status:
+            while time.monotonic() < deadline:
+                if driver.poll() is not None:
+                    raise RuntimeError(f"the query's driver stopped (exit {driver.returncode}):\n"
+                                       f"{log.read_text(errors='replace')[-4000:]}")
+                collect()
+                if table is None and batches:
+                    table = IcebergStateTable.open_existing(warehouse=str(warehouse), table_name=TABLE)
+                sample = {"minute": round((time.monotonic() - started) / 60, 3), **process_figures(driver.pid)}
+                if diagnose_dir is not None:
+                    sample["jvm_heap"] = {pid: jvm_heap(pid) for pid in _descendants(driver.pid)
+                                          if "java" in _cmdline(pid).split(" ", 1)[0]}
+                if table is not None:
+                    sample.update(table_figures(table, warehouse / "state" / TABLE))
+                sample["entries"] = entries[0]
+                sample["batches"] = len(batches)
+                samples.append(sample)
+                if on_sample is not None:
+                    on_sample({"samples": samples, "batches": batches, "emitted_rows": emitted[0]})
+                status.update(f"soaking: minute {sample['minute']:.1f} of {minutes}, {sample['batches']} batches, "
+                              f"{sample.get('table_files', 0)} files, {sample.get('files_per_unit_max', 0)} per unit")
+                time.sleep(sample_seconds)
+    finally:
+        stop.touch()
+        try:
+            driver.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+            driver.wait()
+        if table is not None:
+            table.close()
+    collect()
+    if driver.returncode != 0:
+        raise RuntimeError(f"the query's driver failed (exit {driver.returncode}):\n"
+                           f"{log.read_text(errors='replace')[-4000:]}")
+    return {"samples": samples, "batches": batches, "emitted_rows": emitted[0]}
+
+
+def drive(config_path: Path) -> None:
+    """The soak's driver (a process of its own, ``run``): start the query, append each batch
+    report to ``<root>/batches.jsonl`` as a line, stop when ``<root>/stop`` appears (or long
+    after the run's end, should the harness be gone)."""
+    import json as json_module
+
     from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
     import spark_integration
-    from catalog import IcebergStateTable
     from spark_integration.query import runner_of
 
+    config = json_module.loads(config_path.read_text())
+    root = Path(config["root"])
     builder = SparkSession.builder.master("local[2]").appName("icestate-soak")
     for key, value in SPARK_HISTORY.items():
         builder = builder.config(key, value)
@@ -281,11 +371,10 @@ def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float,
              .config("spark.sql.session.timeZone", "UTC").config("spark.driver.memory", "1g")
              .config("spark.local.dir", str(root / "spark-local")).getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
-    source = (spark.readStream.format("rate").option("rowsPerSecond", rows_per_second).load()
-              .select(F.concat(F.lit("k"), (F.col("value") % keys).cast("string")).alias("key"), "value"))
-    warehouse = root / "warehouse"
-    location = spark_integration.StateLocation(table=TABLE, warehouse=str(warehouse), max_parallelism=64,
-                                               parallelism=2, retain_checkpoints=retain_checkpoints)
+    source = (spark.readStream.format("rate").option("rowsPerSecond", config["rows_per_second"]).load()
+              .select(F.concat(F.lit("k"), (F.col("value") % config["keys"]).cast("string")).alias("key"), "value"))
+    location = spark_integration.StateLocation(table=TABLE, warehouse=str(root / "warehouse"), max_parallelism=64,
+                                               parallelism=2, retain_checkpoints=config["retain_checkpoints"])
     emitted = [0]
 
     def count_output(df: Any, batch_id: int) -> None:
@@ -293,53 +382,31 @@ def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float,
 
     query = spark_integration.start_stateful_query(
         source, keys=["key"], processor=SoakProcessor(), output_schema="key string, count long", location=location,
-        checkpoint_location=str(root / "checkpoint"), trigger={"processingTime": f"{trigger_seconds} seconds"},
-        foreach_batch=count_output, time_mode="ProcessingTime")
+        checkpoint_location=str(root / "checkpoint"),
+        trigger={"processingTime": f"{config['trigger_seconds']} seconds"}, foreach_batch=count_output,
+        time_mode="ProcessingTime")
     runner = runner_of(query)
-    started = time.monotonic()
-    samples: list[dict] = []
-    deadline = started + minutes * 60
-    table = None
-    batches: list[dict] = []  # collected as they come: the runner keeps only its newest reports
-
-    def collect(minute: float) -> None:
-        seen = batches[-1]["batch_id"] if batches else -1
-        for r in list(runner.reports):
-            if not r.skipped and r.batch_id > seen:
-                batches.append({"batch_id": r.batch_id, "minute": minute, "duration_ms": round(r.duration_ms, 1),
-                                "commit_ms": round(r.commit_ms, 1), "tasks_ms": round(r.tasks_ms, 1)})
-
+    seen = -1
+    deadline = time.monotonic() + config["minutes"] * 60 + 600
+    stop = root / "stop"
     try:
-        with harness.console.status("soaking") as status:
-            while time.monotonic() < deadline and query.isActive:
-                if table is None and runner.reports:
-                    table = IcebergStateTable.open_existing(warehouse=str(warehouse), table_name=TABLE)
-                sample = {"minute": round((time.monotonic() - started) / 60, 3), **process_figures()}
-                if diagnose_dir is not None:
-                    diagnose()
-                    sample["jvm_heap"] = {pid: jvm_heap(pid) for pid in _descendants(os.getpid())
-                                          if "java" in _cmdline(pid).split(" ", 1)[0]}
-                if table is not None:
-                    sample.update(table_figures(table, warehouse / "state" / TABLE))
-                figures = next((r.state for r in reversed(runner.reports) if r.state), None) or {}
-                sample["entries"] = figures.get("numEntriesTotal")
-                collect(sample["minute"])
-                sample["batches"] = len(batches)
-                samples.append(sample)
-                if on_sample is not None:
-                    on_sample({"samples": samples, "batches": batches, "emitted_rows": emitted[0]})
-                status.update(f"soaking: minute {sample['minute']:.1f} of {minutes}, {sample['batches']} batches, "
-                              f"{sample.get('table_files', 0)} files, {sample.get('files_per_unit_max', 0)} per unit")
-                time.sleep(sample_seconds)
+        with open(root / "batches.jsonl", "a") as out:
+            while query.isActive and not stop.exists() and time.monotonic() < deadline:
+                for r in list(runner.reports):
+                    if not r.skipped and r.batch_id > seen:
+                        seen = r.batch_id
+                        out.write(json_module.dumps({
+                            "batch_id": r.batch_id, "time": time.time(), "duration_ms": round(r.duration_ms, 1),
+                            "commit_ms": round(r.commit_ms, 1), "tasks_ms": round(r.tasks_ms, 1),
+                            "entries": (r.state or {}).get("numEntriesTotal"), "emitted": emitted[0]}) + "\n")
+                out.flush()
+                diagnose()
+                time.sleep(1.0)
         if not query.isActive:
             raise RuntimeError(f"the query stopped: {query.exception()}")
     finally:
         query.stop()
-        if table is not None:
-            table.close()
-    collect(round((time.monotonic() - started) / 60, 3))
-    spark.stop()
-    return {"samples": samples, "batches": batches, "emitted_rows": emitted[0]}
+        spark.stop()
 
 
 FIGURES = ("driver_rss_mb", "jvm_rss_mb", "workers_rss_mb", "compactor_rss_mb", "driver_fds", "jvm_fds",
@@ -466,8 +533,13 @@ def main(
     results_dir: Annotated[Path | None, typer.Option(
         help=f"Where soak.json and soak.png go (default: ${harness.RESULTS_DIR_ENV}, else "
              f"{RESULTS.relative_to(harness.REPO)}).")] = None,
+    drive_config: Annotated[Path | None, typer.Option("--drive", hidden=True,
+                                                      help="Be the query's driver (internal).")] = None,
 ) -> None:
     """Run a stateful query for a long while and check that what must stay flat does."""
+    if drive_config is not None:
+        drive(drive_config)
+        return
     harness.RESULTS_DIR = results_dir or (Path(os.environ[harness.RESULTS_DIR_ENV])
                                           if os.environ.get(harness.RESULTS_DIR_ENV) else RESULTS)
     root = workdir or Path(tempfile.mkdtemp(prefix="icestate-soak-"))
