@@ -8,16 +8,43 @@ makes its own buckets on it (``tests/contract``: the contract's bucket in its ``
 
 ``pg_uri``: a PostgreSQL server (``tests/pg_server.py``) with pyiceberg's SQL catalog tables;
 its SQLAlchemy URI (with the password) is also published in ``pg_server.URI_ENV``.
+
+The suite runs in parallel processes (``scripts/test.sh``: pytest-xdist, work stealing), each
+with its own servers and Spark session: tests marked ``slow`` are handed out first, so that the
+longest ones do not start last and leave one process working alone at the end. The suite's wall
+time is reported at its end against its budget.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from tests import pg_server, s3_server
+
+# What the whole suite may take on the reference machine (2 cores), README's test command.
+SUITE_BUDGET_S = 15 * 60
+_STARTED = time.monotonic()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # trylast: after the packages' hooks have marked their tests (``spark``); a stable sort, the
+    # same in every process (xdist checks that its workers collected one order).
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        return  # a worker of pytest-xdist: the controller reports
+    wall = time.monotonic() - _STARTED
+    over = "" if wall <= SUITE_BUDGET_S else f", over its budget by {(wall - SUITE_BUDGET_S) / 60:.1f} min"
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT") or str(getattr(config.option, "numprocesses", None) or 1)
+    terminalreporter.write_line(f"suite wall time: {wall / 60:.1f} min in {workers} process(es) "
+                                f"(budget {SUITE_BUDGET_S // 60} min on 2 cores{over})")
 
 
 @pytest.fixture(scope="session")

@@ -133,6 +133,8 @@ def test_bench_inspect_runs_end_to_end(tmp_path, monkeypatch):
     assert (tmp_path / "bench_inspect.png").stat().st_size > 0
 
 
+@pytest.mark.spark  # real Spark, one driver process per job
+@pytest.mark.slow
 def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
     """``python -m benchmarks.suite --mode tiny``: every benchmark of the suite at its smallest
     sizes, each in a process of its own with its results in the suite's folder (real Spark, one

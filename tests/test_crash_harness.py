@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import crash_harness, harness
 
 
+@pytest.mark.slow
 def test_killed_writers_resume_with_exactly_the_uninterrupted_state(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path / "results")
     summary = crash_harness.run_store(iterations=2, kills=2, seed=20261125, root=tmp_path / "runs")

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
+from catalog import cli
 from catalog.cli import tables as app
 from statestore import StateLayout, StateStore, ValueStateDescriptor
 from statestore.keygroups import assign_key_groups
@@ -34,6 +35,9 @@ PLANTED = "planted-SECRET-4f9c2e71d0"
 
 
 def invoke(*args: str):
+    # rich fixes a console's width from COLUMNS when the console is made, at the module's import,
+    # whichever test imported it first (in whichever process): the tests read wide tables.
+    cli.console.width = cli.err_console.width = 200
     return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
 
 
@@ -211,6 +215,7 @@ def test_a_secret_given_on_the_command_line_is_never_shown(s3_place):
     assert "checkpoint 9 is not retained" in runs["no such checkpoint"].output
 
 
+@pytest.mark.slow
 def test_a_secret_of_the_configuration_is_never_shown(s3_place, tmp_path):
     """Failures with the catalog's secrets in .pyiceberg.yaml: a missing table, an object
     store that cannot be reached, a catalog pyiceberg cannot load."""

@@ -457,12 +457,14 @@ def fuzz_s3(s3_server_endpoint: str) -> str:
 @example(choice=Damage("manifest list", "fork", 1, "truncate", 30, True, b"\0", 0))
 @example(choice=Damage("manifest", "compaction", 0, "overwrite", 40, True, b"\xff\xff\xff\xff\x0f", 0))
 @example(choice=Damage("segment", "compaction", 0, "delete", 0, False, b"\0", 0))
+@pytest.mark.slow
 def test_a_damaged_file_is_named_or_read_correctly_and_never_deletes_committed_data(choice: Damage):
     """Properties 1 and 2 for one damaged file of the table on local disk."""
     in_child(check_damage, "local", None, choice)
 
 
 @fuzz_settings(2)
+@pytest.mark.slow
 @given(choice=damages)
 @example(choice=Damage("manifest list", "compaction", 0, "truncate", 100, True, b"\0", 0))
 @example(choice=Damage("operator state", "fork", 0, "flip", 60, False, b"\0", 0))

@@ -189,6 +189,7 @@ def test_provenance_columns_name_the_writing_checkpoint_and_batch(open_table):
     assert inspection.live_state(table, "seen", now_ms=NOW).column_names[:3] == ["k", "mk_seen", "v_seen"]
 
 
+@pytest.mark.slow
 @given(seed=st.integers(0, 10_000), batches=st.integers(2, 7), data=st.data())
 @fuzz_settings(ci_examples=12)
 def test_the_change_feed_is_the_difference_of_two_restores(tmp_path_factory, seed, batches, data):

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -222,5 +223,6 @@ class RescaleMachine(RuleBasedStateMachine):
 
 
 TestRescaleModel = RescaleMachine.TestCase
+TestRescaleModel.pytestmark = [pytest.mark.slow]
 TestRescaleModel.settings = settings(max_examples=30, stateful_step_count=40, derandomize=True, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])

@@ -88,7 +88,7 @@ FAULTS = {
 }
 
 
-@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("fault", [pytest.param(f, marks=pytest.mark.slow) for f in FAULTS])
 def test_a_commit_meeting_an_outage_fails_and_the_next_commits_everything(ref, proxy, fault):
     begin, end = FAULTS[fault]
     store = _after_first(ref)

@@ -196,7 +196,8 @@ def _inject(proxy: NetProxy, fault: str) -> int:
     return sum(FAULTS_OF.values())
 
 
-@pytest.mark.parametrize("fault", list(TRANSIENT))
+@pytest.mark.parametrize("fault", [pytest.param(f, marks=pytest.mark.slow) if f == "slow-answers" else f
+                                   for f in TRANSIENT])
 def test_a_checkpoint_restore_and_lookup_meeting_transient_faults_succeed(ref, proxy, fault):
     """With faults of the kind queued for each method (GET, HEAD, PUT, DELETE), a checkpoint
     (segment and metadata uploads, the retention's deletes) succeeds; with a new round queued,
@@ -278,7 +279,8 @@ BOUNDS = {
 }
 
 
-@pytest.mark.parametrize("fault", list(PERMANENT))
+@pytest.mark.parametrize("fault", [pytest.param(f, marks=pytest.mark.slow) if f == "server-hangs" else f
+                                   for f in PERMANENT])
 def test_a_permanent_fault_fails_the_checkpoint_in_bounded_time_and_loses_nothing(ref, proxy, fault):
     """Every request failing (or held by a hung server): the checkpoint fails within the
     bound the retries and timeouts make (BOUNDS: attempts x time per attempt + backoff),

@@ -58,3 +58,4 @@ class S3Machine(StoreMachine):
 TestS3 = S3Machine.TestCase
 # Every checkpoint, restore and reopen goes to the server: fewer, shorter sequences.
 TestS3.settings = settings(MODEL_SETTINGS, max_examples=5, stateful_step_count=40)
+TestS3.pytestmark = [pytest.mark.slow]

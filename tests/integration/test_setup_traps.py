@@ -48,6 +48,8 @@ DRIVER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.spark  # a driver of its own, in a process of its own
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("slow", "time_mode"), [(False, "None"), (True, "ProcessingTime")],
                          ids=["fails-at-once", "fails-late-with-ticks"])

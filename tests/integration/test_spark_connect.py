@@ -21,6 +21,8 @@ import pytest
 from tests.integration.process_helpers import free_port, stop_session, tail, wait_for_port
 
 
+@pytest.mark.spark  # a Spark Connect server and its driver, in processes of their own
+@pytest.mark.slow
 @pytest.mark.timeout(720)
 def test_stateful_queries_under_spark_connect(tmp_path: Path):
     port = free_port()

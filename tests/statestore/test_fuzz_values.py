@@ -196,6 +196,7 @@ def keys(*names: str) -> pa.Table:
     return pa.table({"k": pa.array(names, pa.string())})
 
 
+@pytest.mark.slow
 @fuzz_settings(40)
 @given(dtype=value_types, data=st.data())
 def test_values_are_stored_whole_or_refused_alike_by_both_apis(dtype: pa.DataType, data):

@@ -687,3 +687,6 @@ class IcebergMachine(StoreMachine):
 
 TestIceberg = IcebergMachine.TestCase
 TestIceberg.settings = settings(MODEL_SETTINGS, max_examples=5, stateful_step_count=40)
+# Each over 7 s on the reference machine: left out of the fast tier (scripts/test.sh --fast).
+for _case in (TestStringKeys, TestPairKeys, TestPartialViews, TestUnhashedLookups, TestTwoWorkers, TestIceberg):
+    _case.pytestmark = [pytest.mark.slow]
