@@ -63,7 +63,15 @@ from spark_integration.tasks import (
     run_partition,
     segment_of,
 )
-from spark_integration.ticks import Beacon, beacon_path, sweep_beacons, ticks_frame, warm_planner, write_beacon
+from spark_integration.ticks import (
+    Beacon,
+    beacon_path,
+    is_ticks_offset,
+    sweep_beacons,
+    ticks_frame,
+    warm_planner,
+    write_beacon,
+)
 from spark_integration.timers import normalize_time_mode, timers_descriptor
 from spark_integration.vectorized import VectorizedProcessor
 from statestore import stored_keys
@@ -984,15 +992,7 @@ def _checkpoint_has_ticks(spark: SparkSession, checkpoint_location: str, info: A
         lines = _read_checkpoint_file(spark, checkpoint_location, f"offsets/{batch}").splitlines()
     except Exception:  # none written yet (a query stopped before its first batch)
         return None
-    return any(_is_ticks_offset(line) for line in lines[2:])
-
-
-def _is_ticks_offset(line: str) -> bool:
-    try:
-        offset = json.loads(line)
-    except ValueError:
-        return False
-    return isinstance(offset, dict) and set(offset) == {"ticks", "checkpoint"}
+    return any(is_ticks_offset(line) for line in lines[2:])
 
 
 def _warm_beside(query: StreamingQuery, runner: StatefulRunner, view: CheckpointView, after_sources: bool) -> None:

@@ -176,6 +176,15 @@ class _Reader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         pass
 
 
+def is_ticks_offset(line: str) -> bool:
+    """Whether a line of Spark's offset log is an offset of this source (``_Reader``'s shape)."""
+    try:
+        offset = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(offset, dict) and set(offset) == {"ticks", "checkpoint"}
+
+
 class _BatchReader(DataSourceReader):
     """A batch read of the source: no rows (``warm_planner`` reads it once at a query's start)."""
 
