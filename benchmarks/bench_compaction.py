@@ -1,4 +1,4 @@
-"""Compaction benchmark (issue 3, benchmark 2): many checkpoints of small deltas.
+"""Compaction benchmark: many checkpoints of small deltas.
 
 A job of 4 tasks (max parallelism 128, one partition: units are the tasks' key-group ranges)
 loads a base state of ``keys`` keys (a value and a list per key), then commits

@@ -1,4 +1,4 @@
-"""Rescale benchmark (issue: rescale as metadata): change the parallelism of a keyed state.
+"""Rescale benchmark (rescale as metadata): change the parallelism of a keyed state.
 
 For a state of ``small`` and of ``big`` keys (a value state per key, written by 4 tasks in
 4 checkpoints), rescale 4 -> 8 and 8 -> 3:

@@ -1,6 +1,6 @@
 """The first batches after a restart on a large state: reads proportional to the keys touched.
 
-The state is the remote-storage issue's: ``keys`` possible keys (20M), ``checkpoints`` (10)
+The state: ``keys`` possible keys (20M), ``checkpoints`` (10)
 checkpoints of ``events`` (3M) uniform count updates each, written by ``tasks`` (4) task
 stores, about 15M live keys. A restarted query then runs ``batches`` (6) batches of
 ``batch_events`` (200k) uniform events: each task opens a fresh store on a fresh table object,

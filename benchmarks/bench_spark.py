@@ -1,4 +1,4 @@
-"""Streaming benchmark against the Spark peers (issue 4): a keyed running count.
+"""Streaming benchmark against the Spark peers: a keyed running count.
 
 Workload: N events uniform over K string keys ("k000123", plus a long value), written once as
 B Parquet files, one per micro-batch. Every implementation reads the same files through a
@@ -23,7 +23,7 @@ data set. Every run's output is checked against the input: per batch the number 
 emitted rows, the sum of the emitted counts and the sum of key-id x count, plus the final count
 of a sample of keys.
 
-Processing-time sessions (``benchmarks.streaming.sessions``; issue 13), on the small data set:
+Processing-time sessions (``benchmarks.streaming.sessions``), on the small data set:
 the same row processor counts a key's events and moves the key's one processing-time timer to
 the batch's time + ``--session-gap-ms`` (1 ms: every session closes in the first later batch
 without its key, the last ones after the input, in a batch without input); the timer emits
@@ -103,7 +103,7 @@ def main(
     only: str = typer.Option("", help="comma-separated implementations to run (default: all)"),
     workloads: str = typer.Option("throughput,sessions,restart",
                                   help="comma-separated scenarios to run: throughput, sessions, restart, scaling, "
-                                       "cache (the last two: issue 16's state-size scenarios, "
+                                       "cache (the last two: the state-size scenarios, "
                                        "benchmarks.streaming.scaling)"),
     skip_restart: bool = typer.Option(False, help="skip the restart / rescale scenario"),
     session_gap_ms: int = typer.Option(1, help="session gap of the processing-time sessions scenario"),

@@ -1,5 +1,6 @@
 """Where the CPU of a streaming micro-batch goes, per process: Spark's JVM, the Python
-workers, the driver's Python, our compactor (issue 4's throughput gap, measured).
+workers, the driver's Python, our compactor (where our throughput falls short of its target,
+measured).
 
 Runs the workload of ``benchmarks.bench_spark`` (keyed running count, one Parquet file per batch,
 local[2], 4 shuffle partitions) for one or more implementations, each in a fresh process,

@@ -1,4 +1,4 @@
-"""Benchmark of the keyed state store on Iceberg (issue: keyed state store).
+"""Benchmark of the keyed state store on Iceberg.
 
 Measures, on this machine, in one run:
 

@@ -23,8 +23,8 @@ leaves the others' figures), in this order:
   and 0.1x of the state).
 
 Modes: ``tiny`` (the smallest sizes every code path runs at: what the test suite runs, so that the
-suite cannot rot), ``quick`` (about 15 minutes on a 2-core machine) and ``full`` (the issue's
-sizes: 2M events over 200k keys, states of 1M, 5M and 20M keys; over an hour). Results go to
+suite cannot rot), ``quick`` (about 15 minutes on a 2-core machine) and ``full`` (2M
+events over 200k keys, states of 1M, 5M and 20M keys; over an hour). Results go to
 ``docs/benchmarks/<mode>/`` (``--out`` elsewhere): each step's JSON and plots, its log, and
 ``summary.json``, ``summary.md`` (the headline table, the machine, the commands) and
 ``headline.png``. Figures are ratios against a peer measured in the same run.
@@ -121,7 +121,7 @@ def _run_step(step: Step, mode: str, out: Path) -> dict:
             "result": result.name if result.exists() else None, "log": str(log.relative_to(out)), "ok": ok}
 
 
-# The headline: one row per target of issue 16, ours against the peer measured in the same run.
+# The headline: one row per performance target, ours against the peer measured in the same run.
 
 def _get(d: dict | None, *path: str | int) -> object:
     for p in path:
@@ -249,7 +249,7 @@ def summarize(out: Path, mode: str, steps: dict) -> dict:
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     _markdown(out, summary)
     _plot(out, rows)
-    t = Table(title=f"issue 16's targets, {mode} mode (ratios against the peer in the same run)")
+    t = Table(title=f"performance targets, {mode} mode (ratios against the peer in the same run)")
     for col in ("measure", "value", "target", "met", "peer"):
         t.add_column(col, justify="right" if col in ("value", "target") else "left")
     for r in rows:
@@ -302,7 +302,8 @@ def _plot(out: Path, rows: list[dict]) -> None:
 
 
 def main(
-    mode: str = typer.Option("quick", help="tiny (smoke), quick (~15 min) or full (the issue's sizes, > 1 hour)"),
+    mode: str = typer.Option("quick", help="tiny (smoke), quick (~15 min) or full (2M events over 200k keys, states "
+                                           "of 1M, 5M and 20M keys; > 1 hour)"),
     steps: str = typer.Option(",".join(s.name for s in STEPS), help="comma-separated steps to run"),
     out: Path | None = typer.Option(None, help="results folder (default docs/benchmarks/<mode>)"),
     summarize_only: bool = typer.Option(False, help="redraw the summary from the results in the folder"),

@@ -55,7 +55,7 @@ def _report_throughput(rows: list[dict]) -> None:
             if q:
                 lines.append(f"{o} / {p} on {r['dataset']}: {q['overall']:.1f}x events/s, "
                              f"{fmt(q['steady'], '.1f')}x steady, {fmt(q['per_cpu_s'], '.1f')}x per CPU-second"
-                             + (" (issue 13's target: at least 10x)" if o == "ours-pandas" else ""))
+                             + (" (target: at least 10x)" if o == "ours-pandas" else ""))
     t.caption = "\n".join([*lines, *sorted(reasons)]) or None
     console.print(t)
 

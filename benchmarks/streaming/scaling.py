@@ -1,4 +1,4 @@
-"""The scenarios of state size (issue 16): how checkpoint, restart and rescale grow with the
+"""The scenarios of state size: how checkpoint, restart and rescale grow with the
 state, what the state costs on disk, and throughput when the state outgrows the in-memory cache.
 
 **Scaling.** For each state size (keys), a query of Spark's RocksDB ``groupBy().count()`` and
@@ -105,7 +105,7 @@ def run_scaling(runner: Runner, sizes: list[int], batch_events: int, small_event
 
 def derive_scaling(out: dict) -> None:
     """Per size and implementation the four figures; per implementation their spread across
-    sizes (largest over smallest: the issue's target is at most 1.3 for ours)."""
+    sizes (largest over smallest: the target is at most 1.3 for ours)."""
     figures: dict = {}
     for keys, runs in out["runs"].items():
         for impl, run in runs.items():

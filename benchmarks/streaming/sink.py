@@ -35,7 +35,7 @@ class ChecksumSink:
 
 class NoopSink:
     """foreachBatch sink that computes the batch's output and drops it (Spark's ``noop``
-    format): the floor as the performance issue defines it. Records only the time per batch;
+    format): the floor as the performance targets define it. Records only the time per batch;
     the runs with ``ChecksumSink`` are the ones whose output is checked."""
 
     def __init__(self, sample_keys: list[str] | None = None) -> None:
