@@ -542,6 +542,11 @@ def main(
         return
     harness.RESULTS_DIR = results_dir or (Path(os.environ[harness.RESULTS_DIR_ENV])
                                           if os.environ.get(harness.RESULTS_DIR_ENV) else RESULTS)
+    if workdir is not None and workdir.exists() and any(workdir.iterdir()):
+        # A soak measures a query from its first batch: a restart on an old run's checkpoint and
+        # table starts with their state, and its figures would not be the run's.
+        raise typer.BadParameter(f"{workdir} is not empty (an earlier run's checkpoint and table?): give an empty "
+                                 "or new folder", param_hint="--workdir")
     root = workdir or Path(tempfile.mkdtemp(prefix="icestate-soak-"))
     root.mkdir(parents=True, exist_ok=True)
     config = {"minutes": minutes, "rows_per_second": rows_per_second, "keys": keys, "trigger_seconds": trigger_seconds,

@@ -189,3 +189,19 @@ def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
                  "bench_start.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "| store: warm batched lookup / polars left join |" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_soak_refuses_a_workdir_holding_an_earlier_run(tmp_path):
+    """A soak restarted on an earlier run's checkpoint would measure a query that starts with that
+    run's state: it refuses the folder before starting anything, and names it."""
+    from benchmarks import soak
+
+    work = tmp_path / "work"
+    (work / "checkpoint").mkdir(parents=True)
+    app = typer.Typer()
+    app.command()(soak.main)
+    result = CliRunner().invoke(app, ["--minutes", "1", "--workdir", str(work), "--results-dir", str(tmp_path / "r")],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert "is not empty" in result.output and "--workdir" in result.output
+    assert sorted(p.name for p in work.iterdir()) == ["checkpoint"] and not (tmp_path / "r").exists()
