@@ -12,7 +12,9 @@ the compactor process runs the default policy. The batch output goes to a ``fore
 that counts it. Spark's own history is bounded as in production (``SPARK_HISTORY``).
 
 Sampled every ``--sample-seconds``: resident memory and open file descriptors of the driver's
-Python, its JVM, the Python workers (together and each) and the compactor (from ``/proc``); the
+Python, its JVM, the Python workers (together and each) and the compactor (from ``/proc``); every
+``LIVE_HEAP_EVERY_S``, the JVM's live heap after a full collection (``jcmd``; the JVM's heap is
+sized and touched whole at its start, so its resident memory does not follow the collector); the
 table's segment files per unit (max and mean) and retained checkpoints; the files and bytes under
 the table's location; the entries the state holds (the state figures of the newest batch
 report). Per batch: its duration and commit time. After a warm-up (``--warmup-minutes``), the
@@ -52,6 +54,10 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 # appends what it holds (tracemalloc's biggest growths, object counts by type) as JSON lines.
 DIAGNOSE_ENV = "ICESTATE_SOAK_DIAGNOSE"
 DIAGNOSE_EVERY_S = 60.0
+# The driver's JVM heap (``spark.driver.memory``, and its starting size), and how often its live
+# content is measured: each measurement is a full collection (a pause of a fraction of a second).
+JVM_HEAP = "1g"
+LIVE_HEAP_EVERY_S = 150.0
 
 try:  # the processor: pyspark is there whenever the soak runs; the module imports without it
     from pyspark.sql import Row
@@ -246,11 +252,23 @@ SPARK_HISTORY = {
 }
 
 
+def jvm_live_heap_mb(pid: int) -> float | None:
+    """The bytes of the objects the JVM ``pid`` holds, in MB: ``jcmd GC.class_histogram`` runs a
+    full collection first, so this is the live heap, not the heap with its garbage (which the
+    collector lets grow toward its bound as it pleases). None where ``jcmd`` (the JDK's) is missing
+    or the JVM is gone."""
+    try:
+        out = subprocess.run(["jcmd", str(pid), "GC.class_histogram"], capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    total = [line.split() for line in out.splitlines() if line.startswith("Total ")]
+    return round(int(total[-1][2]) / 2**20, 1) if total and len(total[-1]) == 3 else None
+
+
 def jvm_heap(pid: int) -> dict[str, float]:
     """The JVM's heap as its garbage collector sees it (``jstat -gc``, KB), to tell the heap's
     growth toward its bound from what the JVM holds."""
-    import subprocess
-
     try:
         out = subprocess.run(["jstat", "-gc", str(pid)], capture_output=True, text=True, timeout=20).stdout.split()
     except (OSError, subprocess.SubprocessError):
@@ -292,6 +310,7 @@ def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float,
     emitted = [0]
     entries: list[int | None] = [None]
     deadline = started + minutes * 60
+    heap_due = started + LIVE_HEAP_EVERY_S
     table = None
     read_to = [0]
 
@@ -319,9 +338,12 @@ def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float,
                 if table is None and batches:
                     table = IcebergStateTable.open_existing(warehouse=str(warehouse), table_name=TABLE)
                 sample = {"minute": round((time.monotonic() - started) / 60, 3), **process_figures(driver.pid)}
+                jvms = [pid for pid in _descendants(driver.pid) if "java" in _cmdline(pid).split(" ", 1)[0]]
+                if jvms and time.monotonic() >= heap_due:
+                    heap_due = time.monotonic() + LIVE_HEAP_EVERY_S
+                    sample["jvm_live_heap_mb"] = jvm_live_heap_mb(jvms[0])
                 if diagnose_dir is not None:
-                    sample["jvm_heap"] = {pid: jvm_heap(pid) for pid in _descendants(driver.pid)
-                                          if "java" in _cmdline(pid).split(" ", 1)[0]}
+                    sample["jvm_heap"] = {pid: jvm_heap(pid) for pid in jvms}
                 if table is not None:
                     sample.update(table_figures(table, warehouse / "state" / TABLE))
                 sample["entries"] = entries[0]
@@ -363,12 +385,18 @@ def drive(config_path: Path) -> None:
     config = json_module.loads(config_path.read_text())
     root = Path(config["root"])
     builder = SparkSession.builder.master("local[2]").appName("icestate-soak")
+    # The JVM's heap at its full size from the start, every page touched, as a long-running
+    # deployment sizes it: the collector then never grows it in steps, so the JVM's resident
+    # memory is the heap plus what lives outside it, and a growth there shows; the heap's own
+    # content is measured apart (``jvm_live_heap_mb``).
+    builder = builder.config("spark.driver.memory", JVM_HEAP).config(
+        "spark.driver.extraJavaOptions", f"-Xms{JVM_HEAP} -XX:+AlwaysPreTouch")
     for key, value in SPARK_HISTORY.items():
         builder = builder.config(key, value)
     spark = (builder.config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.sql.shuffle.partitions", "2")
              .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-             .config("spark.sql.session.timeZone", "UTC").config("spark.driver.memory", "1g")
+             .config("spark.sql.session.timeZone", "UTC")
              .config("spark.local.dir", str(root / "spark-local")).getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     source = (spark.readStream.format("rate").option("rowsPerSecond", config["rows_per_second"]).load()
@@ -409,16 +437,16 @@ def drive(config_path: Path) -> None:
         spark.stop()
 
 
-FIGURES = ("driver_rss_mb", "jvm_rss_mb", "workers_rss_mb", "compactor_rss_mb", "driver_fds", "jvm_fds",
-           "workers_fds", "compactor_fds", "files_per_unit_max", "files_per_unit_mean", "table_files", "table_mb",
-           "checkpoints_retained", "entries")
+FIGURES = ("driver_rss_mb", "jvm_rss_mb", "jvm_live_heap_mb", "workers_rss_mb", "compactor_rss_mb", "driver_fds",
+           "jvm_fds", "workers_fds", "compactor_fds", "files_per_unit_max", "files_per_unit_mean", "table_files",
+           "table_mb", "checkpoints_retained", "entries")
 
 
 # What must stay flat after the warm-up (the drift criterion): the late window's mean at most
 # this much above the early window's.
 FLAT = 1.03
-MUST_BE_FLAT = ("driver_rss_mb", "jvm_rss_mb", "worker_rss_mb_each", "compactor_rss_mb", "driver_fds", "jvm_fds",
-                "workers_fds", "compactor_fds", "table_files", "batch_commit_ms_median")
+MUST_BE_FLAT = ("driver_rss_mb", "jvm_rss_mb", "jvm_live_heap_mb", "worker_rss_mb_each", "compactor_rss_mb",
+                "driver_fds", "jvm_fds", "workers_fds", "compactor_fds", "table_files", "batch_commit_ms_median")
 
 
 def windows(samples: list[dict], warmup_minutes: float) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -485,23 +513,27 @@ def plot(result: dict, path: Path) -> None:
     minutes = [s["minute"] for s in samples]
     panels = [("resident memory (MB)", ["driver_rss_mb", "jvm_rss_mb", "workers_rss_mb", "compactor_rss_mb"]),
               ("open files", ["driver_fds", "jvm_fds", "workers_fds", "compactor_fds"]),
+              ("JVM live heap after a full collection (MB)", ["jvm_live_heap_mb"]),
               ("segment files per unit", ["files_per_unit_max", "files_per_unit_mean"]),
               ("files under the table", ["table_files"]), ("table MB", ["table_mb"]),
               ("entry rows in segments", ["entries"])]
-    fig, axes = plt.subplots(4, 2, figsize=(11, 12))
+    fig, axes = plt.subplots(5, 2, figsize=(11, 15))
     for ax, (title, names) in zip(axes.flat, panels, strict=False):
         for name in names:
-            ax.plot(minutes, [s.get(name) for s in samples], label=name.replace("_", " "))
+            measured = [(s["minute"], s[name]) for s in samples if s.get(name) is not None]
+            ax.plot([m for m, _ in measured], [v for _, v in measured], label=name.replace("_", " "),
+                    marker="." if name == "jvm_live_heap_mb" else None)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("minutes")
         ax.legend(fontsize=7)
     batches = result["batches"]
     span = minutes[-1] if minutes else 1.0
-    for ax, name, title in ((axes.flat[6], "commit_ms", "commit time per batch (ms)"),
-                            (axes.flat[7], "duration_ms", "batch duration (ms)")):
+    for ax, name, title in ((axes.flat[7], "commit_ms", "commit time per batch (ms)"),
+                            (axes.flat[8], "duration_ms", "batch duration (ms)")):
         ax.plot([b["minute"] for b in batches], [b[name] for b in batches], ".", markersize=2)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("minutes (when sampled)")
+    axes.flat[9].set_visible(False)
     fig.suptitle(f"soak: {span:.0f} minutes, {len(batches)} checkpoints, retention and compaction on", fontsize=11)
     harness.save_figure(fig, path, dpi=100)
 

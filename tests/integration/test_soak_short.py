@@ -51,3 +51,6 @@ def test_nothing_grows_in_a_short_soak(tmp_path):
              if not drift[name]["late"] <= drift[name]["early"] * ratio + slack}
     assert not grown, f"grew beyond {BOUNDS}: {grown}"
     assert drift["checkpoints_retained"]["late"] <= RETAINED
+    # The JVM's live heap is measured (a full collection, then the bytes of what it holds).
+    live = [s["jvm_live_heap_mb"] for s in result["samples"] if s.get("jvm_live_heap_mb") is not None]
+    assert live and all(10 < mb < 1024 for mb in live), live
