@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up (scripts/setup.sh) and runs the whole test suite: lint, then pytest in parallel
-# processes (pytest-xdist, work stealing; one per core, at most 4: ICESTATE_TEST_WORKERS sets it).
+# processes (pytest-xdist, longest tests first, see tests/conftest.py; one per core, at most 4:
+# ICESTATE_TEST_WORKERS sets it).
 #   --fast   only the tests that start no Spark and are not marked slow: a few minutes, for editing.
 # Other arguments go to pytest. pytest exits 5 when it collects no test; that is a failure here, as
 # is any other non-zero code.
@@ -20,6 +21,6 @@ bash scripts/setup.sh
 workers=${ICESTATE_TEST_WORKERS:-$(nproc)}
 if [ "$workers" -gt 4 ]; then workers=4; fi
 status=0
-.venv/bin/python -m pytest -n "$workers" --dist worksteal ${selection[@]+"${selection[@]}"} ${args[@]+"${args[@]}"} || status=$?
+.venv/bin/python -m pytest -n "$workers" --dist load ${selection[@]+"${selection[@]}"} ${args[@]+"${args[@]}"} || status=$?
 echo "scripts/test.sh: set up, linted and tested in $((SECONDS / 60)) min $((SECONDS % 60)) s (exit $status)"
 exit "$status"

@@ -9,17 +9,21 @@ makes its own buckets on it (``tests/contract``: the contract's bucket in its ``
 ``pg_uri``: a PostgreSQL server (``tests/pg_server.py``) with pyiceberg's SQL catalog tables;
 its SQLAlchemy URI (with the password) is also published in ``pg_server.URI_ENV``.
 
-The suite runs in parallel processes (``scripts/test.sh``: pytest-xdist, work stealing), each
-with its own servers and Spark session: tests marked ``slow`` are handed out first, so that the
-longest ones do not start last and leave one process working alone at the end. The suite's wall
-time is reported at its end against its budget.
+The suite runs in parallel processes (``scripts/test.sh``: pytest-xdist), each with its own
+servers and Spark session. Tests are handed out longest first (``tests/durations.json``, the
+seconds each test took in a recorded run; a test not in it counts as its marker says), round-robin
+and then to whichever process is free (``--dist load``), so that the longest ones neither start
+last nor pile up in one process. ``ICESTATE_RECORD_DURATIONS=1`` rewrites the file from the run.
+The suite's wall time is reported at its end against its budget.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -28,13 +32,46 @@ from tests import pg_server, s3_server
 # What the whole suite may take on the reference machine (2 cores), README's test command.
 SUITE_BUDGET_S = 15 * 60
 _STARTED = time.monotonic()
+DURATIONS = Path(__file__).with_name("durations.json")
+# Seconds assumed for a test missing from DURATIONS (a new one): its marker's tier.
+_UNKNOWN_SLOW_S, _UNKNOWN_S = 20.0, 0.5
+_durations_taken: dict[str, float] = {}
+
+
+def _recorded_durations() -> dict[str, float]:
+    try:
+        recorded = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): float(v) for k, v in recorded.items()} if isinstance(recorded, dict) else {}
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # trylast: after the packages' hooks have marked their tests (``spark``); a stable sort, the
-    # same in every process (xdist checks that its workers collected one order).
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    # trylast: after the packages' hooks have marked their tests (``spark``). Longest first; a
+    # stable sort, the same in every process (xdist checks that its workers collected one order).
+    recorded = _recorded_durations()
+
+    def expected_s(item: pytest.Item) -> float:
+        if item.nodeid in recorded:
+            return recorded[item.nodeid]
+        return _UNKNOWN_SLOW_S if item.get_closest_marker("slow") is not None else _UNKNOWN_S
+
+    items.sort(key=expected_s, reverse=True)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # On the controller, the workers' reports of setup, call and teardown.
+    _durations_taken[report.nodeid] = _durations_taken.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput") or not os.environ.get("ICESTATE_RECORD_DURATIONS"):
+        return
+    if session.config.option.markexpr or session.config.option.keyword:
+        return  # a selection: keep the whole suite's record
+    merged = {**_recorded_durations(), **{k: round(v, 2) for k, v in _durations_taken.items()}}
+    DURATIONS.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
