@@ -33,6 +33,7 @@ from pyiceberg.manifest import DataFile, ManifestEntryStatus, ManifestFile
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.types import IntegerType, ListType
 
+from catalog.fileio import METADATA_FILES
 from statestore.errors import CorruptMetadataError
 
 MANIFEST_READS_MAX = 16  # manifests read at once when a snapshot is opened
@@ -328,11 +329,13 @@ class ManifestCache:
         self.forget([p for p in self._entries if p not in named])
 
     def forget(self, paths: Iterable[str]) -> None:
-        """Drop deleted manifests and manifest lists, so memory follows the retained table."""
+        """Drop deleted manifests and manifest lists, so memory follows the retained table: their
+        contents here, and their bytes in the process's metadata file cache."""
         for p in paths:
             self._lists.pop(p, None)
             self._entries.pop(p, None)
             self._listed_by.pop(p, None)
+            METADATA_FILES.discard(p)
 
     def _bound(self) -> None:
         """Forget the least recently used lists and manifests beyond the bounds."""

@@ -213,3 +213,32 @@ def test_files_that_retention_deletes_are_not_served_from_memory(tmp_path):
     cached = list(METADATA_FILES._files)
     assert any(loc.endswith(".avro") for loc in cached)
     assert [loc for loc in cached if not Path(loc.removeprefix("file://")).exists()] == []
+
+
+def test_the_metadata_file_cache_keeps_the_newest_metadata_json_of_each_table():
+    """A process that follows a table reads a new ``.metadata.json`` at each refresh and never an
+    older one again: only the newest ``METADATA_JSON_PER_TABLE`` of each table stay, counted in
+    its bytes; other files stay until deleted or beyond the byte bound."""
+    from catalog.fileio import METADATA_JSON_PER_TABLE, MetadataFileCache
+
+    cache = MetadataFileCache(bytes_max=10_000)
+    a = [f"s3://b/wh/a/metadata/{n:05d}-x.metadata.json" for n in range(4)]
+    b = "s3://b/wh/b/metadata/00001-y.metadata.json"
+    manifest = "s3://b/wh/a/metadata/snap-1-m.avro"
+    for location in [*a, b, manifest]:
+        cache.put(location, b"0123456789")
+    assert METADATA_JSON_PER_TABLE == 2
+    assert [cache.get(x) is not None for x in a] == [False, False, True, True]
+    assert cache.get(b) is not None and cache.get(manifest) is not None
+    assert len(cache) == 4 and cache.size_bytes == 40
+    cache.put(a[3], b"01234")  # the same file again: counted once
+    assert len(cache) == 4 and cache.size_bytes == 35
+    cache.discard(a[2])
+    cache.put("s3://b/wh/a/metadata/00009-z.metadata.json", b"0")
+    assert cache.get(a[3]) is not None and len(cache) == 4 and cache.size_bytes == 26
+    small = MetadataFileCache(bytes_max=25)  # the byte bound evicts the least recently used
+    for location in (manifest, *a[:2]):
+        small.put(location, b"0123456789")
+    assert small.get(manifest) is None and small.size_bytes == 20
+    small.clear()
+    assert len(small) == 0 and small.size_bytes == 0

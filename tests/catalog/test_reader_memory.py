@@ -96,3 +96,60 @@ def test_a_worker_keeps_a_bounded_number_of_filesystems(tmp_path):
     newest = task_view.locations_of(location, {"s3.session-token": str(task_view.LOCATIONS_MAX * 2 - 1)})
     assert newest is task_view.locations_of(location, {"s3.session-token": str(task_view.LOCATIONS_MAX * 2 - 1)})
     assert task_view.locations_of(location, {"s3.session-token": "0"}) is not first  # dropped, made again
+
+
+def _writer_process(warehouse: str, orders, done) -> None:
+    """A writer in a process of its own (its deletes of expired files happen there, so the
+    follower's caches learn of them only by reading): ``n`` checkpoints per order, then ``done``."""
+    table = IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name="op", retain_checkpoints=2)
+    store = StateStore(table)
+    c = 0
+    for n in iter(orders.get, None):
+        for _ in range(n):
+            store.get_state("v").update_batch(KEYS, list(range(c, c + 40)))
+            store.checkpoint(batch_id=c)
+            c += 1
+        done.put(c - 1)
+    store.close()
+    table.close()
+
+
+def test_a_process_following_another_writer_keeps_the_metadata_of_the_retained_table_only(tmp_path):
+    """The compactor and every other reader in a process of its own read a new metadata file at
+    each refresh, and the manifest lists and manifests of each new checkpoint; the writer deletes
+    the expired ones in its process. The follower's metadata file cache kept every one of them
+    until its bound (64 MiB per process: +33 MB in a 90-minute soak's compactor); it now keeps the
+    newest metadata files of the table and the lists and manifests of its retained snapshots."""
+    import multiprocessing
+
+    from catalog.fileio import METADATA_FILES
+
+    warehouse = str(tmp_path / "wh")
+    spawn = multiprocessing.get_context("spawn")
+    orders, done = spawn.Queue(), spawn.Queue()
+    writer = spawn.Process(target=_writer_process, args=(warehouse, orders, done))
+    writer.start()
+    try:
+        orders.put(2)
+        done.get(timeout=120)
+        follower = IcebergStateTable.open(LAYOUT, warehouse=warehouse, table_name="op")
+        counts = []
+        for round_ in range(8):
+            orders.put(3)
+            newest = done.get(timeout=120)
+            follower.restore()
+            assert follower.current_checkpoint().batch_id == newest
+            if round_ % 3 == 2:
+                assert compact_partition(follower, 0) is not None
+                follower.restore()
+            files = [p for p in list(METADATA_FILES._files) if warehouse in p]
+            counts.append((len(files), sum(p.endswith(".metadata.json") for p in files)))
+        assert counts[-1][1] <= 2, counts
+        assert max(n for n, _ in counts[4:]) <= max(n for n, _ in counts[:4]) + 2, counts  # not one more per round
+        follower.close()
+    finally:
+        orders.put(None)
+        writer.join(60)
+        if writer.exitcode is None:
+            writer.kill()
+    assert writer.exitcode == 0
