@@ -118,6 +118,11 @@ def is_metadata_file(location: str) -> bool:
     return "/metadata/" in location and location.endswith((".metadata.json", ".avro"))
 
 
+def _table_dir(metadata_location: str) -> str:
+    """The table directory of a file under its ``metadata/`` folder."""
+    return metadata_location.rpartition("/metadata/")[0]
+
+
 class MetadataFileCache:
     """The bytes of metadata files by location, bounded by ``bytes_max``; thread safe.
 
@@ -149,7 +154,7 @@ class MetadataFileCache:
             self.size_bytes += len(data)
             self._files[location] = data
             if location.endswith(".metadata.json"):
-                newest = self._metadata_json.setdefault(location.rpartition("/metadata/")[0], [])
+                newest = self._metadata_json.setdefault(_table_dir(location), [])
                 newest.append(location)
                 while len(newest) > METADATA_JSON_PER_TABLE:
                     self._drop(newest[0])
@@ -166,12 +171,11 @@ class MetadataFileCache:
             return
         self.size_bytes -= len(data)
         if location.endswith(".metadata.json"):
-            table = location.rpartition("/metadata/")[0]
-            newest = self._metadata_json.get(table, [])
+            newest = self._metadata_json.get(_table_dir(location), [])
             if location in newest:
                 newest.remove(location)
             if not newest:
-                self._metadata_json.pop(table, None)
+                self._metadata_json.pop(_table_dir(location), None)
 
     def __len__(self) -> int:
         return len(self._files)
