@@ -5,13 +5,16 @@ Public surface:
 * ``start_stateful_query``: run a processor per key over a streaming DataFrame, state in an
   Iceberg state table (``StateLocation``), exactly-once, rescalable at every restart;
 * processors: any ``pyspark.sql.streaming.StatefulProcessor`` (Spark's row API, unchanged),
-  or a ``VectorizedProcessor`` (Arrow batches) such as ``RunningAggregate`` and ``Deduplicate``;
+  one whose handlers are coroutines with awaitable state reads (``api="async"``, tuned by
+  ``AsyncOptions``), or a ``VectorizedProcessor`` (Arrow batches) such as ``RunningAggregate``
+  and ``Deduplicate``;
 * ``runner_of(query)``: batch reports and the state table of a running query;
 * ``IcestateDataSource`` / ``register(spark)``: ``spark.read.format("icestate")`` over the
   resolved state of a variable at any retained checkpoint, with key and key-group pushdown.
 
 Module guide: ``query`` (driver: routing, commits), ``tasks`` (executors: one task's key
-groups), ``compat`` (Spark's handle and state variables), ``vectorized``, ``timers``,
+groups), ``compat`` (Spark's handle and state variables), ``async_processor`` (coroutine
+handlers and their execution controller), ``vectorized``, ``timers``,
 ``location`` (a query's state table: its ``catalog.TableRef`` and parallelism), ``datasource``.
 Everything Iceberg (opening tables and catalogs, the exactly-once output table
 ``catalog.output_table``) lives in ``catalog``: this package never imports the Iceberg client.
@@ -23,6 +26,7 @@ from statestore.exports import lazy_exports
 # task should not import the driver side (pyspark DataFrame APIs, catalogs) it never uses.
 _EXPORTS = {
     "StateLocation": "spark_integration.location",
+    "AsyncOptions": "spark_integration.async_processor",
     "BatchReport": "spark_integration.query",
     "StatefulRunner": "spark_integration.query",
     "runner_of": "spark_integration.query",

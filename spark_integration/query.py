@@ -48,6 +48,7 @@ from catalog.compaction import CompactionPolicy
 from catalog.compactor import CompactorProcess
 from catalog.output_table import OutputTable
 from catalog.task_view import CheckpointView, locations_of
+from spark_integration.async_processor import AsyncOptions, check_async_processor, is_async_processor
 from spark_integration.compat import declare, spark_struct
 from spark_integration.errors import ErrorKey, user_error
 from spark_integration.location import StateLocation
@@ -230,7 +231,7 @@ class StatefulRunner:
                  time_mode: str, event_time_column: str | None, initial_state: DataFrame | None,
                  store_config: StoreConfig, compaction: CompactionPolicy | None = None,
                  beacon: str | None = None, watermark_delay_ms: int | None = None, api: str = "row",
-                 output_table: str | None = None):
+                 output_table: str | None = None, async_options: Any = None):
         self.spark = spark
         self.keys = keys
         self.processor = processor
@@ -247,6 +248,7 @@ class StatefulRunner:
         self.initial_state = initial_state
         self.store_config = store_config
         self.api = api
+        self.async_options = async_options
         self.failure: BaseException | None = None  # what the last failed batch raised
         # Why the query was stopped before its first batch could run (``WorkerEnvironmentError``
         # from the warm-up beside its start); the query's failure.
@@ -503,7 +505,7 @@ class StatefulRunner:
             time_mode=self.time_mode, event_time_column=self.event_time_column, output_dir=output_dir,
             output_io=self.table.checkpoint_view().io if self.output is None else self.output.io_properties,
             store_config=self.store_config, inline_outputs=inline, api=self.api, timezone=self.timezone,
-            error_key=self.error_key,
+            error_key=self.error_key, async_options=self.async_options,
         )
 
     def _routed(self, df: DataFrame, columns: Sequence[str], heartbeat: bool = False) -> DataFrame:
@@ -796,6 +798,7 @@ def start_stateful_query(
     time_mode: str = "None", event_time_column: str | None = None, initial_state: DataFrame | None = None,
     query_name: str | None = None, store_config: StoreConfig | None = None, warm_workers: bool = True,
     compaction: CompactionPolicy | None = DEFAULT_COMPACTION, api: str = "row", progress_figures: bool = False,
+    async_options: AsyncOptions | None = None,
 ) -> StreamingQuery:
     """Start a streaming query that runs ``processor`` per key with state in an Iceberg table.
 
@@ -832,7 +835,13 @@ def start_stateful_query(
             ``exception``), before any state is written.
         api: for a ``StatefulProcessor``, the API it is written for: ``"row"`` (Spark's
             ``transformWithState``: ``Row``s in, ``Row``s out) or ``"pandas"`` (Spark's
-            ``transformWithStateInPandas``: a key's rows as a pandas DataFrame, DataFrames out).
+            ``transformWithStateInPandas``: a key's rows as a pandas DataFrame, DataFrames out);
+            ``"async"`` or ``"async_pandas"`` for a processor whose handlers are coroutines
+            (``async def handleInputRows``) with awaitable state reads, rows or a DataFrame in
+            (``spark_integration.async_processor``): many keys in flight per task, each key's
+            calls in order, the waiting keys' state read in batches on demand.
+        async_options: the bounds of an async processor's execution controller
+            (``AsyncOptions``: keys in flight, keys per batched read, how long a read may wait).
         compaction: the policy of the compaction that runs beside the query, in a process
             of its own started when a unit of the state table needs it and stopped with the
             query (``catalog.compactor``); None turns it off (``icestate compact`` then
@@ -883,9 +892,15 @@ def start_stateful_query(
                                           f"lacks; its columns are {input_schema.names}")
             run_schema = pa.schema([input_schema.field(c) for c in wanted])
     elif isinstance(processor, StatefulProcessor):
-        if api not in ("row", "pandas"):
-            raise ValueError(f"api must be 'row' (Spark's transformWithState) or 'pandas' "
-                             f"(transformWithStateInPandas), got {api!r}")
+        if api not in ("row", "pandas", "async", "async_pandas"):
+            raise ValueError(f"api must be 'row' (Spark's transformWithState), 'pandas' "
+                             f"(transformWithStateInPandas), 'async' or 'async_pandas' (coroutine handlers), "
+                             f"got {api!r}")
+        if api.startswith("async"):
+            check_async_processor(processor)
+        elif is_async_processor(processor):
+            raise TypeError(f"{type(processor).__name__}.handleInputRows is 'async def': start it with "
+                            f"api='async' (rows) or api='async_pandas' (DataFrames)")
         descriptors = list(declare(processor).descriptors)
         with_ttl = [d.name for d in descriptors if d.ttl is not None]
         if with_ttl and mode != "processingtime":
@@ -912,6 +927,7 @@ def start_stateful_query(
         time_mode=mode, event_time_column=event_time_column, initial_state=initial_state,
         store_config=store_config or StoreConfig(), compaction=compaction,
         beacon=beacon_path(checkpoint_location, location.identity), api=api, output_table=output_table,
+        async_options=async_options,
         watermark_delay_ms=None if watermark is None or watermark[0] != event_time_column else watermark[1],
     )
     # The ticks source is a Python data source: Spark starts Python processes for it one after

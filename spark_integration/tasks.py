@@ -110,8 +110,9 @@ class BatchPlan:
     # Each task's committed tokens of the run, oldest first, ending with ``task_tokens``' (at
     # most ``TOKENS_KEPT``): which flushes of a worker's store the driver committed.
     task_history: dict[int, tuple[tuple[int, str], ...]] = field(default_factory=dict)
-    api: str = "row"              # a StatefulProcessor's: "row" (transformWithState) or "pandas"
+    api: str = "row"              # a StatefulProcessor's: "row", "pandas", "async" or "async_pandas"
     timezone: str = "UTC"         # the session's, for pandas timestamps
+    async_options: Any = None     # an async processor's controller bounds (AsyncOptions; None: defaults)
     # Signs a processor's exception for the driver (``spark_integration.errors``); never shown.
     error_key: ErrorKey = field(default_factory=ErrorKey, repr=False)
 
@@ -375,6 +376,16 @@ def _run_compat(plan: BatchPlan, ts: _TaskStore, data: pa.Table, kgs: np.ndarray
 
     timer_values = TimerValues(*((-1, -1) if plan.time_mode == "none" else
                                  (plan.processing_time_ms, plan.watermark_ms)))
+    if plan.api in ("async", "async_pandas"):
+        from spark_integration.async_processor import run_async_pandas_processor, run_async_processor
+
+        if plan.api == "async_pandas":
+            return run_async_pandas_processor(plan.processor, ts.store, ts.timers, data, kgs, timer_values,
+                                              plan.fire_upto_ms, plan.output_schema, initial, plan.timezone,
+                                              options=plan.async_options)
+        out = run_async_processor(plan.processor, ts.store, ts.timers, data, kgs, timer_values, plan.fire_upto_ms,
+                                  initial, options=plan.async_options)
+        return rows_to_arrow(out, plan.output_schema)
     if plan.api == "pandas":
         return run_pandas_processor(plan.processor, ts.store, ts.timers, data, kgs.tolist(), timer_values,
                                     plan.fire_upto_ms, plan.output_schema, initial, plan.timezone)

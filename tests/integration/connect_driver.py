@@ -17,7 +17,7 @@ from pyspark.sql.streaming import StreamingQueryListener
 from spark_integration import StateLocation, register, start_stateful_query
 from tests.hostile import forged_envelopes
 from tests.integration import tws_processors as P
-from tests.integration.streaming_helpers import CountProcessor, FailingProcessor
+from tests.integration.streaming_helpers import AsyncCountProcessor, FailingProcessor
 
 
 class Listener(StreamingQueryListener):
@@ -79,12 +79,13 @@ def main(work: str, url: str) -> None:
     out["scratch_left"] = [
         name for _, _, names in os.walk(f"{work}/wh") for name in names if "scratch" in _]
 
-    # Counts, then the state read back through the data source, and the figures a listener got.
+    # Counts (an async processor), then the state read back through the data source, and the
+    # figures a listener got.
     counts = StateLocation(table="counts", warehouse=f"{work}/wh", parallelism=2)
-    query = start_stateful_query(stream(files(f"{work}/in-c", ["aab", "bca", "d"])), ["key"], CountProcessor(),
+    query = start_stateful_query(stream(files(f"{work}/in-c", ["aab", "bca", "d"])), ["key"], AsyncCountProcessor(),
                                  "key string, count long", location=counts, checkpoint_location=f"{work}/cp-c",
                                  trigger={"availableNow": True}, output_table="out.counts", compaction=None,
-                                 progress_figures=True)
+                                 progress_figures=True, api="async")
     query.awaitTermination(240)
     out["counts_error"] = repr(query.exception())
     register(spark)

@@ -86,6 +86,17 @@ class CountProcessor(StatefulProcessor):
         pass
 
 
+class AsyncCountProcessor(CountProcessor):
+    """``CountProcessor`` with a coroutine handler and an awaited read (``api="async"``)."""
+
+    async def handleInputRows(self, key, rows, timerValues):
+        n = sum(1 for _ in rows)
+        old = await self.count.get()
+        new = (old[0] if old else 0) + n
+        self.count.update((new,))
+        yield Row(key=key[0], count=new)
+
+
 PROFILE_OUTPUT = "key string, n long, recent string, evens long, odds long, parities int, cleared boolean"
 
 

@@ -272,14 +272,15 @@ def test_state_names_that_are_not_identifiers_as_spark_and_shown_by_their_name_i
 def test_pending_timers_fire_after_a_restart_and_a_rescale_as_spark(spark, tmp_path, location):
     """A first run stops after one batch with every session's timer pending; the second run
     (on ours with another parallelism: the timers move with their key groups) fires them in
-    its first batch, as Spark does, and the rest after the input ends."""
+    its first batch, as Spark does, and the rest after the input ends; the same processor
+    written with coroutine handlers (``api="async"``) too."""
     files = key_rows(["aabc", "bd", "d", "ce"])
 
     def closed(run: Run) -> int:
         return sum(1 for rows in run.batches.values() for r in rows if r[2])
 
     runs = {}
-    for engine in ("spark", "ours"):
+    for engine in ("spark", "ours", "async"):
         cp, input_dir = str(tmp_path / f"cp-{engine}"), tmp_path / f"in-{engine}"
         write_batches(input_dir, files[:1])
         for step, (trigger, parallelism, until) in enumerate([({"once": True}, 2, None),
@@ -289,14 +290,17 @@ def test_pending_timers_fire_after_a_restart_and_a_rescale_as_spark(spark, tmp_p
             if engine == "spark":
                 run = run_spark(spark, stream(spark, str(input_dir)), P.SessionProcessor(1), P.SESSION_OUTPUT, cp,
                                 time_mode="ProcessingTime", trigger=trigger, until=until)
-            else:
-                run, _ = run_ours(spark, stream(spark, str(input_dir)), P.SessionProcessor(1), P.SESSION_OUTPUT, cp,
-                                  location(parallelism), time_mode="ProcessingTime", trigger=trigger)
+            else:  # ours, and the same logic as an async processor
+                processor, api = (P.SessionProcessor(1), "row") if engine == "ours" else (
+                    P.AsyncSessionProcessor(1), "async")
+                run, _ = run_ours(spark, stream(spark, str(input_dir)), processor, P.SESSION_OUTPUT, cp,
+                                  location(parallelism), time_mode="ProcessingTime", trigger=trigger, api=api)
             runs.setdefault(engine, Run()).batches.update(run.batches)
     assert runs["spark"].emitted()[:2] == [
         [("a", 2, False), ("b", 1, False), ("c", 1, False)],
         [("a", 2, True), ("b", 2, False), ("c", 1, True), ("d", 1, False)]]
     compare(runs["spark"], runs["ours"])
+    compare(runs["spark"], runs["async"])
 
 
 # ---------------------------------------------------------------------------- TTL

@@ -112,6 +112,25 @@ class SessionProcessor(StatefulProcessor):
         pass
 
 
+class AsyncSessionProcessor(SessionProcessor):
+    """``SessionProcessor`` with coroutine handlers (``api="async"``): the same logic, its reads
+    awaited."""
+
+    async def handleInputRows(self, key, rows, timerValues):
+        old = await self.events.get()
+        total = (old[0] if old else 0) + sum(1 for _ in rows)
+        self.events.update((total,))
+        for t in self.handle.listTimers():
+            self.handle.deleteTimer(t)
+        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + self.gap_ms)
+        yield Row(key=key[0], events=total, closed=False)
+
+    async def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
+        total = (await self.events.get())[0]
+        self.events.clear()
+        return [Row(key=key[0], events=total, closed=True)]
+
+
 class PandasSessionProcessor(SessionProcessor):
     def handleInputRows(self, key, rows, timerValues) -> Iterator[pd.DataFrame]:
         k, total = self._rows(key, sum(len(f) for f in rows), timerValues)
