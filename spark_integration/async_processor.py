@@ -48,6 +48,7 @@ import inspect
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,14 +81,17 @@ class AsyncOptions:
         ``buffer-size``): the size of one batched read.
     max_wait_ms: how long running other keys' handlers may delay a read that waits with fewer
         keys (Flink's ``buffer-timeout``). A read is also sent as soon as no call can run.
+    max_reads_in_flight: batched reads sent and not yet applied, each on an I/O thread of its
+        own while the task thread runs the calls that do not wait.
     """
 
     max_in_flight_keys: int = 4096
     max_pending_keys: int = 1024
     max_wait_ms: float = 50.0
+    max_reads_in_flight: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("max_in_flight_keys", "max_pending_keys"):
+        for name in ("max_in_flight_keys", "max_pending_keys", "max_reads_in_flight"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"AsyncOptions.{name} must be an int of at least 1, got {value!r}")
@@ -110,23 +114,26 @@ _LOAD = _Load()
 
 @dataclass
 class ControllerStats:
-    """What one controller did: calls run, reads sent (ticks) and keys they read, the most
-    calls in flight at once, the suspensions of calls waiting for a read."""
+    """What one controller did: calls run, batched reads and the keys they read, the most keys
+    in flight at once, the suspensions of calls waiting for a read, the time the task thread
+    waited for reads."""
 
     calls: int = 0
-    ticks: int = 0
+    ticks: int = 0            # batched reads planned (of keys waiting together)
+    reads: int = 0            # of them, those that read segments (on an I/O thread)
     keys_read: int = 0
     max_in_flight: int = 0
     suspensions: int = 0
-    read_seconds: float = 0.0
+    blocked_seconds: float = 0.0  # the task thread waiting for reads, no call able to run
 
     def add(self, other: ControllerStats) -> None:
         self.calls += other.calls
         self.ticks += other.ticks
+        self.reads += other.reads
         self.keys_read += other.keys_read
         self.max_in_flight = max(self.max_in_flight, other.max_in_flight)
         self.suspensions += other.suspensions
-        self.read_seconds += other.read_seconds
+        self.blocked_seconds += other.blocked_seconds
 
 
 class _Call:
@@ -140,9 +147,20 @@ class _Call:
         self.out: list = []
 
 
+class _Read:
+    """A read in flight: its plan, its future, the calls and keys waiting for it."""
+
+    __slots__ = ("calls", "future", "keys", "kgs", "plan", "table")
+
+    def __init__(self, plan: Any, future: Future | None, calls: list[_Call], keys: list[tuple], table: pa.Table,
+                 kgs: np.ndarray):
+        self.plan, self.future, self.calls, self.keys, self.table, self.kgs = plan, future, calls, keys, table, kgs
+
+
 class ExecutionController:
     """Runs handler calls as coroutines, many keys at once, each key's calls in order; reads
-    the state of the keys whose calls wait, in one batched read per tick (see the module)."""
+    the state of the keys whose calls wait, one batched read per tick, on I/O threads while
+    other calls run (see the module)."""
 
     def __init__(self, store: StateStore, handle: AsyncStoreHandle, options: AsyncOptions | None = None):
         self._store = store
@@ -151,14 +169,17 @@ class ExecutionController:
         self._loaded: set[tuple] = set()   # keys whose state was read in this batch
         self.key: tuple | None = None      # the key of the call being stepped
         self.stats = ControllerStats()
+        self._pool: ThreadPoolExecutor | None = None
+        self._reads: deque[_Read] = deque()  # reads in flight, oldest first
         # Ordering log for tests: (key, "start"/"end", call index), when set to a list.
         self.trace: list | None = None
 
-    # -------------------------------------------------------------- what the handles ask
-
-    def loaded(self) -> bool:
-        """Whether the current call's key's state has been read in this batch."""
-        return self.key in self._loaded
+    def close(self) -> None:
+        """Wait for the reads still in flight (after a failure) and stop the I/O threads."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        self._reads.clear()
 
     # -------------------------------------------------------------- running one epoch
 
@@ -175,6 +196,7 @@ class ExecutionController:
         queued: dict[tuple, deque[_Call]] = {}   # a busy key's calls not started
         busy: dict[tuple, _Call] = {}            # key -> its running call
         started: list[_Call] = []
+        reads = self._reads
         first_wait = 0.0
         exhausted = False
         trace = self.trace
@@ -194,16 +216,23 @@ class ExecutionController:
                     ready.append(call)
                 if len(busy) > stats.max_in_flight:
                     stats.max_in_flight = len(busy)
-                # Send the read when no call can run, when enough keys wait, or when they
-                # have waited long enough while other keys ran.
-                if waiting and (not ready or len(wait_keys) >= opts.max_pending_keys
-                                or (time.perf_counter() - first_wait) * 1000 >= opts.max_wait_ms):
-                    self._tick(wait_keys)
-                    ready.extend(waiting)
-                    waiting.clear()
+                while reads and reads[0].future.done():  # reads that arrived: their calls go on
+                    ready.extend(self._apply(reads.popleft()))
+                # Send a read when no call can run, when enough keys wait, or when they have
+                # waited long enough while other keys ran; at most so many reads at once.
+                if waiting and len(reads) < opts.max_reads_in_flight and (
+                        not ready or len(wait_keys) >= opts.max_pending_keys
+                        or (time.perf_counter() - first_wait) * 1000 >= opts.max_wait_ms):
+                    ready.extend(self._send(waiting, wait_keys))
+                    waiting = []
                     wait_keys = {}
                     continue
                 if not ready:
+                    if reads:  # every call waits for a read: wait for the oldest
+                        t0 = time.perf_counter()
+                        wait([reads[0].future], return_when=FIRST_COMPLETED)
+                        stats.blocked_seconds += time.perf_counter() - t0
+                        continue
                     return done  # nothing runs, nothing waits, nothing is left to admit
                 call = ready.popleft()
                 if call.coro is None:
@@ -243,28 +272,49 @@ class ExecutionController:
             for call in started:
                 if call.coro is not None:
                     call.coro.close()
+            self.close()
             raise
 
-    def _tick(self, wait_keys: dict[tuple, int]) -> None:
-        """Read the state of every waiting key in one batched read (all variables, only
-        those keys: partial fills), and the batched value states' values of them."""
-        t0 = time.perf_counter()
+    def _send(self, calls: list[_Call], wait_keys: dict[tuple, int]) -> list[_Call]:
+        """One tick: plan the read of the waiting keys' state (every variable's, only those
+        keys: partial fills) and send it to an I/O thread; when nothing needs reading, apply it
+        at once and return the calls that go on."""
         store = self._store
         schema = store.layout.key_schema
         keys = list(wait_keys)
         table = pa.table([pa.array([k[i] for k in keys], f.type) for i, f in enumerate(schema)], schema=schema)
-        store.prefetch(table, np.fromiter(wait_keys.values(), dtype=np.int64, count=len(keys)))
-        self._handle.load(table)
-        self._loaded.update(keys)
+        kgs = np.fromiter(wait_keys.values(), dtype=np.int64, count=len(keys))
+        table, kgs = store.prepare_keys(table, kgs)
+        reader = store.reader
+        plan = reader.plan_prefetch(table, kgs)
         self.stats.ticks += 1
         self.stats.keys_read += len(keys)
-        self.stats.read_seconds += time.perf_counter() - t0
+        if not plan.reads:
+            return self._apply(_Read(plan, None, calls, keys, table, kgs))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.options.max_reads_in_flight,
+                                            thread_name_prefix="icestate-async-read")
+        self.stats.reads += 1
+        self._reads.append(_Read(plan, self._pool.submit(reader.read_planned, plan), calls, keys, table, kgs))
+        return []
+
+    def _apply(self, read: _Read) -> list[_Call]:
+        """Cache what ``read`` read (its error, if it failed, fails the batch), then read the
+        batched value states of its keys; its calls go on."""
+        if read.future is not None:
+            read.future.result()
+        store = self._store
+        store.reader.apply_prefetch(read.plan)
+        store.prepare_keys(read.table, read.kgs)  # the value states' lookup finds them prepared
+        self._handle.load(read.table)
+        self._loaded.update(read.keys)
+        return read.calls
 
 
 # ------------------------------------------------------------------ awaitable reads
 
 
-class _Read:
+class _Await:
     """An awaited read of the current key's state: suspends the call until the controller has
     read the key's state (unless it already has, or ``ready`` says the answer is at hand),
     then answers from the store's per-key API."""
@@ -282,7 +332,7 @@ class _Read:
         return self._fn(*self._args)
 
 
-class _IterRead(_Read):
+class _IterRead(_Await):
     """An awaited read whose answer is an iterator: ``async for x in state.get()``, or
     ``await state.get()`` for the iterator itself (as Spark's ``get`` returns)."""
 
@@ -307,11 +357,11 @@ class AsyncValueState:
         # A key whose value the batch already holds (written, or read before) needs no read.
         self._held = None if batch is None else (lambda: ctl.key in batch.values)
 
-    def get(self) -> _Read:
-        return _Read(self._ctl, self._sync.get, (), self._held)
+    def get(self) -> _Await:
+        return _Await(self._ctl, self._sync.get, (), self._held)
 
-    def exists(self) -> _Read:
-        return _Read(self._ctl, self._sync.exists, (), self._held)
+    def exists(self) -> _Await:
+        return _Await(self._ctl, self._sync.exists, (), self._held)
 
     def update(self, newValue: tuple) -> None:
         self._sync.update(newValue)
@@ -331,8 +381,8 @@ class AsyncListState:
     def get(self) -> _IterRead:
         return _IterRead(self._ctl, self._sync.get)
 
-    def exists(self) -> _Read:
-        return _Read(self._ctl, self._sync.exists)
+    def exists(self) -> _Await:
+        return _Await(self._ctl, self._sync.exists)
 
     def put(self, newState: list[tuple]) -> None:
         self._sync.put(newState)
@@ -356,14 +406,14 @@ class AsyncMapState:
     def __init__(self, sync: Any, ctl: ExecutionController):
         self._sync, self._ctl = sync, ctl
 
-    def exists(self) -> _Read:
-        return _Read(self._ctl, self._sync.exists)
+    def exists(self) -> _Await:
+        return _Await(self._ctl, self._sync.exists)
 
-    def getValue(self, key: tuple) -> _Read:
-        return _Read(self._ctl, self._sync.getValue, (key,))
+    def getValue(self, key: tuple) -> _Await:
+        return _Await(self._ctl, self._sync.getValue, (key,))
 
-    def containsKey(self, key: tuple) -> _Read:
-        return _Read(self._ctl, self._sync.containsKey, (key,))
+    def containsKey(self, key: tuple) -> _Await:
+        return _Await(self._ctl, self._sync.containsKey, (key,))
 
     def iterator(self) -> _IterRead:
         return _IterRead(self._ctl, self._sync.iterator)
@@ -494,6 +544,7 @@ def _drive_async(processor: StatefulProcessor, store: StateStore, timers: TimerS
                          for i, ((ts, key), kg) in enumerate(zip(expired, tkgs.tolist(), strict=True)))
                 out += _outputs(ctl.run(calls))
     finally:
+        ctl.close()
         processor.close()
         if stats is not None:
             stats.add(ctl.stats)

@@ -40,12 +40,16 @@ to apply. A partial view never serves a key it does not cover. A point index in
 them all (``_forget_indexes``); the prefetched keys' index serves only keys its views still
 cover (an eviction since the prefetch drops the prefetched keys).
 
-Thread safety: used by the store's task thread only, like the store.
+Thread safety: used by the store's task thread only, like the store; but the read of a
+prefetch planned there (``plan_prefetch``) may run on other threads (``read_planned``, with
+segment readers of their own) while the task thread goes on, and is applied on the task thread
+(``apply_prefetch``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +97,15 @@ _ROW = "__row"
 # the views of its own key groups would be about as many rows), and hashes only the keys it
 # misses; with fewer keys it hashes them all and joins the views of their key groups only.
 _KEYS_PER_GROUP_UNHASHED = 4
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    """The sum of several readers' counters, name by name."""
+    out = dict(counts[0])
+    for more in counts[1:]:
+        for name, n in more.items():
+            out[name] += n
+    return out
 
 
 def _distinct(key_groups: np.ndarray) -> list[int]:
@@ -147,6 +160,36 @@ class _Prefetched:
     key_set: set | None = None
 
 
+@dataclass
+class CoverPlan:
+    """A read that makes cached views hold some keys' state, in three steps: planned on the
+    task's thread (``StateReader.plan_prefetch``), read on any thread (``read_planned``: the
+    segments' entries, the only I/O), applied on the task's thread (``apply_prefetch``:
+    resolved and cached), so a caller may run other work while it is read.
+
+    ``whole``: key groups to load whole; ``partial``: key groups to fill with the ``new`` keys
+    (key columns and ``KG``) they lack; the segments to read for each; ``installs``: the
+    reader's count of cache changes when planned (an apply after other changes checks again
+    what is still missing). ``keys``/``key_groups``/``kgs``: the prefetch's keys."""
+
+    keys: pa.Table
+    key_groups: np.ndarray
+    kgs: list[int]
+    installs: int
+    whole: list[int]
+    partial: list[int]
+    new: pl.DataFrame | None
+    whole_segments: list[SegmentFile]
+    partial_segments: list[SegmentFile]
+    whole_entries: pl.DataFrame | None = None
+    partial_entries: pl.DataFrame | None = None
+
+    @property
+    def reads(self) -> bool:
+        """Whether anything is to be read."""
+        return bool(self.whole or self.partial)
+
+
 class StateReader:
     """The reads of one task's store over ``table``'s opened checkpoint and ``memtable``.
 
@@ -174,6 +217,12 @@ class StateReader:
         self._cache = KeyGroupCache(config.cache_size_bytes_max)
         self._segments = SegmentReader(table.filesystem, config.footer_cache_entries_max,
                                        file_cache_for(config, table.filesystem))
+        # Segment readers of reads planned here and read on other threads (``read_planned``),
+        # one per concurrent read; their counters join this reader's in ``stats``.
+        self._io_readers: list[SegmentReader] = []
+        self._io_idle: list[SegmentReader] = []
+        self._io_lock = threading.Lock()
+        self._installs = 0  # changes of the cached key groups (see ``CoverPlan.installs``)
         self._entry_schema = self.layout.entry_schema
         self._entry_schemas = self._polars_entry_schemas()
         self._indexable = all(
@@ -276,8 +325,11 @@ class StateReader:
         """Keep the footers of the table's live segments of this reader's key groups only: the
         table moves on (compaction, retention), and the footers of the segments it dropped
         would stay until the footer cache's bound."""
-        if self._segments.footers_held():
-            self._segments.keep_footers({s.path for s in self._table.segments(self.key_group_range)})
+        live = None
+        for reader in self._readers():
+            if reader.footers_held():
+                live = live or {s.path for s in self._table.segments(self.key_group_range)}
+                reader.keep_footers(live)
 
     def stats(self) -> dict[str, int]:
         """The cache's and the segment reader's counters."""
@@ -287,14 +339,19 @@ class StateReader:
             "cache_misses": self._cache.misses,
             "cache_partial_reads": self.partial_reads,
             "cache_evictions": self._cache.evictions,
-            "segment_bytes_read": self._segments.bytes_read,
-            "segment_files_opened": self._segments.files_opened,
+            "segment_bytes_read": sum(r.bytes_read for r in self._readers()),
+            "segment_files_opened": sum(r.files_opened for r in self._readers()),
             # This store's share of the process's file cache (zeros without one): a fetch is
             # a miss; ``refetched`` counts cached copies found lost or damaged.
-            **self._segments.file_cache_counters.as_dict("file_cache_"),
+            **_summed([r.file_cache_counters.as_dict("file_cache_") for r in self._readers()]),
             # The process's cache as a whole (shared by the stores of the process).
             "file_cache_size_bytes": 0 if self.file_cache is None else self.file_cache.size_bytes,
         }
+
+    def _readers(self) -> list[SegmentReader]:
+        """This reader's segment readers: its own and those of reads on other threads."""
+        with self._io_lock:
+            return [self._segments, *self._io_readers]
 
     @property
     def file_cache(self) -> FileCache | None:
@@ -336,7 +393,43 @@ class StateReader:
         kgs = _distinct(key_groups)
         if kgs:
             self._cover(keys, key_groups, kgs)
-            # And bring them up to date now, every key group at once: the per-key loop would
+        self._prefetched_keys(keys, key_groups, kgs)
+
+    def plan_prefetch(self, keys: pa.Table, key_groups: np.ndarray) -> CoverPlan:
+        """``prefetch`` in steps: what must be read for ``keys`` now (``CoverPlan``), to read
+        with ``read_planned`` (on any thread) and apply with ``apply_prefetch``."""
+        kgs = _distinct(key_groups)
+        plan = self._plan_cover(keys, key_groups, kgs) if kgs else None
+        return plan or CoverPlan(keys, np.asarray(key_groups), kgs, self._installs, [], [], None, [], [])
+
+    def read_planned(self, plan: CoverPlan) -> None:
+        """Read the entries ``plan`` needs (its only I/O); safe on any thread, several at once,
+        beside the task thread's use of this reader."""
+        if not plan.reads:
+            return
+        with self._io_lock:
+            segments = self._io_idle.pop() if self._io_idle else None
+            if segments is None:
+                segments = SegmentReader(self._table.filesystem, self._config.footer_cache_entries_max,
+                                         self._segments.file_cache)
+                self._io_readers.append(segments)
+        try:
+            self._read_cover(plan, segments)
+        finally:
+            with self._io_lock:
+                self._io_idle.append(segments)
+
+    def apply_prefetch(self, plan: CoverPlan) -> None:
+        """Cache what ``read_planned`` read for ``plan`` (task thread): the keys' views then hold
+        their state, as after ``prefetch``."""
+        if plan.reads:
+            self._apply_cover(plan)
+        self._prefetched_keys(plan.keys, plan.key_groups, plan.kgs)
+
+    def _prefetched_keys(self, keys: pa.Table, key_groups: np.ndarray, kgs: list[int]) -> None:
+        """After the keys' views were filled: bring them up to date and index them (``prefetch``)."""
+        if kgs:
+            # Bring them up to date now, every key group at once: the per-key loop would
             # refresh each key group at its first read, a few polars calls per key group (a
             # 50k-key batch over 128 key groups: a quarter of the loop's time).
             self._refresh_all([kg for kg in kgs if kg in self._cache])
@@ -680,42 +773,85 @@ class StateReader:
         """Make the views of ``kgs`` hold the state of ``keys`` (``key_groups``: each key's):
         key groups not cached or partial get the keys they lack by a filtered read, or are
         loaded whole (see ``StoreConfig.view_partial_reads_max``). Whether anything was read."""
+        plan = self._plan_cover(keys, key_groups, kgs)
+        if plan is None:
+            return False
+        self._read_cover(plan, self._segments)
+        self._apply_cover(plan)
+        return True
+
+    def _plan_cover(self, keys: pa.Table, key_groups: np.ndarray, kgs: list[int]) -> CoverPlan | None:
+        """What ``_cover`` reads: None when the views hold every key already."""
         todo = [kg for kg in kgs if not self._is_whole(kg)]
         if not todo:
-            return False
+            return None
+        whole: list[int] = []
+        partial: list[int] = []
+        wanted = None
         if not self._partial_reads_max:
-            self._cache.misses += len(todo)
-            self._load(todo)
-            return True
-        wanted = pl.from_arrow(keys).select(self.key_names).with_columns(
-            pl.Series(KG, np.asarray(key_groups), dtype=pl.Int32))
-        wanted = wanted.filter(pl.col(KG).is_in(todo))
-        covered = [g.covered for kg in todo if (g := self._cache.peek(kg)) is not None and g.covered.height]
-        if covered:  # only the keys the partial groups lack (a key is in one key group: keys alone join)
-            wanted = wanted.join(pl.concat(covered, how="vertical", rechunk=False), on=self.key_names, how="anti")
-        wanted = wanted.unique()  # after the anti join: on a warm cache it leaves few keys, often none
-        asked = dict(wanted.group_by(KG).len().iter_rows())
-        todo = [kg for kg in todo if kg in asked]
-        if not todo:
-            return False
-        estimate = self._estimated_rows(todo)
-        whole, partial = [], []
-        for kg in todo:
-            group = self._cache.peek(kg)
-            covered_rows = 0 if group is None else group.covered.height
-            reads = 0 if group is None else group.partial_reads
-            rows = estimate[kg]
-            if (rows < self._config.view_partial_rows_min or reads >= self._partial_reads_limit(kg)
-                    or covered_rows + asked[kg] > self._config.view_partial_share_max * rows):
-                whole.append(kg)
-            else:
-                partial.append(kg)
+            whole = todo
+        else:
+            wanted = pl.from_arrow(keys).select(self.key_names).with_columns(
+                pl.Series(KG, np.asarray(key_groups), dtype=pl.Int32))
+            wanted = wanted.filter(pl.col(KG).is_in(todo))
+            covered = [g.covered for kg in todo if (g := self._cache.peek(kg)) is not None and g.covered.height]
+            if covered:  # only the keys the partial groups lack (a key is in one key group: keys alone join)
+                wanted = wanted.join(pl.concat(covered, how="vertical", rechunk=False), on=self.key_names,
+                                     how="anti")
+            wanted = wanted.unique()  # after the anti join: on a warm cache it leaves few keys, often none
+            asked = dict(wanted.group_by(KG).len().iter_rows())
+            todo = [kg for kg in todo if kg in asked]
+            if not todo:
+                return None
+            estimate = self._estimated_rows(todo)
+            for kg in todo:
+                group = self._cache.peek(kg)
+                covered_rows = 0 if group is None else group.covered.height
+                reads = 0 if group is None else group.partial_reads
+                rows = estimate[kg]
+                if (rows < self._config.view_partial_rows_min or reads >= self._partial_reads_limit(kg)
+                        or covered_rows + asked[kg] > self._config.view_partial_share_max * rows):
+                    whole.append(kg)
+                else:
+                    partial.append(kg)
+        new = wanted.filter(pl.col(KG).is_in(partial)) if partial else None
+        if partial:
+            partial = sorted(new.get_column(KG).unique().to_list())
+        return CoverPlan(keys, np.asarray(key_groups), kgs, self._installs, whole, partial, new,
+                         self._segments_of(whole) if whole else [], self._segments_of(partial) if partial else [])
+
+    def _read_cover(self, plan: CoverPlan, segments: SegmentReader) -> None:
+        """Read ``plan``'s entries with ``segments`` (any thread: reads only the table's files)."""
+        if plan.whole:
+            plan.whole_entries = read_entries(segments, plan.whole_segments, np.asarray(plan.whole, dtype=np.int64),
+                                              self._entry_schema)
+        if plan.partial:
+            plan.partial_entries = read_entries(segments, plan.partial_segments,
+                                                np.asarray(plan.partial, dtype=np.int64), self._entry_schema,
+                                                keys=plan.new.rename({KG: KEY_GROUP}))
+
+    def _apply_cover(self, plan: CoverPlan) -> None:
+        """Cache what ``plan`` read. When the cache changed since it was planned (another
+        read applied first, a per-key read loaded a key group, an eviction), what became
+        whole, or covered, meanwhile is left as it is."""
+        whole, partial, new, entries = plan.whole, plan.partial, plan.new, plan.partial_entries
+        if plan.installs != self._installs:
+            whole = [kg for kg in whole if not self._is_whole(kg)]
+            if partial:
+                partial = [kg for kg in partial if not self._is_whole(kg)]
+                new = new.filter(pl.col(KG).is_in(partial))
+                covered = [g.covered for kg in partial
+                           if (g := self._cache.peek(kg)) is not None and g.covered is not None and g.covered.height]
+                if covered:
+                    new = new.join(pl.concat(covered, how="vertical", rechunk=False), on=self.key_names, how="anti")
+                partial = sorted(new.get_column(KG).unique().to_list())
+                entries = entries.join(new.rename({KG: KEY_GROUP}).with_columns(pl.col(KEY_GROUP).cast(
+                    entries.schema[KEY_GROUP])), on=[KEY_GROUP, *self.key_names], how="semi")
         if whole:
             self._cache.misses += len(whole)
-            self._load(whole)
+            self._install_whole(whole, plan.whole_entries)
         if partial:
-            self._fill(partial, wanted.filter(pl.col(KG).is_in(partial)))
-        return True
+            self._install_partial(partial, new, entries)
 
     def _partial_reads_limit(self, kg: int) -> int:
         """Partial reads of ``kg`` before it is loaded whole: 1..2x ``view_partial_reads_max``,
@@ -732,13 +868,12 @@ class StateReader:
             rows[a - lo:b - lo + 1] += seg.record_count / (seg.key_group_max - seg.key_group_min + 1)
         return {kg: float(rows[kg - lo]) for kg in kgs}
 
-    def _fill(self, kgs: list[int], new: pl.DataFrame) -> None:
-        """Read the entries of the ``new`` keys (key columns and ``KG``; keys of ``kgs`` that
-        their partial or absent groups lack) and add their views to those groups."""
+    def _install_partial(self, kgs: list[int], new: pl.DataFrame, entries: pl.DataFrame) -> None:
+        """Add the views of the ``new`` keys (key columns and ``KG``; keys of the sorted ``kgs``
+        that their partial or absent groups lack), from their segment ``entries``, to those groups."""
+        self._installs += 1
         self._refresh_all([kg for kg in kgs if kg in self._cache])  # pending and unapplied parts: covered keys'
         self.partial_reads += 1
-        kgs = sorted(new.get_column(KG).unique().to_list())
-        entries = self._read(kgs, self._entry_schema, keys=new.rename({KG: KEY_GROUP}))
         now = self._now_ms()
         views = {desc.name: self._resolve_loaded(desc, entries, kgs, now, keys=new) for desc in self.layout.descriptors}
         keys_of = new.partition_by(KG, as_dict=True, include_key=False)
@@ -860,8 +995,13 @@ class StateReader:
     def _load(self, kgs: Sequence[int]) -> None:
         """Read the segments of ``kgs`` and resolve every variable's view of each (replacing
         partial groups: the point indexes over them are forgotten)."""
+        self._install_whole(kgs, self._read(kgs, self._entry_schema))
+
+    def _install_whole(self, kgs: Sequence[int], entries: pl.DataFrame) -> None:
+        """Cache the views of ``kgs`` resolved from their segment ``entries`` (of those key
+        groups at least) and the memtable, replacing what was cached of them."""
+        self._installs += 1
         self._forget_indexes()
-        entries = self._read(kgs, self._entry_schema)
         groups = {kg: CachedKeyGroup() for kg in kgs}
         now = self._now_ms()
         for desc in self.layout.descriptors:
@@ -876,9 +1016,13 @@ class StateReader:
         """``read_entries`` of the sorted key groups ``kgs`` (of only ``keys``, when given) from
         the opened checkpoint's segments, but those of unsettled flushes (see ``flushed``)."""
         wanted = np.asarray(kgs, dtype=np.int64)
-        segments = self._table.segments(KeyGroupRange.of(int(wanted[0]), int(wanted[-1])))
-        segments = [s for s in segments if s.checkpoint_id not in self._unsettled]
-        return read_entries(self._segments, segments, wanted, schema, state=state, keys=keys)
+        return read_entries(self._segments, self._segments_of(kgs), wanted, schema, state=state, keys=keys)
+
+    def _segments_of(self, kgs: Sequence[int]) -> list[SegmentFile]:
+        """The opened checkpoint's segments that may hold the sorted ``kgs``, but those of
+        unsettled flushes (see ``flushed``)."""
+        segments = self._table.segments(KeyGroupRange.of(int(kgs[0]), int(kgs[-1])))
+        return [s for s in segments if s.checkpoint_id not in self._unsettled]
 
     def _resolve_loaded(self, desc: StateDescriptor, entries: pl.DataFrame, kgs: Sequence[int],
                         now: int, keys: pl.DataFrame | None = None) -> dict[int, pl.DataFrame]:

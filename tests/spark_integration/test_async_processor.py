@@ -177,8 +177,10 @@ def program_layout():
 class Job:
     """One state table run by ``parallelism`` task stores, as a query's tasks run it."""
 
-    def __init__(self, path: Path, clock: FakeClock, asynchronous: bool, options: AsyncOptions | None = None):
+    def __init__(self, path: Path, clock: FakeClock, asynchronous: bool, options: AsyncOptions | None = None,
+                 **config):
         self.path, self.clock, self.asynchronous, self.options = path, clock, asynchronous, options
+        self.config = config
         self.layout = program_layout()
         self.stores: list = []
         self.timers: list = []
@@ -190,7 +192,7 @@ class Job:
         table = DirectoryStateTable(self.path, self.layout)
         self.table = table
         self.stores = [open_store(self.path, self.layout, clock=self.clock, task_index=i, parallelism=parallelism,
-                                  table=table) for i in range(parallelism)]
+                                  table=table, **self.config) for i in range(parallelism)]
         self.timers = [TimerService(s) for s in self.stores]
 
     def batch(self, rows: pa.Table) -> list:
@@ -238,13 +240,19 @@ batches_strategy = st.lists(
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batches=batches_strategy,
        options=st.builds(AsyncOptions, max_in_flight_keys=st.integers(1, 8), max_pending_keys=st.integers(1, 8),
-                         max_wait_ms=st.sampled_from([0.0, 50.0])))
+                         max_reads_in_flight=st.integers(1, 3),
+                         max_wait_ms=st.sampled_from([0.0, 50.0])),
+       partial=st.booleans(), small_cache=st.booleans())
 def test_an_async_processor_gives_the_outputs_and_state_of_the_same_synchronous_one(tmp_path_factory, batches,
-                                                                                     options):
+                                                                                     options, partial, small_cache):
+    """Also with partial fills of single keys (``view_partial_rows_min=0``, the reads' path on a
+    large state) and a cache that holds a few key groups only (reads evict each other's)."""
     base = tmp_path_factory.mktemp("equiv")
     sync_clock, async_clock = FakeClock(), FakeClock()
-    sync = Job(base / "sync", sync_clock, asynchronous=False)
-    asyn = Job(base / "async", async_clock, asynchronous=True, options=options)
+    config = {**({"view_partial_rows_min": 0} if partial else {}),
+              **({"cache_size_bytes_max": 20_000} if small_cache else {})}
+    sync = Job(base / "sync", sync_clock, asynchronous=False, **config)
+    asyn = Job(base / "async", async_clock, asynchronous=True, options=options, **config)
     parallelism = None
     seq = 0
     for n, (ops, p, advance) in enumerate(batches):
