@@ -294,7 +294,8 @@ def test_pending_timers_fire_after_a_restart_and_a_rescale_as_spark(spark, tmp_p
                 processor, api = (P.SessionProcessor(1), "row") if engine == "ours" else (
                     P.AsyncSessionProcessor(1), "async")
                 run, _ = run_ours(spark, stream(spark, str(input_dir)), processor, P.SESSION_OUTPUT, cp,
-                                  location(parallelism), time_mode="ProcessingTime", trigger=trigger, api=api)
+                                  location(parallelism, table=f"state_{engine}"), time_mode="ProcessingTime",
+                                  trigger=trigger, api=api)
             runs.setdefault(engine, Run()).batches.update(run.batches)
     assert runs["spark"].emitted()[:2] == [
         [("a", 2, False), ("b", 1, False), ("c", 1, False)],

@@ -542,6 +542,22 @@ def test_missing_key_column_fails_before_any_state(spark, tmp_path, where):
     assert not (tmp_path / "wh").exists() or not any((tmp_path / "wh").rglob("*.parquet"))
 
 
+def test_an_api_that_does_not_fit_the_processors_handlers_fails_before_any_state(spark, tmp_path, where):
+    from spark_integration import start_stateful_query
+    from tests.integration.streaming_helpers import AsyncCountProcessor
+
+    df = stream(spark, write_batches(tmp_path / "in", key_batches(1, 5, 3)))
+    common = {"location": where(), "checkpoint_location": str(tmp_path / "cp")}
+    with pytest.raises(TypeError, match=r"api='async' needs a processor whose handleInputRows is 'async def'"):
+        start_stateful_query(df, ["key"], CountProcessor(), "key string, count long", api="async", **common)
+    with pytest.raises(TypeError, match=r"AsyncCountProcessor.handleInputRows is 'async def': start it with "
+                                        r"api='async'"):
+        start_stateful_query(df, ["key"], AsyncCountProcessor(), "key string, count long", **common)
+    with pytest.raises(ValueError, match=r"api must be 'row' .* 'async' or 'async_pandas'"):
+        start_stateful_query(df, ["key"], AsyncCountProcessor(), "key string, count long", api="asyncio", **common)
+    assert not (tmp_path / "wh").exists() or not any((tmp_path / "wh").rglob("*.parquet"))
+
+
 def test_unsupported_key_type_fails_before_any_state(spark, tmp_path, where):
     from spark_integration import start_stateful_query
 
