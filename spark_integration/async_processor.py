@@ -171,6 +171,7 @@ class ExecutionController:
         self.stats = ControllerStats()
         self._pool: ThreadPoolExecutor | None = None
         self._reads: deque[_Read] = deque()  # reads in flight, oldest first
+        self._accumulate = False  # whether a read of this batch was applied
         # Ordering log for tests: (key, "start"/"end", call index), when set to a list.
         self.trace: list | None = None
 
@@ -304,7 +305,11 @@ class ExecutionController:
         if read.future is not None:
             read.future.result()
         store = self._store
-        store.reader.apply_prefetch(read.plan)
+        # The batch's first read replaces the keys a store remembers as prefetched (the previous
+        # batch's); the next ones add theirs, so every key read in the batch is served by the
+        # indexes of the prefetched keys' rows, not by an index over its whole key group.
+        store.reader.apply_prefetch(read.plan, accumulate=self._accumulate)
+        self._accumulate = True
         store.prepare_keys(read.table, read.kgs)  # the value states' lookup finds them prepared
         self._handle.load(read.table)
         self._loaded.update(read.keys)

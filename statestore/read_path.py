@@ -36,9 +36,11 @@ variable (of its covered keys, when partial) exactly once: the segments of the o
 checkpoint, minus those of a flush not settled yet (the memtable still holds their entries),
 plus the first ``applied`` memtable parts; ``pending`` parts are committed entries it has yet
 to apply. A partial view never serves a key it does not cover. A point index in
-``_point_index`` or ``_batch_index`` is current: every event that can change a view forgets
-them all (``_forget_indexes``); the prefetched keys' index serves only keys its views still
-cover (an eviction since the prefetch drops the prefetched keys).
+``_point_index`` is current: every event that can change a view forgets them all
+(``_forget_indexes``, ``_forget_view_indexes``). One in ``_batch_index`` holds copies of the
+prefetched keys' rows: it is current until their state can change (the memtable, a commit, new
+segments, a reset: ``_forget_indexes``), whatever the cache does meanwhile, and is built only
+from views that still cover every prefetched key (an eviction since the prefetch drops them).
 
 Thread safety: used by the store's task thread only, like the store; but the read of a
 prefetch planned there (``plan_prefetch``) may run on other threads (``read_planned``, with
@@ -232,6 +234,7 @@ class StateReader:
         # The last prefetch's keys, and point indexes over their rows only (see _batch_point).
         self._prefetched: _Prefetched | None = None
         self._batch_index: dict[tuple[str, str], dict] = {}
+        self._batch_builds: dict[tuple[str, str], tuple[Sequence[str], Callable]] = {}  # how each was built
         # What a per-key read of value-like state takes of a view row (point_get), per variable.
         self._point_columns = {d.name: (d.value_column, EXPIRE_AT_MS) for d in self.layout.descriptors}
         # What a per-key read of map state takes of a view row and builds its index with (key_map).
@@ -419,14 +422,17 @@ class StateReader:
             with self._io_lock:
                 self._io_idle.append(segments)
 
-    def apply_prefetch(self, plan: CoverPlan) -> None:
+    def apply_prefetch(self, plan: CoverPlan, accumulate: bool = False) -> None:
         """Cache what ``read_planned`` read for ``plan`` (task thread): the keys' views then hold
-        their state, as after ``prefetch``."""
+        their state, as after ``prefetch``. With ``accumulate``, the keys join those of the
+        prefetches before (a batch read in several steps): per-key reads of any of them are
+        served by the prefetched keys' indexes, which grow by the new keys' rows."""
         if plan.reads:
             self._apply_cover(plan)
-        self._prefetched_keys(plan.keys, plan.key_groups, plan.kgs)
+        self._prefetched_keys(plan.keys, plan.key_groups, plan.kgs, accumulate)
 
-    def _prefetched_keys(self, keys: pa.Table, key_groups: np.ndarray, kgs: list[int]) -> None:
+    def _prefetched_keys(self, keys: pa.Table, key_groups: np.ndarray, kgs: list[int],
+                         accumulate: bool = False) -> None:
         """After the keys' views were filled: bring them up to date and index them (``prefetch``)."""
         if kgs:
             # Bring them up to date now, every key group at once: the per-key loop would
@@ -434,11 +440,32 @@ class StateReader:
             # 50k-key batch over 128 key groups: a quarter of the loop's time).
             self._refresh_all([kg for kg in kgs if kg in self._cache])
             self._trim(pinned=kgs)
+        pre = self._prefetched
+        if accumulate and pre is not None and kgs and self._indexable:
+            self._add_prefetched(pre, pl.from_arrow(keys).select(self.key_names), np.asarray(key_groups), kgs)
+            return
         # The loop's per-key reads of these keys are served by indexes over their rows alone
         # (``_batch_point``), not over whole views.
         self._batch_index.clear()
         self._prefetched = _Prefetched(pl.from_arrow(keys).select(self.key_names), np.asarray(key_groups), kgs,
                                        self._cache.evictions) if kgs and self._indexable else None
+
+    def _add_prefetched(self, pre: _Prefetched, keys: pl.DataFrame, key_groups: np.ndarray, kgs: list[int]) -> None:
+        """Add keys (not prefetched before; their views current and pinned now) to ``pre``: the
+        indexes already built take their rows at once (an index holds copies of its keys' rows,
+        current until the memtable changes, whatever the cache does later); the others are
+        built at their first read, over every prefetched key, if the views still hold them."""
+        if any(kg not in self._cache for kg in kgs):  # a cache too small for one read's key groups
+            self._batch_index.clear()
+        for (name, kind), index in self._batch_index.items():
+            columns, build = self._batch_builds[(name, kind)]
+            view = self._keyed_rows(self.layout.descriptor(name), kgs, keys, key_groups)
+            index.update(build(_tuples(view, self.key_names), _tuples(view, columns)))
+        pre.keys = pl.concat([pre.keys, keys], how="vertical", rechunk=False)
+        pre.key_groups = np.concatenate([pre.key_groups, key_groups])
+        pre.kgs = sorted({*pre.kgs, *kgs})
+        if pre.key_set is not None:
+            pre.key_set.update(_tuples(keys, self.key_names))
 
     def _current(self, name: str, kgs: list[int]) -> list[pl.DataFrame]:
         """The current views of ``name`` in the cached ``kgs``, as frames."""
@@ -530,7 +557,7 @@ class StateReader:
         return pl.concat(frames, how="vertical") if frames else self._empty_view(desc)
 
     def lookup(self, name: str, keys: pa.Table, key_groups: np.ndarray | None,
-               on_extra: pl.DataFrame | None = None) -> pl.DataFrame:
+               on_extra: pl.DataFrame | None = None, seal: bool = True) -> pl.DataFrame:
         """Left join of ``keys`` (normalized, in order) with the value column of the live view
         rows of ``name``: null where a key has no live value.
 
@@ -545,8 +572,12 @@ class StateReader:
         and joined again. A key found in a view is covered (a partial view holds the rows of
         its covered keys only), so a warm lookup of keys that exist pays no coverage check:
         500k of 1M keys, 21 ms of a 120 ms lookup; nor, without key groups, their hashing.
+
+        ``seal``: first move the handles' per-key writes into the memtable (see ``_seal``);
+        False for a caller that holds the per-key writes of ``name`` itself.
         """
-        self._seal()
+        if seal:
+            self._seal()
         left = pl.from_arrow(keys)
         on = list(self.key_names)
         if on_extra is not None:
@@ -679,12 +710,20 @@ class StateReader:
                 return _NOT_PREFETCHED
             view = self._keyed_rows(self.layout.descriptor(name), pre.kgs, pre.keys, pre.key_groups)
             index = self._batch_index[(name, kind)] = build(_tuples(view, self.key_names), _tuples(view, columns))
+            self._batch_builds[(name, kind)] = (columns, build)
         return index.get(key)
 
     def _forget_indexes(self) -> None:
-        """Forget every point index: a view may have changed."""
+        """Forget every point index: a view's state may have changed (the memtable, a commit,
+        new segments, a reset)."""
         self._point_index.clear()
         self._batch_index.clear()
+
+    def _forget_view_indexes(self) -> None:
+        """Forget the indexes over views (``_view_index``): views were replaced, filled or
+        evicted, their keys' state unchanged. The prefetched keys' indexes hold copies of their
+        rows, which stay current."""
+        self._point_index.clear()
 
     def _uncovered(self, key: tuple, key_group: int) -> bool:
         """Whether ``key`` missed only because its key group's views are partial and lack it;
@@ -694,7 +733,7 @@ class StateReader:
             return False
         self._cache.misses += 1
         self._load([key_group])
-        self._forget_indexes()
+        self._forget_view_indexes()
         return True
 
     def _view_index(self, name: str, key_group: int, kind: str, columns: Sequence[str],
@@ -763,7 +802,7 @@ class StateReader:
         evictions = self._cache.evictions
         self._cache.trim(pinned=pinned)
         if self._cache.evictions != evictions:
-            self._forget_indexes()  # an evicted group's index must not outlive it
+            self._forget_view_indexes()  # an evicted group's index must not outlive it
 
     def _is_whole(self, kg: int) -> bool:
         group = self._cache.peek(kg)
@@ -891,7 +930,7 @@ class StateReader:
             group.cover(keys_of[(kg,)])
             group.partial_reads += 1
             self._cache.put(kg, group)
-        self._forget_indexes()
+        self._forget_view_indexes()
 
     def _refresh_all(self, kgs: Sequence[int]) -> None:
         """``_refresh`` every variable's views of the cached ``kgs`` that miss memtable parts or
@@ -1001,7 +1040,7 @@ class StateReader:
         """Cache the views of ``kgs`` resolved from their segment ``entries`` (of those key
         groups at least) and the memtable, replacing what was cached of them."""
         self._installs += 1
-        self._forget_indexes()
+        self._forget_view_indexes()
         groups = {kg: CachedKeyGroup() for kg in kgs}
         now = self._now_ms()
         for desc in self.layout.descriptors:

@@ -258,9 +258,9 @@ class KeyedState:
         cols[self._v] = values if values is not None else pa.nulls(n, self.descriptor.value_type)
         self._store.write(self.name, kgs, pl.from_arrow(pa.table(cols)))
 
-    def _lookup_values(self, keys: pa.Table, kgs: np.ndarray | None) -> pl.DataFrame:
+    def _lookup_values(self, keys: pa.Table, kgs: np.ndarray | None, seal: bool = True) -> pl.DataFrame:
         """keys joined with live values (``v`` null where absent or expired), in order."""
-        return self._reader.lookup(self.name, keys, kgs)
+        return self._reader.lookup(self.name, keys, kgs, seal=seal)
 
     def _to_arrow(self, series: pl.Series, dtype: pa.DataType) -> pa.Array:
         arr = series.to_arrow()
@@ -332,7 +332,10 @@ class _ValueLike(KeyedState):
     def get_batch(self, keys: pa.Table) -> pa.Array:
         """Stored value of each key (null where absent), aligned with ``keys``."""
         keys, kgs = self._store.checked_keys(keys)  # key groups: hashed by the lookup as it needs them
-        res = self._lookup_values(keys, kgs)
+        # The per-key writes of this variable are sealed first; other variables' stay where they
+        # are (they change nothing here, and sealing them would forget the indexes of the
+        # prefetched keys' rows that a runner's per-key loop reads).
+        res = self._lookup_values(keys, kgs, seal=bool(self._overlay))
         values = self._to_arrow(res.get_column(self._v), self.descriptor.value_type)
         if self._refresh_on_read():
             found = pc.is_valid(values)
