@@ -15,8 +15,10 @@ Variants, each runner on its own copy of the state (a fork of the built table: n
 - ``local, cached``: the table on local disk, the view cache unbounded and every key group
   loaded before the first batch (the fully cached run, and its CPU per event);
 - ``s3, small cache``: the table on moto's S3 server behind our proxy adding ``--latency-ms``
-  per request; the view cache ``--cache-fraction`` of the resolved state and the local file
-  cache the same fraction of the table's segment bytes, both cold at the first batch.
+  per request; the view cache ``--cache-fraction`` of the resolved state, cold at the first
+  batch, and the local file cache of whole segments (``--file-cache``) the same fraction of the
+  table's segment bytes (``small``), the store's default (``default``: 1 GiB) or none (``off``:
+  every read of a row group goes to S3).
 
 Reported: events/s of the median batch, CPU seconds per 1k events, requests and bytes read per
 batch, and the ratios of the targets: async on S3 / async local cached (Flink's figure for
@@ -180,19 +182,25 @@ def main(
     quick: bool = typer.Option(False, help="50k users, 5k events per batch"),
     tiny: bool = typer.Option(False, help="2k users (the smoke test)"),
     out: str = typer.Option("bench_async", help="name of the results (.json, .png) in the results folder"),
+    max_in_flight_keys: int = typer.Option(AsyncOptions.max_in_flight_keys, help="AsyncOptions of the async runs"),
+    max_pending_keys: int = typer.Option(AsyncOptions.max_pending_keys, help="AsyncOptions of the async runs"),
+    max_reads_in_flight: int = typer.Option(AsyncOptions.max_reads_in_flight, help="AsyncOptions of the async runs"),
+    file_cache: str = typer.Option("small", help="the S3 runs' local file cache: 'small' (--cache-fraction of the "
+                                                 "segment bytes), 'default' (StoreConfig's) or 'off'"),
 ) -> None:
     if quick:
         users, events_n, checkpoints = 50_000, 5_000, 4
     if tiny:
         users, items, events_n, checkpoints, batches, warmup = 2_000, 5, 500, 2, 2, 1
-    options = AsyncOptions()
+    options = AsyncOptions(max_in_flight_keys=max_in_flight_keys, max_pending_keys=max_pending_keys,
+                           max_reads_in_flight=max_reads_in_flight)
     root = Path(tempfile.mkdtemp(prefix="bench_async_"))
     server = s3_server.start(root)
     proxy = NetProxy(server.endpoint).start()
     results: dict[str, Any] = {"machine": machine_info(), "params": {
         "users": users, "items": items, "entries": users * items, "checkpoints": checkpoints, "events": events_n,
         "batches": batches, "warmup": warmup, "latency_ms": latency_ms, "cache_fraction": cache_fraction,
-        "async_options": options.__dict__}, "runs": {}}
+        "async_options": options.__dict__, "file_cache": file_cache}, "runs": {}}
     t_start = time.perf_counter()
     try:
         s3_server.create_bucket(server.endpoint, BUCKET)
@@ -218,9 +226,10 @@ def main(
                 StoreConfig(cache_size_bytes_max=64 * 1024**3), runner, users=users, items=items, events_n=events_n,
                 batches=batches, warmup=warmup, proxy=None, preload=True, options=options)
         views = max(r["views_bytes"] for r in results["runs"].values())
+        files = {"small": {"file_cache_bytes_max": max(1, int(results["s3_segment_bytes"] * cache_fraction))},
+                 "default": {}, "off": {"file_cache_mode": "off"}}[file_cache]
         small = StoreConfig(cache_size_bytes_max=max(1, int(views * cache_fraction)),
-                            file_cache_bytes_max=max(1, int(results["s3_segment_bytes"] * cache_fraction)),
-                            file_cache_dir=str(root / "file-cache"))
+                            file_cache_dir=str(root / "file-cache"), **files)
         proxy.latency_s = latency_ms / 1000
         for runner in ("sync", "async"):
             close_process_file_caches()

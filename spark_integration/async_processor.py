@@ -86,7 +86,7 @@ class AsyncOptions:
     """
 
     max_in_flight_keys: int = 4096
-    max_pending_keys: int = 1024
+    max_pending_keys: int = 4096
     max_wait_ms: float = 50.0
     max_reads_in_flight: int = 4
 
@@ -535,9 +535,9 @@ def _drive_async(processor: StatefulProcessor, store: StateStore, timers: TimerS
         store.check_routed_keys(keys, kgs)
         if rows.num_rows:
             order, bounds = _key_order(keys)
-            calls = (_Call(i, key, kg, _input_call(processor, key, key_rows, timer_values))
-                     for i, (key, kg, key_rows) in enumerate(groups(rows, kgs, store, order, bounds)))
-            out += _outputs(ctl.run(calls))
+            calls = [_Call(i, key, kg, _input_call(processor, key, key_rows, timer_values))
+                     for i, (key, kg, key_rows) in enumerate(groups(rows, kgs, store, order, bounds))]
+            out += _outputs(ctl.run(_by_key_group(calls)))
         if timers is not None and fire_upto_ms is not None:
             expired = timers.expired(fire_upto_ms)
             if expired:
@@ -545,9 +545,9 @@ def _drive_async(processor: StatefulProcessor, store: StateStore, timers: TimerS
                 table = pa.table([pa.array([key[i] for _, key in expired], f.type) for i, f in enumerate(schema)],
                                  schema=schema)
                 _, tkgs = store.prepare_keys(table)
-                calls = (_Call(i, key, int(kg), _timer_call(processor, timers, key, ts, timer_values))
-                         for i, ((ts, key), kg) in enumerate(zip(expired, tkgs.tolist(), strict=True)))
-                out += _outputs(ctl.run(calls))
+                calls = [_Call(i, key, int(kg), _timer_call(processor, timers, key, ts, timer_values))
+                         for i, ((ts, key), kg) in enumerate(zip(expired, tkgs.tolist(), strict=True))]
+                out += _outputs(ctl.run(_by_key_group(calls)))
     finally:
         ctl.close()
         processor.close()
@@ -557,9 +557,19 @@ def _drive_async(processor: StatefulProcessor, store: StateStore, timers: TimerS
     return out
 
 
+def _by_key_group(calls: list[_Call]) -> list[_Call]:
+    """``calls`` in the order the controller starts them: by key group, each key's in their
+    order (a stable sort). The keys waiting together are then of neighbouring key groups, so a
+    batch's reads touch each segment row group once (row groups end at key-group boundaries),
+    where reads of keys in Spark's order would each read most row groups again: on S3 with a
+    small cache, 7.9 -> 3.5 MB of row groups read per batch (``bench_async``)."""
+    return sorted(calls, key=lambda c: c.kg)
+
+
 def _outputs(calls: list[_Call]) -> list:
+    """The calls' outputs in the synchronous runner's order (the calls' indexes)."""
     out: list = []
-    for call in calls:
+    for call in sorted(calls, key=lambda c: c.index):
         out += call.out
     return out
 
