@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import warnings
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from spark_integration.async_processor import (
 )
 from spark_integration.compat import declare, rows_to_arrow, run_processor
 from spark_integration.timers import TimerService, timers_descriptor
-from statestore import DirectoryStateTable
+from statestore import DirectoryStateTable, StateStore
 from statestore.descriptors import StateKind
 from statestore.resolve import ORD
 from tests.spark_integration.si_helpers import (
@@ -296,6 +297,17 @@ class Recorder(StatefulProcessor):
         pass
 
 
+class SyncRecorder(Recorder):
+    """``Recorder`` with plain handlers."""
+
+    def handleInputRows(self, key, rows, timerValues):
+        for row in rows:
+            n = (self.count.get() or (0,))[0]
+            self.count.update((n + 1,))
+            self.items.appendValue((row.seq,))
+            yield (key[0], n + 1, len(list(self.items.get())))
+
+
 def recorder_store(tmp_path, **config):
     layout = layout_of([*declare(Recorder()).descriptors, timers_descriptor()])
     return open_store(tmp_path, layout, **config)
@@ -434,7 +446,8 @@ def test_awaiting_something_other_than_a_state_read_is_refused_clearly(tmp_path)
         run_async_processor(Sleeper(), store, None, rows, kgs, TimerValues(-1, -1), None)
     assert any("run on icestate's execution controller, not on an asyncio event loop" in n
                for n in failed.value.__notes__)
-    with pytest.raises(TypeError, match=r"for key \('k[01]',\) awaited str 'a network call', which is not a state read"):
+    with pytest.raises(TypeError,
+                       match=r"for key \('k[01]',\) awaited str 'a network call', which is not a state read"):
         run_async_processor(Caller(), store, None, rows, kgs, TimerValues(-1, -1), None)
 
 
@@ -473,3 +486,74 @@ def test_options_are_checked():
         AsyncOptions(max_in_flight_keys=0)
     with pytest.raises(ValueError, match=r"AsyncOptions.max_wait_ms must be a number of milliseconds"):
         AsyncOptions(max_wait_ms=-1)
+
+
+# ---------------------------------------------------------------------------- reads on S3, with delays
+
+
+def test_reads_on_s3_with_random_delays_keep_each_keys_order_and_the_synchronous_outputs(tmp_path,
+                                                                                         s3_server_endpoint):
+    """The state on S3 (moto) behind our proxy, no local file cache, partial reads of single
+    keys, and a delay per request that changes all the time: the reads run on I/O threads and
+    come back in any order, several at once; each key's calls still run in order, keys
+    interleave, and the outputs are those of the synchronous runner over the same state."""
+    import random
+    import threading
+
+    from catalog import TableRef
+    from statestore import StoreConfig
+    from tests import s3_server
+    from tests.net_proxy import NetProxy
+
+    layout = layout_of([*declare(Recorder()).descriptors, timers_descriptor()])
+    with NetProxy(s3_server_endpoint) as proxy:
+        s3_server.create_bucket(s3_server_endpoint, "async-reads")
+        ref = TableRef("t", catalog_name="async_reads", catalog_properties={
+            "type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "init_catalog_tables": "true",
+            "warehouse": "s3://async-reads/wh", **s3_server.properties(proxy.endpoint)})
+        table = ref.open(layout)
+        config = StoreConfig(file_cache_mode="off", view_partial_rows_min=0)
+        writer = StateStore(table, config=config)
+        rows = many_keys(40, 2)
+        kgs = key_groups(rows.column("k").to_pylist())
+        for _ in range(2):  # two checkpoints of state for every key
+            run_processor(SyncRecorder(), writer, None, rows, kgs, TimerValues(-1, -1), None)
+            writer.checkpoint()
+        writer.close()
+
+        stop = threading.Event()
+
+        def jitter() -> None:  # 0-15 ms per request, changing every 2 ms
+            rng = random.Random(3)
+            while not stop.is_set():
+                proxy.latency_s = rng.random() * 0.015
+                time.sleep(0.002)
+
+        flipper = threading.Thread(target=jitter, daemon=True)
+        flipper.start()
+        try:
+            trace: list = []
+            stats = ControllerStats()
+            store = StateStore(table, config=config)
+            got = run_async_processor(Recorder(), store, None, rows, kgs, TimerValues(-1, -1), None,
+                                      options=AsyncOptions(max_in_flight_keys=16, max_pending_keys=3,
+                                                           max_reads_in_flight=3), stats=stats, trace=trace)
+            store.close()
+        finally:
+            stop.set()
+            flipper.join()
+        want = run_processor(SyncRecorder(), StateStore(table, config=config), None, rows, kgs,
+                             TimerValues(-1, -1), None)
+        table.close()
+    assert got == want
+    assert stats.reads > 5 and stats.keys_read == 40
+    running: set = set()
+    most = 0
+    for key, what, _ in trace:
+        if what == "start":
+            assert key not in running
+            running.add(key)
+        else:
+            running.discard(key)
+        most = max(most, len(running))
+    assert most > 3
