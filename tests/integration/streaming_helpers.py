@@ -132,6 +132,30 @@ class ProfileProcessor(StatefulProcessor):
         pass
 
 
+class AsyncProfileProcessor(ProfileProcessor):
+    """``ProfileProcessor`` with a coroutine handler, its reads awaited (``api="async"``)."""
+
+    async def handleInputRows(self, key, rows, timerValues):
+        values = sorted(r.v for r in rows)
+        old = await self.count.get()
+        n = (old[0] if old else 0) + len(values)
+        self.count.update((n,))
+        self.recent.appendList([(v,) for v in values])
+        kept = [t async for t in self.recent.get()][-3:]
+        self.recent.put(kept)
+        for v in values:
+            p = v % 2
+            cur = await self.totals.getValue((p,))
+            self.totals.updateValue((p,), ((cur[0] if cur else 0) + v,))
+        cleared = n % 5 == 0
+        if cleared:
+            self.totals.removeKey((1,))
+        evens, odds = await self.totals.getValue((0,)), await self.totals.getValue((1,))
+        yield Row(key=key[0], n=n, recent=",".join(str(t[0]) for t in kept),
+                  evens=evens[0] if evens else None, odds=odds[0] if odds else None,
+                  parities=len([k async for k in self.totals.keys()]), cleared=cleared)  # noqa: SIM118
+
+
 class FailingProcessor(CountProcessor):
     """A count that raises the user's own exception for one key."""
 

@@ -42,6 +42,7 @@ from tests.integration.streaming_helpers import (
     PROFILE_OUTPUT,
     PROVIDER_CONF,
     ROCKSDB,
+    AsyncProfileProcessor,
     BadOutputProcessor,
     CountProcessor,
     FailingProcessor,
@@ -332,18 +333,21 @@ def test_failed_task_attempts_leave_no_duplicate_state(spark, tmp_path, where):
     flag = Path(os.environ["ICESTATE_FAIL_FIRST_ATTEMPT"])
     flag.touch()
     try:
-        failing = where("failing")
-        run_to_end(spark, input_dir, ProfileProcessor(), PROFILE_OUTPUT, location=failing,
-                   checkpoint=str(tmp_path / "cp-failing"), output_table="out.failing")
+        # The same processor with coroutine handlers too: its failed attempts leave nothing either.
+        for name, processor, api in (("failing", ProfileProcessor(), "row"),
+                                     ("failing_async", AsyncProfileProcessor(), "async")):
+            run_to_end(spark, input_dir, processor, PROFILE_OUTPUT, location=where(name),
+                       checkpoint=str(tmp_path / f"cp-{name}"), output_table=f"out.{name}", api=api)
     finally:
         flag.unlink()
-    for name in ("count", "recent", "totals"):
-        got = live_state(failing, name).drop("expire_at_ms", "ord", strict=False).sort(pl.all())
-        want = live_state(clean, name).drop("expire_at_ms", "ord", strict=False).sort(pl.all())
-        assert got.equals(want), name
     key = lambda r: str(sorted(r.items()))  # noqa: E731
-    assert sorted(output_rows(failing, "out.failing").to_pylist(), key=key) == \
-        sorted(output_rows(clean, "out.clean").to_pylist(), key=key)
+    for failing in ("failing", "failing_async"):
+        for name in ("count", "recent", "totals"):
+            got = live_state(where(failing), name).drop("expire_at_ms", "ord", strict=False).sort(pl.all())
+            want = live_state(clean, name).drop("expire_at_ms", "ord", strict=False).sort(pl.all())
+            assert got.equals(want), (failing, name)
+        assert sorted(output_rows(where(failing), f"out.{failing}").to_pylist(), key=key) == \
+            sorted(output_rows(clean, "out.clean").to_pylist(), key=key)
 
 
 def test_rescale_at_restart_keeps_every_key(spark, tmp_path, where):
