@@ -16,9 +16,9 @@ Variants, each runner on its own copy of the state (a fork of the built table: n
   loaded before the first batch (the fully cached run, and its CPU per event);
 - ``s3, small cache``: the table on moto's S3 server behind our proxy adding ``--latency-ms``
   per request; the view cache ``--cache-fraction`` of the resolved state, cold at the first
-  batch, and the local file cache of whole segments (``--file-cache``) the same fraction of the
-  table's segment bytes (``small``), the store's default (``default``: 1 GiB) or none (``off``:
-  every read of a row group goes to S3).
+  batch, and the local file cache of whole segments (``--file-cache``): the store's default
+  (``default``: 1 GiB, what a user gets), ``--cache-fraction`` of the table's segment bytes
+  (``small``) or none (``off``: every read of a row group goes to S3).
 
 Reported: events/s of the median batch, CPU seconds per 1k events, requests and bytes read per
 batch, and the ratios of the targets: async on S3 / async local cached (Flink's figure for
@@ -185,7 +185,7 @@ def main(
     max_in_flight_keys: int = typer.Option(AsyncOptions.max_in_flight_keys, help="AsyncOptions of the async runs"),
     max_pending_keys: int = typer.Option(AsyncOptions.max_pending_keys, help="AsyncOptions of the async runs"),
     max_reads_in_flight: int = typer.Option(AsyncOptions.max_reads_in_flight, help="AsyncOptions of the async runs"),
-    file_cache: str = typer.Option("small", help="the S3 runs' local file cache: 'small' (--cache-fraction of the "
+    file_cache: str = typer.Option("default", help="the S3 runs' local file cache: 'small' (--cache-fraction of the "
                                                  "segment bytes), 'default' (StoreConfig's) or 'off'"),
 ) -> None:
     if quick:

@@ -82,6 +82,9 @@ STEPS = (
          {"tiny": ["--sizes", "2000,10000", "--events", "2000", "--batches", "2"],
           "quick": ["--sizes", "1000000,5000000", "--batches", "3"], "full": []},
          {m: "bench_processors.json" for m in MODES}),
+    Step("async", "benchmarks.bench_async",
+         {"tiny": ["--tiny"], "quick": ["--quick"], "full": []},
+         {m: "bench_async.json" for m in MODES}),
     Step("start", "benchmarks.bench_start",
          {"tiny": ["--repeat", "1"], "quick": ["--repeat", "3"], "full": ["--repeat", "5"]},
          {m: "bench_start.json" for m in MODES}),
@@ -228,6 +231,17 @@ def headline(results: dict) -> list[dict]:
     v = start.get("end_ours_over_spark_tws")
     rows.append(_row("tiny query in a fresh driver: start call to its end / Spark transformWithState", v, "x",
                      "<= 1", _at_most(v, 1.0), "spark-tws-rows, the same processor class"))
+    ratios = (results.get("async") or {}).get("ratios") or {}
+    for name, label, target, at_least, peer in (
+            ("async_s3_over_local_cached", "async processor, state on S3 (20 ms/request, cache 0.1x): events/s / "
+             "the same fully cached on local disk", 0.75, True, "ours, local disk, fully cached"),
+            ("async_s3_over_sync_s3", "async processor on S3: events/s / the synchronous runner on S3", 3.0, True,
+             "ours, api='row', same state and cache"),
+            ("cpu_per_event_async_over_sync_cached", "async processor, fully cached: CPU per event / the "
+             "synchronous runner's", 1.3, False, "ours, api='row'")):
+        v = ratios.get(name)
+        rows.append(_row(label, v, "x", f"{'>=' if at_least else '<='} {target}",
+                         _at_least(v, target) if at_least else _at_most(v, target), peer))
     v = (results.get("compaction") or {}).get("p99_ratio_with_compactor")
     rows.append(_row("checkpoint p99 with the compactor / without", v, "x", "<= 1.5", _at_most(v, 1.5),
                      "ours without compaction"))

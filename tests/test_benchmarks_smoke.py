@@ -141,7 +141,8 @@ def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
     process per job): the streaming throughput of ours against Spark's stateless floor, the
     scaling scenario (build, restarts, Spark's offline repartition and our rescale,
     every step's output checked against the input), the cache scenario, the store, rescale and
-    compaction benchmarks, the Spark-API processors against state size; then the headline
+    compaction benchmarks, the Spark-API processors against state size, async processors
+    against the synchronous runner on S3; then the headline
     table, its Markdown and its plot from their results."""
     pytest.importorskip("matplotlib")
     from benchmarks import suite
@@ -164,8 +165,15 @@ def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
                     "checkpoint p99 with the compactor / without",
                     "Spark-API processor, list state: a batch at 10,000 / 2,000 state keys",
                     "tiny query in a fresh driver: start call to first trigger / Spark groupBy().count()",
-                    "tiny query in a fresh driver: start call to its end / Spark transformWithState"):
+                    "tiny query in a fresh driver: start call to its end / Spark transformWithState",
+                    "async processor on S3: events/s / the synchronous runner on S3",
+                    "async processor, fully cached: CPU per event / the synchronous runner's"):
         assert rows[measure]["value"] > 0, rows[measure]
+    runs = json.loads((tmp_path / "bench_async.json").read_text())["runs"]
+    assert set(runs) == {f"{where}, {runner}" for where in ("local cached", "s3 small cache")
+                         for runner in ("sync", "async")}
+    assert all(len(r["batches"]) == 2 and r["events_per_s"] > 0 for r in runs.values())
+    assert runs["s3 small cache, async"]["requests_per_batch"] > 0  # it went through the proxy
     spark = json.loads((tmp_path / "spark.json").read_text())
     ours = next(r for r in spark["throughput"] if r["impl"] == "ours-vectorized")
     assert ours["status"] == "ok" and len(ours["ours_batches"]) == ours["batches"] == 3
@@ -186,7 +194,7 @@ def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
     assert all(r["batches"] >= 1 and 0 < r["start_to_first_trigger_s"] < r["start_to_end_s"]
                for runs in start["runs"].values() for r in runs)
     for name in ("headline.png", "spark.png", "spark_state.png", "bench_store.png", "bench_processors.png",
-                 "bench_start.png"):
+                 "bench_start.png", "bench_async.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "| store: warm batched lookup / polars left join |" in (tmp_path / "summary.md").read_text()
 
