@@ -148,13 +148,13 @@ class _Call:
 
 
 class _Read:
-    """A read in flight: its plan, its future, the calls and keys waiting for it."""
+    """A read in flight: its plan (which holds the keys, prepared), its future, the calls and
+    the key tuples waiting for it."""
 
-    __slots__ = ("calls", "future", "keys", "kgs", "plan", "table")
+    __slots__ = ("calls", "future", "keys", "plan")
 
-    def __init__(self, plan: Any, future: Future | None, calls: list[_Call], keys: list[tuple], table: pa.Table,
-                 kgs: np.ndarray):
-        self.plan, self.future, self.calls, self.keys, self.table, self.kgs = plan, future, calls, keys, table, kgs
+    def __init__(self, plan: Any, future: Future | None, calls: list[_Call], keys: list[tuple]):
+        self.plan, self.future, self.calls, self.keys = plan, future, calls, keys
 
 
 class ExecutionController:
@@ -291,12 +291,12 @@ class ExecutionController:
         self.stats.ticks += 1
         self.stats.keys_read += len(keys)
         if not plan.reads:
-            return self._apply(_Read(plan, None, calls, keys, table, kgs))
+            return self._apply(_Read(plan, None, calls, keys))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.options.max_reads_in_flight,
                                             thread_name_prefix="icestate-async-read")
         self.stats.reads += 1
-        self._reads.append(_Read(plan, self._pool.submit(reader.read_planned, plan), calls, keys, table, kgs))
+        self._reads.append(_Read(plan, self._pool.submit(reader.read_planned, plan), calls, keys))
         return []
 
     def _apply(self, read: _Read) -> list[_Call]:
@@ -310,8 +310,9 @@ class ExecutionController:
         # indexes of the prefetched keys' rows, not by an index over its whole key group.
         store.reader.apply_prefetch(read.plan, accumulate=self._accumulate)
         self._accumulate = True
-        store.prepare_keys(read.table, read.kgs)  # the value states' lookup finds them prepared
-        self._handle.load(read.table)
+        plan = read.plan
+        store.prepare_keys(plan.keys, plan.key_groups)  # the value states' lookup finds them prepared
+        self._handle.load(plan.keys)
         self._loaded.update(read.keys)
         return read.calls
 

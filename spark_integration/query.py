@@ -231,7 +231,7 @@ class StatefulRunner:
                  time_mode: str, event_time_column: str | None, initial_state: DataFrame | None,
                  store_config: StoreConfig, compaction: CompactionPolicy | None = None,
                  beacon: str | None = None, watermark_delay_ms: int | None = None, api: str = "row",
-                 output_table: str | None = None, async_options: Any = None):
+                 output_table: str | None = None, async_options: AsyncOptions | None = None):
         self.spark = spark
         self.keys = keys
         self.processor = processor

@@ -832,11 +832,7 @@ class StateReader:
         else:
             wanted = pl.from_arrow(keys).select(self.key_names).with_columns(
                 pl.Series(KG, np.asarray(key_groups), dtype=pl.Int32))
-            wanted = wanted.filter(pl.col(KG).is_in(todo))
-            covered = [g.covered for kg in todo if (g := self._cache.peek(kg)) is not None and g.covered.height]
-            if covered:  # only the keys the partial groups lack (a key is in one key group: keys alone join)
-                wanted = wanted.join(pl.concat(covered, how="vertical", rechunk=False), on=self.key_names,
-                                     how="anti")
+            wanted = self._lacking(wanted.filter(pl.col(KG).is_in(todo)), todo)
             wanted = wanted.unique()  # after the anti join: on a warm cache it leaves few keys, often none
             asked = dict(wanted.group_by(KG).len().iter_rows())
             todo = [kg for kg in todo if kg in asked]
@@ -859,6 +855,15 @@ class StateReader:
         return CoverPlan(keys, np.asarray(key_groups), kgs, self._installs, whole, partial, new,
                          self._segments_of(whole) if whole else [], self._segments_of(partial) if partial else [])
 
+    def _lacking(self, wanted: pl.DataFrame, kgs: list[int]) -> pl.DataFrame:
+        """The keys of ``wanted`` (key columns and ``KG``) that the partial groups among the
+        non-whole ``kgs`` do not cover yet (a key is in one key group: keys alone join)."""
+        covered = [g.covered for kg in kgs if (g := self._cache.peek(kg)) is not None and g.covered is not None
+                   and g.covered.height]
+        if not covered:
+            return wanted
+        return wanted.join(pl.concat(covered, how="vertical", rechunk=False), on=self.key_names, how="anti")
+
     def _read_cover(self, plan: CoverPlan, segments: SegmentReader) -> None:
         """Read ``plan``'s entries with ``segments`` (any thread: reads only the table's files)."""
         if plan.whole:
@@ -878,11 +883,7 @@ class StateReader:
             whole = [kg for kg in whole if not self._is_whole(kg)]
             if partial:
                 partial = [kg for kg in partial if not self._is_whole(kg)]
-                new = new.filter(pl.col(KG).is_in(partial))
-                covered = [g.covered for kg in partial
-                           if (g := self._cache.peek(kg)) is not None and g.covered is not None and g.covered.height]
-                if covered:
-                    new = new.join(pl.concat(covered, how="vertical", rechunk=False), on=self.key_names, how="anti")
+                new = self._lacking(new.filter(pl.col(KG).is_in(partial)), partial)
                 partial = sorted(new.get_column(KG).unique().to_list())
                 entries = entries.join(new.rename({KG: KEY_GROUP}).with_columns(pl.col(KEY_GROUP).cast(
                     entries.schema[KEY_GROUP])), on=[KEY_GROUP, *self.key_names], how="semi")
