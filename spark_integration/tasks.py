@@ -343,6 +343,9 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
         "flush_ms": _ms(processed, flushed), "output_ms": _ms(flushed),
         "cpu_ms": round((time.process_time() - cpu_started) * 1000, 1),  # the worker's, all its threads
     }
+    trimmed = _return_freed_memory()
+    if trimmed is not None:
+        stats["trimmed_mb"] = trimmed
     report = [(task, "task", json.dumps(stats))]
     report += [(task, "segment", json.dumps(dataclasses.asdict(s))) for s in segments]
     report += [(task, "output", json.dumps(o)) for o in outputs]
@@ -395,6 +398,43 @@ def _run_compat(plan: BatchPlan, ts: _TaskStore, data: pa.Table, kgs: np.ndarray
 
 
 _FROZEN = False
+# How often a worker hands the C allocator's free pages back to the system (``_return_freed_memory``).
+TRIM_EVERY_S = 60.0
+_trim: Any = None  # glibc's malloc_trim, False where there is none
+_trimmed_at = time.monotonic()
+
+
+def _return_freed_memory() -> float | None:
+    """Once a minute, after a task, hand the pages glibc's allocator holds free back to the
+    system (``malloc_trim``) and return the megabytes the worker's RSS fell by. A reused
+    worker allocates and frees per task (Arrow buffers, decoded pages, per-row Python
+    objects) from several threads' arenas, and glibc gives back only the top of each heap:
+    over a 90-minute run the task workers' RSS grew 0.2-0.3 MB a minute while their Python
+    objects, caches and Arrow pool stayed flat. A trim costs 5-15 ms, so it runs at most once a
+    minute. None where it did not run (not due yet, or not glibc)."""
+    global _trim, _trimmed_at
+    if _trim is False or time.monotonic() - _trimmed_at < TRIM_EVERY_S:
+        return None
+    if _trim is None:
+        import ctypes
+
+        try:
+            _trim = ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError):
+            _trim = False
+            return None
+    before = _rss_pages()
+    _trim(0)
+    _trimmed_at = time.monotonic()
+    return round((before - _rss_pages()) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+
+
+def _rss_pages() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1])
+    except OSError:
+        return 0
 
 
 def _freeze_imports_once() -> None:

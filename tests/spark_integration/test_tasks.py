@@ -508,3 +508,25 @@ def test_nothing_is_frozen_outside_a_spark_task(location, workers, drivers):
     workers.use(0)
     driver.commit(plan, [tasks.run_task(plan, (0,), rows[0])])
     assert gc.get_freeze_count() == before == 0
+
+
+def test_a_worker_returns_freed_memory_at_most_once_per_interval(location, workers, drivers, monkeypatch):
+    """After a task, at most once per ``TRIM_EVERY_S``, a worker hands the C allocator's free
+    pages back to the system (glibc's ``malloc_trim``) and reports by how much its RSS fell."""
+    import ctypes
+
+    try:
+        getattr(ctypes.CDLL(None), "malloc_trim")  # noqa: B009 (an attribute lookup that raises)
+    except AttributeError:
+        pytest.skip("not glibc: nothing to trim")
+    driver = drivers(location, RunningAggregate("count"))
+    monkeypatch.setattr(tasks, "_trimmed_at", float("-inf"))  # due now
+    reported = []
+    for _ in range(2):
+        plan = driver.plan()
+        workers.use(0)
+        rows = split_by_task(input_rows(KEYS[0][:2]))
+        reported.append(driver.commit(plan, [tasks.run_task(plan, (0,), rows[0])])[0])
+    assert isinstance(reported[0]["trimmed_mb"], float) and reported[0]["trimmed_mb"] >= -1.0
+    assert "trimmed_mb" not in reported[1]  # not due again within the interval
+    assert state_counts(location, driver.layout, KEYS[0][:2]) == [2, 2]
