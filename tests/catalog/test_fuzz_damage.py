@@ -289,7 +289,7 @@ def build(place: Place) -> Built:
 @functools.cache
 def built(kind: str, endpoint: str | None) -> Built:
     """The table of this place, built once per process."""
-    root = os.path.realpath(tempfile.mkdtemp(prefix=f"icestate-fuzz-damage-{kind}-"))
+    root = os.path.realpath(tempfile.mkdtemp(prefix=f"{kind}-", dir=_BASE[0] if _BASE else None))
     os.makedirs(os.path.join(root, "wh"))
     # Files count as settled at once (the sweep's grace, made for crashed commits under way, would
     # otherwise protect every file of a table this young): the sweep may delete any orphan.
@@ -421,14 +421,24 @@ def check_reads(b: Built, target: str, what: str) -> None:
 # --- the child process ------------------------------------------------------------------------
 
 _CHILD: list[ProcessPoolExecutor] = []
+# The folder the child builds its tables in, made and removed by this process: a child of a
+# process pool ends without running its exit handlers, so it cannot remove them itself.
+_BASE: list[str] = []
+
+
+def _start_child(base: str) -> None:
+    faulthandler.enable()
+    _BASE[:] = [base]
 
 
 def in_child(fn: Callable[..., None], *args: object) -> None:
     """``fn(*args)`` in this module's child process (started when first needed, and again after
     it died): its assertion errors are raised here; its death fails the example."""
+    if not _BASE:
+        _BASE.append(tempfile.mkdtemp(prefix="icestate-fuzz-damage-"))
     if not _CHILD:
         _CHILD.append(ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                          initializer=faulthandler.enable))
+                                          initializer=_start_child, initargs=(_BASE[0],)))
     try:
         _CHILD[0].submit(fn, *args).result()
     except BrokenProcessPool:
@@ -441,6 +451,8 @@ def _child_process() -> Iterator[None]:
     yield
     while _CHILD:
         _CHILD.pop().shutdown()
+    while _BASE:
+        shutil.rmtree(_BASE.pop(), ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
