@@ -2,25 +2,17 @@
 # Sets up (scripts/setup.sh) and runs the whole test suite: lint, then pytest in parallel
 # processes (pytest-xdist, longest tests first, see tests/conftest.py; one per core, at most 4:
 # ICESTATE_TEST_WORKERS sets it).
-#   --fast   only the tests that start no Spark and are not marked slow: a few minutes, for editing.
+#   --fast   only the tests that start no Spark, are not marked slow and were quick in the recorded run
+#            (tests/conftest.py): under 3 minutes, for editing.
 # Other arguments go to pytest. pytest exits 5 when it collects no test; that is a failure here, as
 # is any other non-zero code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-selection=()
-args=()
-for arg in "$@"; do
-  if [ "$arg" = "--fast" ]; then
-    selection=(-m "not spark and not slow")
-  else
-    args+=("$arg")
-  fi
-done
 bash scripts/setup.sh
 .venv/bin/ruff check .
 workers=${ICESTATE_TEST_WORKERS:-$(nproc)}
 if [ "$workers" -gt 4 ]; then workers=4; fi
 status=0
-.venv/bin/python -m pytest -n "$workers" --dist load ${selection[@]+"${selection[@]}"} ${args[@]+"${args[@]}"} || status=$?
+.venv/bin/python -m pytest -n "$workers" --dist load "$@" || status=$?
 echo "scripts/test.sh: set up, linted and tested in $((SECONDS / 60)) min $((SECONDS % 60)) s (exit $status)"
 exit "$status"

@@ -15,6 +15,10 @@ seconds each test took in a recorded run; a test not in it counts as its marker 
 and then to whichever process is free (``--dist load``), so that the longest ones neither start
 last nor pile up in one process. ``ICESTATE_RECORD_DURATIONS=1`` rewrites the file from the run.
 The suite's wall time is reported at its end against its budget.
+
+``--fast`` (``scripts/test.sh --fast``): the tier for editing, the tests that start no Spark, are
+not marked slow and took under ``FAST_TEST_S`` in the recorded run (a test not yet recorded
+counts as fast); the rest are deselected, and the report says how many.
 """
 
 from __future__ import annotations
@@ -36,6 +40,14 @@ DURATIONS = Path(__file__).with_name("durations.json")
 # Seconds assumed for a test missing from DURATIONS (a new one): its marker's tier.
 _UNKNOWN_SLOW_S, _UNKNOWN_S = 20.0, 0.5
 _durations_taken: dict[str, float] = {}
+# The longest a test may have taken in the recorded run to be in the fast tier (``--fast``).
+FAST_TEST_S = 1.5
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true", default=False,
+                     help=f"only the tests that start no Spark, are not marked slow and took under {FAST_TEST_S} s "
+                          "in the recorded run (tests/durations.json)")
 
 
 def _recorded_durations() -> dict[str, float]:
@@ -58,6 +70,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return _UNKNOWN_SLOW_S if item.get_closest_marker("slow") is not None else _UNKNOWN_S
 
     items.sort(key=expected_s, reverse=True)
+    if config.getoption("fast"):
+        slow = [item for item in items if item.get_closest_marker("spark") is not None
+                or item.get_closest_marker("slow") is not None or recorded.get(item.nodeid, 0.0) >= FAST_TEST_S]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            dropped = set(slow)
+            items[:] = [item for item in items if item not in dropped]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -88,6 +107,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
 def s3_server_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The endpoint (``http://127.0.0.1:<port>``) of moto's S3 server, one for the session."""
     server = s3_server.start(tmp_path_factory.mktemp("moto"))
+    os.environ[s3_server.ENDPOINT_ENV] = server.endpoint  # for child processes
     try:
         yield server.endpoint
     finally:

@@ -1,14 +1,14 @@
 """A real S3-protocol server for tests: moto's standalone server, a process on loopback.
 
 ``start()`` runs ``moto_server`` on a free port of 127.0.0.1 (once per test session, from a
-fixture), waits until it answers, and publishes its endpoint in ``ENDPOINT_ENV`` so that
-child processes of the tests (crash children) reach the same server. Nothing is mocked: the
+fixture) and waits until it answers; the session's fixture publishes its endpoint in
+``ENDPOINT_ENV`` so that child processes of the tests (crash children) reach the same server
+(a server of one module published there would outlive its stop in the variable). Nothing is mocked: the
 store, pyiceberg and pyarrow talk HTTP to it as to any S3 endpoint.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -63,7 +63,6 @@ def start(log_dir: Path) -> S3Server:
                 process.kill()
                 raise RuntimeError(f"moto_server did not start on {endpoint}; see {log_dir / 'moto_server.log'}") from e
             time.sleep(0.1)
-    os.environ[ENDPOINT_ENV] = endpoint
     return S3Server(endpoint, process)
 
 

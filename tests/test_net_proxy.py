@@ -28,13 +28,9 @@ WAIT_S = 20
 
 
 @pytest.fixture(scope="module")
-def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = s3_server.start(tmp_path_factory.mktemp("moto"))
-    try:
-        s3_server.create_bucket(server.endpoint, BUCKET)
-        yield server.endpoint
-    finally:
-        server.stop()
+def s3_endpoint(s3_server_endpoint: str) -> str:
+    s3_server.create_bucket(s3_server_endpoint, BUCKET)
+    return s3_server_endpoint
 
 
 @pytest.fixture

@@ -131,7 +131,10 @@ def one_table(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("case", list(bad_commands("wh")))
-def test_every_error_is_one_line_naming_what_is_wrong(one_table, case):
+def test_every_error_is_one_line_naming_what_is_wrong(one_table, case, monkeypatch):
+    from catalog.cli import DEBUG
+
+    monkeypatch.setitem(DEBUG, "traceback", False)  # ``--debug`` below sets it for the process
     argv = bad_commands(one_table)[case]
     result = CliRunner().invoke(app, argv, env={"COLUMNS": "80"})
     assert result.exit_code == 1, (case, result.output)
