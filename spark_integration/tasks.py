@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -400,8 +401,18 @@ def _run_compat(plan: BatchPlan, ts: _TaskStore, data: pa.Table, kgs: np.ndarray
 _FROZEN = False
 # How often a worker hands the C allocator's free pages back to the system (``_return_freed_memory``).
 TRIM_EVERY_S = 60.0
-_trim: Any = None  # glibc's malloc_trim, False where there is none
 _trimmed_at = time.monotonic()
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None where the C library has none."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return None
 
 
 def _return_freed_memory() -> float | None:
@@ -412,19 +423,11 @@ def _return_freed_memory() -> float | None:
     over a 90-minute run the task workers' RSS grew 0.2-0.3 MB a minute while their Python
     objects, caches and Arrow pool stayed flat. A trim costs 5-15 ms, so it runs at most once a
     minute. None where it did not run (not due yet, or not glibc)."""
-    global _trim, _trimmed_at
-    if _trim is False or time.monotonic() - _trimmed_at < TRIM_EVERY_S:
+    global _trimmed_at
+    if time.monotonic() - _trimmed_at < TRIM_EVERY_S or (trim := _malloc_trim()) is None:
         return None
-    if _trim is None:
-        import ctypes
-
-        try:
-            _trim = ctypes.CDLL(None).malloc_trim
-        except (AttributeError, OSError):
-            _trim = False
-            return None
     before = _rss_pages()
-    _trim(0)
+    trim(0)
     _trimmed_at = time.monotonic()
     return round((before - _rss_pages()) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
 

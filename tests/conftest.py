@@ -71,12 +71,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     items.sort(key=expected_s, reverse=True)
     if config.getoption("fast"):
-        slow = [item for item in items if item.get_closest_marker("spark") is not None
-                or item.get_closest_marker("slow") is not None or recorded.get(item.nodeid, 0.0) >= FAST_TEST_S]
-        if slow:
-            config.hook.pytest_deselected(items=slow)
-            dropped = set(slow)
-            items[:] = [item for item in items if item not in dropped]
+        def fast(item: pytest.Item) -> bool:
+            return (item.get_closest_marker("spark") is None and item.get_closest_marker("slow") is None
+                    and recorded.get(item.nodeid, 0.0) < FAST_TEST_S)
+
+        kept = [item for item in items if fast(item)]
+        if len(kept) < len(items):
+            config.hook.pytest_deselected(items=[item for item in items if not fast(item)])
+            items[:] = kept
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
