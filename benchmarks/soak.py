@@ -110,8 +110,14 @@ def diagnose(force: bool = False) -> None:
     _DIAGNOSIS["at"] = now
     objects = gc.get_objects()
     types = collections.Counter(type(o).__qualname__ for o in objects)
+    modules = set(sys.modules)
+    known = _DIAGNOSIS.setdefault("modules", modules)
     line: dict[str, Any] = {"time": time.time(), "rss_mb": round(_rss_and_fds(os.getpid())[0] / 2**20, 1),
+                            "rss_kinds_mb": _rss_kinds(os.getpid()),
+                            "threads": len(os.listdir("/proc/self/task")),
+                            "modules": len(modules), "new_modules": sorted(modules - known)[:40],
                             "arrow_mb": round(pa.total_allocated_bytes() / 2**20, 1),
+                            "arrow_peak_mb": round(pa.default_memory_pool().max_memory() / 2**20, 1),
                             "types": dict(types.most_common(60)), "caches": cache_sizes(objects),
                             "functions": dict(collections.Counter(
                                 f"{o.__module__}.{o.__qualname__}" for o in objects
@@ -122,8 +128,23 @@ def diagnose(force: bool = False) -> None:
         line["traced_mb"] = round(tracemalloc.get_traced_memory()[0] / 2**20, 1)
         line["growth"] = [{"kb": round(d.size_diff / 1024, 1), "count": d.count_diff,
                            "where": d.traceback.format(limit=1)} for d in snapshot.compare_to(first, "lineno")[:25]]
+    _DIAGNOSIS["modules"] = modules
     with open(Path(folder) / f"{os.getpid()}.jsonl", "a") as out:
         out.write(json.dumps(line) + "\n")
+
+
+def _rss_kinds(pid: int) -> dict[str, float]:
+    """Resident MB by kind (anonymous, file-backed, shared memory) from ``smaps_rollup``: a step made
+    by a library mapped for the first time shows as file-backed, one made by an allocator as anonymous."""
+    kinds = {}
+    try:
+        for row in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            name, _, value = row.partition(":")
+            if name in ("Rss", "Anonymous", "Shared_Clean", "Private_Clean", "Swap"):
+                kinds[name] = round(int(value.split()[0]) / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return kinds
 
 
 def cache_sizes(objects: list) -> dict[str, list]:
