@@ -54,7 +54,8 @@ moved by other work.
 Prints tables, writes ``benchmarks/results/spark_bench.json`` and a plot beside it (about 12
 minutes on a quiet 2-core machine). Run: ``.venv/bin/python -m benchmarks.bench_spark``;
 ``--quick`` for a smoke run of every code path (about 4 minutes, ``spark_bench_quick.*``);
-``--report-from FILE.json`` to print the tables and redraw the plot of an earlier run;
+``--one-driver`` runs every job in one driver process (the suite's tiny mode: a smoke run whose
+figures are not comparable); ``--report-from FILE.json`` to print the tables and redraw the plot of an earlier run;
 ``--workloads sessions`` (or ``throughput``, ``restart``, comma-separated) runs some of the three
 scenarios, ``--only`` some of the implementations (of the throughput and sessions scenarios),
 e.g. ``--workloads throughput,sessions --only spark-tws-pandas,ours-pandas,spark-tws-sessions,ours-sessions``.
@@ -131,6 +132,9 @@ def main(
     cache_keys: int = typer.Option(20_000_000, help="keys of the state of the cache scenario"),
     cache_fractions: str = typer.Option("1,0.3,0.1", help="cache bounds of the cache scenario, as fractions of the "
                                                           "state's views (comma-separated)"),
+    one_driver: bool = typer.Option(False, help="run every job in one driver process, one after the other (each "
+                                                "with its own session on one JVM): a smoke run of the code paths in "
+                                                "a fraction of the time; figures are not comparable"),
     worker: Path | None = typer.Option(None, hidden=True, help="internal: run one job file"),
 ) -> None:
     if worker is not None:
@@ -170,6 +174,7 @@ def main(
         console.log(f"ours: not available ({ours_reason}); the Spark peers run alone")
     started = datetime.now(UTC).isoformat()
     t_start = time.perf_counter()
+    runner: Runner | None = None
     try:
         console.log(f"writing input under {root}")
         on = {d.strip() for d in datasets_.split(",")} - ({"main"} if quick else set())
@@ -178,7 +183,7 @@ def main(
         datasets = {"main": make_stream_data(root, "main", events, keys, batches, seed=1)} if need_main else {}
         if impls or session_impls:
             datasets["small"] = make_stream_data(root, "small", small_events, small_keys, batches, seed=2)
-        runner = Runner(root, driver_memory, timeout, quiet_wait)
+        runner = Runner(root, driver_memory, timeout, quiet_wait, one_driver=one_driver)
         results: dict = {
             "machine": spark_machine_info(), "started": started, "quick": quick,
             "sizes": {"main": None if quick else {"events": events, "keys": keys, "batches": batches},
@@ -216,6 +221,8 @@ def main(
         if remote is not None:
             results["remote"] = {"latency_ms": s3_latency_ms, "requests": remote.proxy.snapshot().by_method}
     finally:
+        if runner is not None:
+            runner.close()
         if remote is not None:
             remote.close()
         if not keep and workdir is None:

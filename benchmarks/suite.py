@@ -23,7 +23,8 @@ leaves the others' figures), in this order:
   and 0.1x of the state).
 
 Modes: ``tiny`` (the smallest sizes every code path runs at: what the test suite runs, so that the
-suite cannot rot), ``quick`` (about 15 minutes on a 2-core machine) and ``full`` (2M
+suite cannot rot; the Spark step's jobs run in one driver process there, one after the other,
+so its figures are not comparable), ``quick`` (about 15 minutes on a 2-core machine) and ``full`` (2M
 events over 200k keys, states of 1M, 5M and 20M keys; over an hour). Results go to
 ``docs/benchmarks/<mode>/`` (``--out`` elsewhere): each step's JSON and plots, its log, and
 ``summary.json``, ``summary.md`` (the headline table, the machine, the commands) and
@@ -93,7 +94,7 @@ STEPS = (
                    "--only", "spark-floor-count,ours-vectorized", "--events", "20000",
                    "--keys", "2000", "--batches", "3", "--scaling-keys", "3000", "--state-batch-events", "2000",
                    "--small-restart-events", "50", "--cache-keys", "3000", "--cache-fractions", "0.1",
-                   "--reruns", "0", "--quiet-wait", "0", "--timeout", "300"],
+                   "--reruns", "0", "--quiet-wait", "0", "--timeout", "300", "--one-driver"],
           "quick": [*_SPARK_COMMON, "--workloads", "throughput,scaling,cache", "--datasets", "main",
                     "--only", "spark-floor-count,spark-floor-repartition,spark-count-rocksdb,spark-count-hdfs,"
                               "ours-vectorized,ours-compat",

@@ -1,10 +1,11 @@
 """One job of the streaming benchmark, in a fresh Python process with its own SparkSession, so
-that sessions and configurations cannot leak between implementations.
+that sessions and configurations cannot leak between implementations (or, with ``--serve``, the
+jobs named on standard input one after the other in one process: ``Runner(one_driver=True)``).
 
 A job is a JSON file written by ``runner.Runner``: a stream run (``kind: stream``), a run of the
 processing-time sessions workload (``kind: sessions``) or Spark's offline repartition
 (``kind: repartition``). Its result, or ``{"error": ...}``, goes to the
-file named by the job's ``result``. Run: ``python -m benchmarks.streaming.worker JOB.json``.
+file named by the job's ``result``. Run: ``python -m benchmarks.streaming.worker JOB.json`` (or ``--serve``).
 """
 
 from __future__ import annotations
@@ -201,8 +202,33 @@ def run_job(job_path: Path) -> None:
     except Exception as exc:
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {str(exc)[:3000]}"}
-    Path(job["result"]).write_text(json.dumps(result, indent=1, default=str))
+    out = Path(job["result"])
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(json.dumps(result, indent=1, default=str))
+    partial.replace(out)  # whole or absent: a serving runner waits for the file
+
+
+def serve() -> None:
+    """Run the jobs whose paths come on standard input, one per line, one after the other, in
+    this process (``Runner(one_driver=True)``): each job builds and stops its own session on the
+    JVM the first one started; a session a failed job left open is stopped before the next."""
+    for line in sys.stdin:
+        if line.strip():
+            run_job(Path(line.strip()))
+            _stop_leftover_session()
+    _stop_leftover_session()
+
+
+def _stop_leftover_session() -> None:
+    from pyspark.sql import SparkSession
+
+    session = SparkSession.getActiveSession()
+    if session is not None:
+        session.stop()
 
 
 if __name__ == "__main__":
-    run_job(Path(sys.argv[1]))
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        run_job(Path(sys.argv[1]))
