@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pyarrow as pa
+from pyspark.errors import PySparkRuntimeError
 from pyspark.sql import Row
 from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, StatefulProcessor, TimerValues
 from pyspark.sql.types import DataType, StructField, StructType
@@ -486,18 +487,58 @@ class MapState:
 
 
 _WRAPPERS = {StateKind.VALUE: ValueState, StateKind.LIST: ListState, StateKind.MAP: MapState}
+_KINDS = {wrapper: kind for kind, wrapper in _WRAPPERS.items()}
+
+
+class DeletedStateVariableError(StateVariableDeletedError, PySparkRuntimeError):
+    """A call through a state variable handle obtained before ``deleteIfExists`` deleted the
+    variable: Spark's ``PySparkRuntimeError`` with Spark's text, which processors written for
+    Spark catch (and the store's ``StateVariableDeletedError``)."""
+
+    def __init__(self, message: str, hint: str):
+        Exception.__init__(self, message)
+        PySparkRuntimeError.__init__(self, message=message)
+        self.add_note(hint)
+
+
+# What Spark's Python client says when a call reaches a deleted variable, by the kind of state
+# and the store method the handle calls ("<the client's text>: <Kind> state <name> is not
+# initialized."); None: Spark's iterators read nothing (the client ends them on any error).
+_DELETED_TEXT: dict[StateKind, dict[str, str | None]] = {
+    StateKind.VALUE: {"exists": "Error checking value state exists", "get": "Error getting value state",
+                      "update": "Error updating value state", "check": "Error updating value state",
+                      "clear": "Error clearing value state"},
+    StateKind.LIST: {"exists": "Error checking value state exists", "get": None,
+                     "update": "Error updating value state", "add": "Error updating value state",
+                     "add_all": "Error updating value state", "clear": "Error clearing value state"},
+    StateKind.MAP: {"exists": "Error checking map state exists", "get": "Error getting value",
+                    "contains": "Error checking if map state contains key", "put": "Error updating map state value",
+                    "items": None, "keys": None, "values": None, "remove": "Error removing key from map state",
+                    "clear": "Error clearing map state"},
+}
 
 
 class _Deleted:
-    """What a state variable handle reads and writes through after ``deleteIfExists``."""
+    """What a state variable handle reads and writes through after ``deleteIfExists``: every
+    call fails as on Spark (``DeletedStateVariableError``), an iteration reads nothing."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, kind: StateKind):
         self._name = name
+        self._kind = kind
 
-    def __getattr__(self, method: str) -> Any:
-        raise StateVariableDeletedError(
-            f"state {self._name!r} is not initialized: deleteIfExists({self._name!r}) deleted it after this handle "
-            f"was obtained; call get...State({self._name!r}) again after the delete to use the variable")
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        texts = _DELETED_TEXT[self._kind]
+        if method in texts and texts[method] is None:
+            return lambda *args: []
+        text = texts.get(method, "Error calling the state")
+
+        def fail(*args: Any) -> Any:
+            raise DeletedStateVariableError(
+                f"{text}: {self._kind.value.capitalize()} state {self._name} is not initialized.",
+                f"deleteIfExists({self._name!r}) deleted the variable after this handle was obtained; call "
+                f"get...State({self._name!r}) again after the delete to use the variable")
+
+        return fail
 
 
 class StoreHandle:
@@ -575,7 +616,7 @@ class StoreHandle:
         Spark; one obtained after it works (on a variable now empty)."""
         self._batches.pop(stateName, None)  # this batch's writes so far: purged with the rest
         for state in self._given.pop(stateName, ()):
-            state._state = _Deleted(stateName)
+            state._state = _Deleted(stateName, _KINDS[type(state)])
             if isinstance(state, ValueState):
                 state._batch = None
         try:

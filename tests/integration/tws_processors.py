@@ -311,28 +311,47 @@ DELETED_OUTPUT = "key string, stale string, fresh string, kept long"
 
 
 class DeletedStateProcessor(StatefulProcessor):
-    """``deleteIfExists`` in ``init`` (Spark runs it at every batch): ``stale`` is obtained
-    before its delete (using it raises), ``fresh`` after its delete (usable, empty at every
-    batch), ``kept`` is never deleted."""
+    """``deleteIfExists`` in ``init`` (Spark runs it at every batch): ``stale`` (and a list and
+    a map state) obtained before its delete (every call through them raises Spark's
+    ``PySparkRuntimeError`` with Spark's text, or reads nothing: ``stale`` tells which),
+    ``fresh`` after its delete (usable, empty at every batch), ``kept`` is never deleted."""
 
     def init(self, handle) -> None:
         self.stale = handle.getValueState("stale", "n long")
-        handle.deleteIfExists("stale")
-        handle.deleteIfExists("fresh")
+        self.stale_list = handle.getListState("stale_list", "n long")
+        self.stale_map = handle.getMapState("stale_map", "k string", "n long")
+        for name in ("stale", "stale_list", "stale_map", "fresh"):
+            handle.deleteIfExists(name)
         self.fresh = handle.getValueState("fresh", "n long")
         self.kept = handle.getValueState("kept", "n long")
 
     def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        from pyspark.errors import PySparkRuntimeError
+
         n = sum(1 for _ in rows)
-        try:
-            stale = f"read {self.stale.get()}"
-        except Exception:  # Spark: PySparkRuntimeError; ours: StateVariableDeletedError (a RuntimeError)
-            stale = "raised"
+        calls = {"value.exists": self.stale.exists, "value.get": self.stale.get,
+                 "value.update": lambda: self.stale.update((n,)), "value.clear": self.stale.clear,
+                 "list.exists": self.stale_list.exists, "list.get": lambda: list(self.stale_list.get()),
+                 "list.appendValue": lambda: self.stale_list.appendValue((n,)),
+                 "list.appendList": lambda: self.stale_list.appendList([(n,)]),
+                 "list.put": lambda: self.stale_list.put([(n,)]), "list.clear": self.stale_list.clear,
+                 "map.exists": self.stale_map.exists, "map.getValue": lambda: self.stale_map.getValue(("x",)),
+                 "map.containsKey": lambda: self.stale_map.containsKey(("x",)),
+                 "map.updateValue": lambda: self.stale_map.updateValue(("x",), (n,)),
+                 "map.iterator": lambda: list(self.stale_map.iterator()),
+                 "map.keys": lambda: list(self.stale_map.keys()), "map.values": lambda: list(self.stale_map.values()),
+                 "map.removeKey": lambda: self.stale_map.removeKey(("x",)), "map.clear": self.stale_map.clear}
+        said = []
+        for name, call in calls.items():
+            try:
+                said.append(f"{name} -> {call()!r}")
+            except PySparkRuntimeError as e:
+                said.append(f"{name} raised {type(e).__name__}({e})")
         fresh = self.fresh.get()
         self.fresh.update((n,))
         kept = self.kept.get()
         self.kept.update(((kept[0] if kept else 0) + n,))
-        yield Row(key=key[0], stale=stale, fresh=str(fresh), kept=(kept[0] if kept else 0) + n)
+        yield Row(key=key[0], stale="; ".join(said), fresh=str(fresh), kept=(kept[0] if kept else 0) + n)
 
     def close(self) -> None:
         pass

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pyspark.errors import PySparkRuntimeError
 from pyspark.sql import Row
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor, TimerValues
 from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType, TimestampType
@@ -32,7 +33,15 @@ from spark_integration.compat import (
     spark_struct,
 )
 from spark_integration.timers import TIMERS_STATE
-from statestore import DirectoryStateTable, StateStoreError, TtlConfig, ValueStateDescriptor, assign_key_groups
+from statestore import (
+    DirectoryStateTable,
+    ListStateDescriptor,
+    MapStateDescriptor,
+    StateStoreError,
+    TtlConfig,
+    ValueStateDescriptor,
+    assign_key_groups,
+)
 from statestore.descriptors import StateKind
 from statestore.errors import StateVariableDeletedError
 from tests.spark_integration.si_helpers import (
@@ -684,14 +693,51 @@ def test_a_handle_obtained_before_delete_if_exists_raises_one_obtained_after_wor
     handle = StoreHandle(store, None, batched=batched)
     before = handle.getValueState("s")
     handle.deleteIfExists("s")
-    for call in (before.get, before.exists, lambda: before.update((1,)), before.clear):
-        with pytest.raises(StateVariableDeletedError, match=r"state 's' is not initialized.*deleteIfExists"):
+    for call, text in ((before.get, "Error getting value state"), (before.exists, "Error checking value state exists"),
+                       (lambda: before.update((1,)), "Error updating value state"),
+                       (before.clear, "Error clearing value state")):
+        # Spark's class and text (what processors written for Spark catch), and the store's class.
+        with pytest.raises(PySparkRuntimeError) as raised:
             call()
+        assert str(raised.value) == f"{text}: Value state s is not initialized."
+        assert isinstance(raised.value, StateVariableDeletedError)
+        assert "call get...State('s') again after the delete" in raised.value.__notes__[0]
     after = handle.getValueState("s")
     store.set_current_key(("a",))
     assert (after.exists(), after.get()) == (False, None)
     after.update((7,))
     assert after.get() == (7,)
+
+
+def test_list_and_map_handles_obtained_before_delete_if_exists_fail_as_on_spark_and_iterate_nothing(tmp_path):
+    value = pa.struct([("value", pa.int64())])
+    layout = layout_of([ListStateDescriptor("l", value),
+                        MapStateDescriptor("m", key_type=pa.struct([("k", pa.string())]), value_type=value)])
+    store = open_store(tmp_path, layout)
+    store.set_current_key(("a",))
+    handle = StoreHandle(store, None)
+    items, entries = handle.getListState("l"), handle.getMapState("m")
+    items.appendValue((1,))
+    entries.updateValue(("x",), (2,))
+    handle.deleteIfExists("l")
+    handle.deleteIfExists("m")
+    read = (list(items.get()), list(entries.iterator()), list(entries.keys()), list(entries.values()))
+    assert read == ([], [], [], [])
+    for call, text in ((items.exists, "Error checking value state exists: List"),
+                       (lambda: items.appendValue((1,)), "Error updating value state: List"),
+                       (lambda: items.appendList([(1,)]), "Error updating value state: List"),
+                       (lambda: items.put([(1,)]), "Error updating value state: List"),
+                       (items.clear, "Error clearing value state: List"),
+                       (entries.exists, "Error checking map state exists: Map"),
+                       (lambda: entries.getValue(("x",)), "Error getting value: Map"),
+                       (lambda: entries.containsKey(("x",)), "Error checking if map state contains key: Map"),
+                       (lambda: entries.updateValue(("x",), (1,)), "Error updating map state value: Map"),
+                       (lambda: entries.removeKey(("x",)), "Error removing key from map state: Map"),
+                       (entries.clear, "Error clearing map state: Map")):
+        with pytest.raises(PySparkRuntimeError) as raised:
+            call()
+        assert str(raised.value) == f"{text} state {'l' if 'List' in text else 'm'} is not initialized."
+    assert (handle.getListState("l").exists(), handle.getMapState("m").exists()) == (False, False)
 
 
 def test_frames_to_arrow_matches_columns_by_name_or_position_and_keeps_the_frames_order():
