@@ -57,6 +57,7 @@ import pyarrow as pa
 from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, StatefulProcessor, TimerValues
 
 from spark_integration.compat import (
+    ArrowBatching,
     StoreHandle,
     ValueState,
     _key_order,
@@ -508,12 +509,14 @@ def run_async_pandas_processor(processor: StatefulProcessor, store: StateStore, 
                                rows: pa.Table, key_groups: list[int] | np.ndarray, timer_values: TimerValues,
                                fire_upto_ms: int | None, output_schema: pa.Schema, initial: pa.Table | None = None,
                                timezone: str = "UTC", options: AsyncOptions | None = None,
-                               stats: ControllerStats | None = None, trace: list | None = None) -> pa.Table:
-    """``compat.run_pandas_processor`` for an async processor: a key's rows as one pandas
-    DataFrame, DataFrames out."""
+                               stats: ControllerStats | None = None, trace: list | None = None,
+                               batching: ArrowBatching | None = None) -> pa.Table:
+    """``compat.run_pandas_processor`` for an async processor: a key's rows as pandas
+    DataFrames (as ``batching`` cuts them), DataFrames out."""
     frames = _drive_async(processor, store, timers, rows, key_groups, timer_values, fire_upto_ms, initial,
-                          lambda r, k, s, o, b: _pandas_groups(r, k, s, timezone, o, b),
-                          lambda t, s: _pandas_groups(t, None, s, timezone), options, stats, trace)
+                          lambda r, k, s, o, b: _pandas_groups(r, k, s, timezone, o, b, batching),
+                          lambda t, s: _pandas_groups(t, None, s, timezone, batching=batching), options, stats,
+                          trace)
     return frames_to_arrow(frames, output_schema, timezone)
 
 

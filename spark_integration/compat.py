@@ -21,12 +21,13 @@ from __future__ import annotations
 import datetime
 import functools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
-from pyspark.errors import PySparkRuntimeError
+from pyspark.errors import PySparkException, PySparkRuntimeError
 from pyspark.sql import Row
 from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, StatefulProcessor, TimerValues
 from pyspark.sql.types import DataType, StructField, StructType
@@ -45,6 +46,7 @@ from statestore.errors import (
     NoCurrentKeyError,
     StateDescriptorMismatchError,
     StateNotDeclaredError,
+    StateStoreError,
     StateVariableDeletedError,
     TimersDisabledError,
 )
@@ -85,12 +87,53 @@ def _ttl(ttl_ms: int | None, name: str) -> TtlConfig | None:
     return TtlConfig(ttl_ms)
 
 
+class SchemaMustBeNullableError(StateStoreError, PySparkException):
+    """Spark's ``TRANSFORM_WITH_STATE_SCHEMA_MUST_BE_NULLABLE``: with Avro state encoding
+    (``spark.sql.streaming.stateStore.encodingFormat=avro``) every field of a state schema must
+    be nullable; raised at the query's start, with Spark's condition, SQLSTATE and text."""
+
+    CONDITION = "TRANSFORM_WITH_STATE_SCHEMA_MUST_BE_NULLABLE"
+
+    def __init__(self, state_name: str, schema: StructType):
+        parameters = {"columnFamilyName": state_name, "schema": scala_string(schema)}
+        message = (f"If Avro encoding is enabled, all the fields in the schema for column family {state_name} must "
+                   f"be nullable when using the TransformWithState operator. Please make the schema nullable. "
+                   f"Current schema: {parameters['schema']}")
+        Exception.__init__(self, message)
+        PySparkException.__init__(self, message=message, errorClass=self.CONDITION, messageParameters=parameters)
+
+    def getSqlState(self) -> str:
+        return "XXKST"
+
+
+def scala_string(schema: DataType) -> str:
+    """A schema as Spark's JVM prints it (``StructType(StructField(id,IntegerType,false))``), as
+    Spark's messages show state schemas."""
+    if isinstance(schema, StructType):
+        return "StructType(" + ",".join(f"StructField({f.name},{scala_string(f.dataType)},{str(f.nullable).lower()})"
+                                        for f in schema.fields) + ")"
+    return type(schema).__name__ if type(schema).__name__ != "DecimalType" else repr(schema)
+
+
+def check_nullable_for_avro(declared: dict[str, list[StructType]], encoding: str | None) -> None:
+    """Refuse, as Spark does with Avro state encoding, a state schema with a field that is not
+    nullable (``declared``: the state variables' schemas as ``init`` gave them)."""
+    if (encoding or "").lower() != "avro":
+        return
+    for name, schemas in declared.items():
+        for schema in schemas:
+            if any(not f.nullable for f in schema.fields):
+                raise SchemaMustBeNullableError(name, schema)
+
+
 class DeclaringHandle:
-    """Runs a processor's ``init`` on the driver and records the state variables it declares."""
+    """Runs a processor's ``init`` on the driver and records the state variables it declares
+    (and the Spark schemas they were declared with, by name)."""
 
     def __init__(self) -> None:
         self.descriptors: list[StateDescriptor] = []
         self.deleted: list[str] = []
+        self.spark_schemas: dict[str, list[StructType]] = {}
 
     def _declare(self, desc: StateDescriptor) -> None:
         check_state_name(desc.name)
@@ -100,18 +143,23 @@ class DeclaringHandle:
             raise ValueError(f"state variable {desc.name!r} is declared twice in init()")
         self.descriptors.append(desc)
 
+    def _schema(self, stateName: str, schema: Any, what: str) -> pa.DataType:
+        struct = spark_struct(schema, what)
+        self.spark_schemas.setdefault(stateName, []).append(struct)
+        return arrow_type(struct)
+
     def getValueState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> None:
-        t = arrow_type(spark_struct(schema, f"value state {stateName!r}"))
+        t = self._schema(stateName, schema, f"value state {stateName!r}")
         self._declare(ValueStateDescriptor(stateName, t, ttl=_ttl(ttlDurationMs, stateName)))
 
     def getListState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> None:
-        t = arrow_type(spark_struct(schema, f"list state {stateName!r}"))
+        t = self._schema(stateName, schema, f"list state {stateName!r}")
         self._declare(ListStateDescriptor(stateName, t, ttl=_ttl(ttlDurationMs, stateName)))
 
     def getMapState(self, stateName: str, userKeySchema: Any, valueSchema: Any,
                     ttlDurationMs: int | None = None) -> None:
-        k = arrow_type(spark_struct(userKeySchema, f"map state {stateName!r} user key"))
-        v = arrow_type(spark_struct(valueSchema, f"map state {stateName!r} value"))
+        k = self._schema(stateName, userKeySchema, f"map state {stateName!r} user key")
+        v = self._schema(stateName, valueSchema, f"map state {stateName!r} value")
         self._declare(MapStateDescriptor(stateName, key_type=k, value_type=v, ttl=_ttl(ttlDurationMs, stateName)))
 
     def registerTimer(self, expiryTimestampMs: int) -> None:
@@ -659,15 +707,16 @@ def run_processor(processor: StatefulProcessor, store: StateStore, timers: Timer
 def run_pandas_processor(processor: StatefulProcessor, store: StateStore, timers: TimerService | None,
                          rows: pa.Table, key_groups: list[int], timer_values: TimerValues,
                          fire_upto_ms: int | None, output_schema: pa.Schema, initial: pa.Table | None = None,
-                         timezone: str = "UTC") -> pa.Table:
+                         timezone: str = "UTC", batching: ArrowBatching | None = None) -> pa.Table:
     """``run_processor`` for a processor written for Spark's ``transformWithStateInPandas``:
-    each key's rows arrive as one ``pandas.DataFrame`` (in an iterator, index from 0), the
-    initial state's rows of a key as one DataFrame, and the handlers yield DataFrames, whose
-    columns are matched to ``output_schema`` by name (by position when they are not named)."""
+    each key's rows arrive as ``pandas.DataFrame``s (in an iterator, index from 0; one unless
+    ``batching`` cuts them, as Spark's Arrow batches do), the initial state's rows of a key the
+    same way, and the handlers yield DataFrames, whose columns are matched to ``output_schema``
+    by name (by position when they are not named)."""
     frames: list = []
     _drive(processor, store, timers, rows, key_groups, timer_values, fire_upto_ms, initial,
-           lambda r, k, s, o, b: _pandas_groups(r, k, s, timezone, o, b), frames.extend,
-           initial_groups=lambda t, s: _pandas_groups(t, None, s, timezone))
+           lambda r, k, s, o, b: _pandas_groups(r, k, s, timezone, o, b, batching), frames.extend,
+           initial_groups=lambda t, s: _pandas_groups(t, None, s, timezone, batching=batching))
     return frames_to_arrow(frames, output_schema, timezone)
 
 
@@ -780,12 +829,45 @@ def _key_order(keys: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return order, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
+@dataclass(frozen=True)
+class ArrowBatching:
+    """How Spark cuts a key's rows into the DataFrames a pandas processor gets: a new one after
+    ``max_records`` rows (``spark.sql.execution.arrow.maxRecordsPerBatch``; 0 or less: no
+    limit) or once it holds ``max_bytes`` (``spark.sql.execution.arrow.maxBytesPerBatch``,
+    counted here as the key's Arrow bytes per row: at least one row per DataFrame)."""
+
+    max_records: int = 10_000
+    max_bytes: int = 2**31 - 1
+
+    RECORDS_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    BYTES_CONF = "spark.sql.execution.arrow.maxBytesPerBatch"
+
+    @classmethod
+    def of_session(cls, conf_get: Callable[[str], str | None]) -> ArrowBatching:
+        """The session's settings (Spark's defaults where it has none)."""
+        values = {}
+        for name, key in (("max_records", cls.RECORDS_CONF), ("max_bytes", cls.BYTES_CONF)):
+            try:
+                value = conf_get(key)
+                values[name] = int(str(value).strip().rstrip("bB")) if value is not None else getattr(cls, name)
+            except Exception:  # unset and unknown to this Spark, or not a number: Spark's default
+                values[name] = getattr(cls, name)
+        return cls(**values)
+
+    def rows_per_frame(self, rows: int, nbytes: int) -> int:
+        """Rows in each DataFrame of a key with ``rows`` rows of ``nbytes`` Arrow bytes."""
+        most = self.max_records if self.max_records > 0 else rows
+        if self.max_bytes > 0 and rows and nbytes:
+            most = min(most, max(1, -(-self.max_bytes * rows // nbytes)))  # rows until max_bytes is reached
+        return max(1, most)
+
+
 def _pandas_groups(rows: pa.Table, key_groups: np.ndarray | None, store: StateStore, timezone: str,
                    order: np.ndarray | None = None, bounds: np.ndarray | None = None,
-                   ) -> Iterator[tuple[tuple, int, Any]]:
-    """Each key's rows as one pandas DataFrame (index from 0), keys in order of first
-    appearance: the task's rows are ordered by key (``_key_order``, computed here when not
-    given) and converted once, then sliced."""
+                   batching: ArrowBatching | None = None) -> Iterator[tuple[tuple, int, Any]]:
+    """Each key's rows as pandas DataFrames (index from 0; more than one when ``batching``
+    cuts them, as Spark's), keys in order of first appearance: the task's rows are ordered
+    by key (``_key_order``, computed here when not given) and converted once, then sliced."""
     import pandas as pd
 
     if rows.num_rows == 0:
@@ -793,14 +875,30 @@ def _pandas_groups(rows: pa.Table, key_groups: np.ndarray | None, store: StateSt
     names = store.key_names
     if order is None:
         order, bounds = _key_order(rows.select(names))
-    frame = arrow_to_pandas(rows.take(order), timezone)
+    ordered = rows.take(order)
+    frame = arrow_to_pandas(ordered, timezone)
     firsts = order[bounds[:-1]]
     keys = list(zip(*[c.to_pylist() for c in rows.select(names).take(firsts).columns], strict=True))
     kgs = key_groups[firsts] if key_groups is not None else None
+    batching = batching or ArrowBatching()
+    # Every key fits one DataFrame unless some key has more rows than a limit allows.
+    row_bytes = ordered.nbytes / max(1, ordered.num_rows)
+    cut = batching.rows_per_frame(int(np.max(np.diff(bounds))), int(np.max(np.diff(bounds)) * row_bytes)) < \
+        int(np.max(np.diff(bounds)))
     for j, key in enumerate(keys):
-        part = frame.iloc[bounds[j]:bounds[j + 1]]
-        part.index = pd.RangeIndex(len(part))  # from 0, as Spark's; cheaper than reset_index
-        yield key, -1 if kgs is None else int(kgs[j]), iter([part])
+        start, end = int(bounds[j]), int(bounds[j + 1])
+        if not cut:
+            part = frame.iloc[start:end]
+            part.index = pd.RangeIndex(len(part))  # from 0, as Spark's; cheaper than reset_index
+            yield key, -1 if kgs is None else int(kgs[j]), iter([part])
+            continue
+        step = batching.rows_per_frame(end - start, ordered.slice(start, end - start).nbytes)
+        parts = []
+        for at in range(start, end, step):
+            part = frame.iloc[at:min(at + step, end)]
+            part.index = pd.RangeIndex(len(part))
+            parts.append(part)
+        yield key, -1 if kgs is None else int(kgs[j]), iter(parts)
 
 
 def arrow_to_pandas(table: pa.Table, timezone: str = "UTC") -> Any:

@@ -49,7 +49,7 @@ from catalog.compactor import CompactorProcess
 from catalog.output_table import OutputTable
 from catalog.task_view import CheckpointView, locations_of
 from spark_integration.async_processor import AsyncOptions, check_async_processor, is_async_processor
-from spark_integration.compat import declare, spark_struct
+from spark_integration.compat import ArrowBatching, check_nullable_for_avro, declare, spark_struct
 from spark_integration.errors import ErrorKey, user_error
 from spark_integration.location import StateLocation
 from spark_integration.tasks import (
@@ -98,6 +98,9 @@ log = logging.getLogger(__name__)
 # Batch reports a runner keeps (``StatefulRunner.reports``): the newest, as many as Spark keeps
 # progress updates of the query (``recentProgress``), by the same setting and default.
 RECENT_PROGRESS_CONF = "spark.sql.streaming.numRecentProgressUpdates"
+# Spark's state encoding (unsaferow by default): with avro, state schemas must be nullable.
+ENCODING_CONF = "spark.sql.streaming.stateStore.encodingFormat"
+NO_DATA_CONF = "spark.sql.streaming.noDataMicroBatches.enabled"
 REPORTS_KEPT = 100
 
 
@@ -255,6 +258,10 @@ class StatefulRunner:
         self.setup_failure: BaseException | None = None
         self.warm_thread: threading.Thread | None = None  # the warm-up beside the start (``_warm_beside``)
         self.timezone = spark.conf.get("spark.sql.session.timeZone") or "UTC"
+        # Spark reads it when a query starts; off: no batch without input (due timers wait for input).
+        self.no_data_batches = (spark.conf.get(NO_DATA_CONF, None) or "true").strip().lower() != "false"
+        # How a pandas processor's DataFrames are cut, as Spark's Arrow batches (read at start).
+        self.batching = ArrowBatching.of_session(spark.conf.get) if api in ("pandas", "async_pandas") else None
         # What is due next and the state figures, for the ticks source; None for a query without it.
         self.beacon = beacon
         self.watermark_delay_ms = watermark_delay_ms
@@ -505,6 +512,7 @@ class StatefulRunner:
             time_mode=self.time_mode, event_time_column=self.event_time_column, output_dir=output_dir,
             output_io=self.table.checkpoint_view().io if self.output is None else self.output.io_properties,
             store_config=self.store_config, inline_outputs=inline, api=self.api, timezone=self.timezone,
+            batching=self.batching,
             error_key=self.error_key, async_options=self.async_options,
         )
 
@@ -640,7 +648,7 @@ class StatefulRunner:
             next_watermark = max(plan.watermark_ms, events - self.watermark_delay_ms)
         return Beacon(checkpoint_id=plan.checkpoint_id, time_mode=self.time_mode,
                       next_timer_ms=min(timers) if timers else None, watermark_ms=plan.watermark_ms,
-                      next_watermark_ms=next_watermark)
+                      next_watermark_ms=next_watermark, no_data_batches=self.no_data_batches)
 
     def _delete_files(self, uris: Sequence[str]) -> None:
         if self.output is not None:
@@ -901,7 +909,9 @@ def start_stateful_query(
         elif is_async_processor(processor):
             raise TypeError(f"{type(processor).__name__}.handleInputRows is 'async def': start it with "
                             f"api='async' (rows) or api='async_pandas' (DataFrames)")
-        descriptors = list(declare(processor).descriptors)
+        declared = declare(processor)
+        check_nullable_for_avro(declared.spark_schemas, df.sparkSession.conf.get(ENCODING_CONF, None))
+        descriptors = list(declared.descriptors)
         with_ttl = [d.name for d in descriptors if d.ttl is not None]
         if with_ttl and mode != "processingtime":
             raise ValueError(f"state {with_ttl} declares a TTL (ttlDurationMs), which needs "

@@ -113,6 +113,7 @@ class BatchPlan:
     task_history: dict[int, tuple[tuple[int, str], ...]] = field(default_factory=dict)
     api: str = "row"              # a StatefulProcessor's: "row", "pandas", "async" or "async_pandas"
     timezone: str = "UTC"         # the session's, for pandas timestamps
+    batching: Any = None          # how pandas DataFrames are cut (compat.ArrowBatching; None: Spark's defaults)
     async_options: Any = None     # an async processor's controller bounds (AsyncOptions; None: defaults)
     # Signs a processor's exception for the driver (``spark_integration.errors``); never shown.
     error_key: ErrorKey = field(default_factory=ErrorKey, repr=False)
@@ -386,13 +387,13 @@ def _run_compat(plan: BatchPlan, ts: _TaskStore, data: pa.Table, kgs: np.ndarray
         if plan.api == "async_pandas":
             return run_async_pandas_processor(plan.processor, ts.store, ts.timers, data, kgs, timer_values,
                                               plan.fire_upto_ms, plan.output_schema, initial, plan.timezone,
-                                              options=plan.async_options)
+                                              options=plan.async_options, batching=plan.batching)
         out = run_async_processor(plan.processor, ts.store, ts.timers, data, kgs, timer_values, plan.fire_upto_ms,
                                   initial, options=plan.async_options)
         return rows_to_arrow(out, plan.output_schema)
     if plan.api == "pandas":
         return run_pandas_processor(plan.processor, ts.store, ts.timers, data, kgs.tolist(), timer_values,
-                                    plan.fire_upto_ms, plan.output_schema, initial, plan.timezone)
+                                    plan.fire_upto_ms, plan.output_schema, initial, plan.timezone, plan.batching)
     out = run_processor(plan.processor, ts.store, ts.timers, data, kgs.tolist(), timer_values,
                         plan.fire_upto_ms, initial)
     return rows_to_arrow(out, plan.output_schema)

@@ -15,6 +15,8 @@ a timer due:
   the next batch (``max(watermark, batch's max event time - delay)``, Spark's rule), and
   that watermark is ahead of the last batch's.
 
+With Spark's ``spark.sql.streaming.noDataMicroBatches.enabled`` off, nothing is ever due: no
+batch runs without input, and a due timer fires in the next batch with input, as on Spark.
 A batch with no input and no timer due is never run (Spark runs one at every trigger in
 processing time, and at every watermark advance in event time; such a batch fires nothing
 and emits nothing). The trigger decides when the source is asked (every trigger interval,
@@ -64,10 +66,13 @@ class Beacon:
     watermark_ms: int = -1               # the watermark of the batch that committed it
     next_watermark_ms: int = -1          # the watermark Spark gives the next batch
     state: dict | None = None            # the batch's state figures (``StatefulRunner.state_figures``)
+    # Spark's spark.sql.streaming.noDataMicroBatches.enabled as the query started: when off, no
+    # batch runs without input, and due timers fire in the next batch that has some (as Spark).
+    no_data_batches: bool = True
 
     def due(self, now_ms: int) -> bool:
         """Whether a batch run now would fire a timer."""
-        if self.next_timer_ms is None or self.time_mode == "none":
+        if self.next_timer_ms is None or self.time_mode == "none" or not self.no_data_batches:
             return False
         if self.time_mode == "processingtime":
             return self.next_timer_ms <= now_ms
@@ -118,7 +123,7 @@ def _well_formed(beacon: Beacon) -> bool:
     return (whole(beacon.checkpoint_id) and beacon.time_mode in ("processingtime", "eventtime", "none")
             and (beacon.next_timer_ms is None or whole(beacon.next_timer_ms))
             and whole(beacon.watermark_ms) and whole(beacon.next_watermark_ms)
-            and (beacon.state is None or isinstance(beacon.state, dict)))
+            and (beacon.state is None or isinstance(beacon.state, dict)) and isinstance(beacon.no_data_batches, bool))
 
 
 class _Reader(DataSourceStreamReader, SupportsTriggerAvailableNow):

@@ -202,6 +202,29 @@ def test_processing_time_sessions_close_in_the_next_batch_and_after_the_input_as
     assert max(ours.batches) == len(SESSION_BATCHES)
 
 
+NO_DATA_CONF = "spark.sql.streaming.noDataMicroBatches.enabled"
+
+
+def test_without_no_data_batches_timers_fire_in_the_next_batch_with_input_as_spark(spark, tmp_path, location):
+    """``spark.sql.streaming.noDataMicroBatches.enabled=false``: no batch runs without input on
+    either engine; a due session timer fires in the next batch that has input, and the sessions
+    still open when the input ends stay open (an availableNow run ends with the input)."""
+    input_dir = write_batches(tmp_path / "in", key_rows(SESSION_BATCHES))
+    spark.conf.set(NO_DATA_CONF, "false")
+    try:
+        theirs = run_spark(spark, stream(spark, input_dir), P.SessionProcessor(1), P.SESSION_OUTPUT,
+                           str(tmp_path / "cp-spark"), time_mode="ProcessingTime")
+        ours, no_input = run_ours(spark, stream(spark, input_dir), P.SessionProcessor(1), P.SESSION_OUTPUT,
+                                  str(tmp_path / "cp-ours"), location(), time_mode="ProcessingTime")
+    finally:
+        spark.conf.unset(NO_DATA_CONF)
+    compare(theirs, ours)
+    assert no_input == set() and max(ours.batches) == len(SESSION_BATCHES) - 1
+    # Each session closes in the next batch with input; the last ones (a, d) stay open.
+    closed = [(b, r[0], r[1]) for b, rows in sorted(ours.batches.items()) for r in rows if r[2]]
+    assert closed == [(1, "a", 2), (2, "b", 2), (3, "c", 2)], closed
+
+
 # ---------------------------------------------------------------------------- initial state
 
 @pytest.mark.parametrize("api", ["row", "pandas"])
@@ -245,6 +268,64 @@ def test_deleted_state_raises_through_an_old_handle_and_starts_empty_through_a_n
     said = theirs.emitted()[1][0][1]
     assert ("value.get raised PySparkRuntimeError(Error getting value state: Value state stale is not initialized.)"
             in said), said
+    compare(theirs, ours)
+
+
+# ---------------------------------------------------------------------------- not nullable
+
+ENCODING_CONF = "spark.sql.streaming.stateStore.encodingFormat"
+
+
+def test_state_fields_declared_not_nullable_as_spark(spark, tmp_path, location):
+    """Spark's default state encoding takes fields declared not nullable: the same state and
+    outputs here. With Avro encoding Spark refuses them (``TRANSFORM_WITH_STATE_SCHEMA_MUST_BE_NULLABLE``,
+    the query fails): ours refuses them at the query's start, with Spark's condition and text."""
+    input_dir = write_batches(tmp_path / "in", key_rows(["ab", "a", "ab", "b"]))
+    theirs = run_spark(spark, stream(spark, input_dir), P.NotNullableProcessor(), P.NOT_NULLABLE_OUTPUT,
+                       str(tmp_path / "cp-spark"))
+    ours, _ = run_ours(spark, stream(spark, input_dir), P.NotNullableProcessor(), P.NOT_NULLABLE_OUTPUT,
+                       str(tmp_path / "cp-ours"), location())
+    compare(theirs, ours)
+
+    from pyspark.errors import PySparkException
+
+    spark.conf.set(ENCODING_CONF, "avro")
+    try:
+        with pytest.raises(Exception) as spark_raised:
+            run_spark(spark, stream(spark, input_dir), P.NotNullableProcessor(), P.NOT_NULLABLE_OUTPUT,
+                      str(tmp_path / "cp-spark-avro"))
+        with pytest.raises(PySparkException) as ours_raised:
+            run_ours(spark, stream(spark, input_dir), P.NotNullableProcessor(), P.NOT_NULLABLE_OUTPUT,
+                     str(tmp_path / "cp-ours-avro"), location(table="avro"))
+    finally:
+        spark.conf.unset(ENCODING_CONF)
+    assert "[TRANSFORM_WITH_STATE_SCHEMA_MUST_BE_NULLABLE]" in str(spark_raised.value), spark_raised.value
+    assert ours_raised.value.getCondition() == "TRANSFORM_WITH_STATE_SCHEMA_MUST_BE_NULLABLE"
+    assert ours_raised.value.getSqlState() == "XXKST"
+    theirs_text = str(spark_raised.value)
+    said = str(ours_raised.value)
+    assert said.startswith("[TRANSFORM_WITH_STATE_SCHEMA_MUST_BE_NULLABLE] If Avro encoding is enabled, all the "
+                           "fields in the schema for column family last must be nullable"), said
+    assert said.split(" Current schema: ")[0] in theirs_text, (said, theirs_text)
+
+
+# ---------------------------------------------------------------------------- arrow batches
+
+@pytest.mark.parametrize("conf", [{"spark.sql.execution.arrow.maxRecordsPerBatch": "2"},
+                                  {"spark.sql.execution.arrow.maxBytesPerBatch": "2"}], ids=["records", "bytes"])
+def test_a_pandas_processor_gets_a_keys_rows_in_the_dataframes_spark_cuts(spark, tmp_path, location, conf):
+    input_dir = write_batches(tmp_path / "in", key_rows(["aaaaab", "aab"]))
+    for key, value in conf.items():
+        spark.conf.set(key, value)
+    try:
+        theirs = run_spark(spark, stream(spark, input_dir), P.PandasChunksProcessor(), P.CHUNKS_OUTPUT,
+                           str(tmp_path / "cp-spark"), api="pandas")
+        ours, _ = run_ours(spark, stream(spark, input_dir), P.PandasChunksProcessor(), P.CHUNKS_OUTPUT,
+                           str(tmp_path / "cp-ours"), location(), api="pandas")
+    finally:
+        for key in conf:
+            spark.conf.unset(key)
+    assert len(theirs.emitted()[0][0][1].split(",")) > 1, theirs.emitted()  # Spark did cut a's rows
     compare(theirs, ours)
 
 

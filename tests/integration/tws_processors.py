@@ -357,6 +357,64 @@ class DeletedStateProcessor(StatefulProcessor):
         pass
 
 
+# ---------------------------------------------------------------------------- not nullable
+
+NOT_NULLABLE_OUTPUT = "key string, seen string"
+
+
+class NotNullableProcessor(StatefulProcessor):
+    """State schemas with fields declared not nullable (value, list element, map key and
+    value), written with values only, read back the next batch; a key's third batch clears."""
+
+    def init(self, handle) -> None:
+        from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+        fields = StructType([StructField("id", LongType(), False), StructField("name", StringType(), False)])
+        self.last = handle.getValueState("last", fields)
+        self.items = handle.getListState("items", fields)
+        self.index = handle.getMapState("index", StructType([StructField("k", StringType(), False)]), fields)
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        n = sum(1 for _ in rows)
+        seen = [str(self.last.get()), str(list(self.items.get())), str(sorted(self.index.iterator()))]
+        if self.last.exists() and len(list(self.items.get())) >= 2:
+            self.last.clear()
+            self.items.clear()
+            self.index.clear()
+        else:
+            self.last.update((n, f"n{n}"))
+            self.items.appendValue((n, key[0]))
+            self.index.updateValue((key[0] + str(n),), (n, "v"))
+        yield Row(key=key[0], seen=" | ".join(seen))
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------- arrow batches
+
+CHUNKS_OUTPUT = "key string, sizes string"
+
+
+class PandasChunksProcessor(StatefulProcessor):
+    """The sizes of the DataFrames a key's rows arrive in (Spark cuts them at
+    ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows / ``maxBytesPerBatch`` bytes)."""
+
+    def init(self, handle) -> None:
+        self.batches = handle.getValueState("batches", "n long")
+
+    def handleInputRows(self, key, rows, timerValues):
+        import pandas as pd
+
+        sizes = [len(frame) for frame in rows]
+        n = self.batches.get()
+        self.batches.update(((n[0] if n else 0) + 1,))
+        yield pd.DataFrame({"key": [key[0]], "sizes": [str(sizes)]})
+
+    def close(self) -> None:
+        pass
+
+
 # ---------------------------------------------------------------------------- state names
 
 NAMES_OUTPUT = "key string, count long, items long, entries long"

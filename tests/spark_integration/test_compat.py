@@ -18,15 +18,18 @@ import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pyspark.errors import PySparkRuntimeError
+from pyspark.errors import PySparkException, PySparkRuntimeError
 from pyspark.sql import Row
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor, TimerValues
 from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType, TimestampType
 
 from spark_integration.compat import (
+    ArrowBatching,
     DeclaringHandle,
+    SchemaMustBeNullableError,
     StoreHandle,
     arrow_type,
+    check_nullable_for_avro,
     declare,
     rows_to_arrow,
     run_processor,
@@ -738,6 +741,74 @@ def test_list_and_map_handles_obtained_before_delete_if_exists_fail_as_on_spark_
             call()
         assert str(raised.value) == f"{text} state {'l' if 'List' in text else 'm'} is not initialized."
     assert (handle.getListState("l").exists(), handle.getMapState("m").exists()) == (False, False)
+
+
+def test_avro_encoding_refuses_a_state_field_that_is_not_nullable_with_sparks_condition():
+    class NotNullable(StatefulProcessor):
+        def init(self, handle) -> None:
+            handle.getValueState("fine", VALUE)
+            handle.getMapState("index", StructType([StructField("k", StringType(), False)]), VALUE)
+
+        def handleInputRows(self, key, rows, timerValues):
+            return iter(())
+
+    declared = declare(NotNullable())
+    check_nullable_for_avro(declared.spark_schemas, None)  # Spark's default encoding takes it
+    check_nullable_for_avro(declared.spark_schemas, "unsaferow")
+    with pytest.raises(SchemaMustBeNullableError) as raised:
+        check_nullable_for_avro(declared.spark_schemas, "avro")
+    error = raised.value
+    assert isinstance(error, PySparkException) and isinstance(error, StateStoreError)
+    assert (error.getCondition(), error.getSqlState()) == ("TRANSFORM_WITH_STATE_SCHEMA_MUST_BE_NULLABLE", "XXKST")
+    assert error.getMessageParameters() == {"columnFamilyName": "index",
+                                            "schema": "StructType(StructField(k,StringType,false))"}
+    assert str(error) == ("[TRANSFORM_WITH_STATE_SCHEMA_MUST_BE_NULLABLE] If Avro encoding is enabled, all the fields "
+                          "in the schema for column family index must be nullable when using the TransformWithState "
+                          "operator. Please make the schema nullable. Current schema: "
+                          "StructType(StructField(k,StringType,false))")
+
+
+class ChunkSizes(StatefulProcessor):
+    """Yields, per key, the sizes of the DataFrames its rows came in (and of its initial state)."""
+
+    def init(self, handle) -> None:
+        self.seen = handle.getValueState("seen", StructType([StructField("sizes", StringType())]))
+
+    def handleInitialState(self, key, initialState, timerValues) -> None:
+        old = self.seen.get()
+        self.seen.update(((old[0] if old else "") + f"i{len(initialState)}",))
+
+    def handleInputRows(self, key, rows, timerValues):
+        import pandas as pd
+
+        sizes = [len(frame) for frame in rows]
+        old = self.seen.get()
+        yield pd.DataFrame({"k": [key[0]], "sizes": [(old[0] if old else "") + str(sizes)]})
+
+
+@pytest.mark.parametrize(("batching", "expected"), [
+    (None, {"a": "i1[5]", "b": "[1]"}),                                      # Spark's defaults: one DataFrame
+    (ArrowBatching(max_records=2), {"a": "i1[2, 2, 1]", "b": "[1]"}),
+    (ArrowBatching(max_records=0, max_bytes=2), {"a": "i1[1, 1, 1, 1, 1]", "b": "[1]"}),  # every row alone
+    (ArrowBatching(max_records=-1, max_bytes=0), {"a": "i1[5]", "b": "[1]"}),   # no limit at all
+])
+def test_a_pandas_processor_gets_a_keys_rows_cut_as_sparks_arrow_batches(tmp_path, batching, expected):
+    from spark_integration.compat import run_pandas_processor
+
+    store = open_store(tmp_path, layout_of(declare(ChunkSizes()).descriptors))
+    rows = pa.table({"k": ["a", "a", "b", "a", "a", "a"], "v": list(range(6))})
+    initial = pa.table({"k": ["a"], "v": [9]})
+    schema = pa.schema([("k", pa.string()), ("sizes", pa.string())])
+    out = run_pandas_processor(ChunkSizes(), store, None, rows, key_groups(rows.column("k").to_pylist()),
+                               TimerValues(-1, -1), None, schema, initial, batching=batching)
+    assert dict(zip(*out.to_pydict().values(), strict=True)) == expected
+
+
+def test_arrow_batching_reads_the_sessions_settings_and_falls_back_to_sparks_defaults():
+    conf = {"spark.sql.execution.arrow.maxRecordsPerBatch": "3", "spark.sql.execution.arrow.maxBytesPerBatch": "64b"}
+    assert ArrowBatching.of_session(conf.get) == ArrowBatching(3, 64)
+    assert ArrowBatching.of_session({}.get) == ArrowBatching(10_000, 2**31 - 1)
+    assert ArrowBatching.of_session({"spark.sql.execution.arrow.maxRecordsPerBatch": "x"}.get).max_records == 10_000
 
 
 def test_frames_to_arrow_matches_columns_by_name_or_position_and_keeps_the_frames_order():
