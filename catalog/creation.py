@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, TableAlreadyExistsError
 from pyiceberg.io import load_file_io
@@ -23,6 +24,7 @@ from catalog.recovery import TableLocationInUseError, check_location_free, load_
 from catalog.schema import (
     check_compatible,
     default_partition_width,
+    evolved_columns,
     iceberg_schema,
     layout_properties,
     new_columns,
@@ -93,25 +95,29 @@ def _create(catalog: Catalog, identifier: tuple[str, str], layout: StateLayout, 
 def _bring_up_to_date(table: Table, layout: StateLayout, width: int | None) -> Table:
     check_compatible(".".join(table.name()), table.schema(), table.properties, layout)
     added = new_columns(table.schema(), layout)
+    evolved, evolved_states = evolved_columns(table.schema(), layout)
     current = stored_keys.upgraded(table.properties)
     width_change = width is not None and str(width) != current.get(stored_keys.PARTITION_WIDTH)
     tx = table.transaction()
-    if len(added):
+    if len(added) or len(evolved):
+        # New variables' columns, and values whose schema evolves (fields added, types widened, by
+        # name; a field no longer declared stays): metadata only, no file is rewritten.
         with tx.update_schema() as update:
-            update.union_by_name(added)
+            update.union_by_name(pa.schema([*added, *evolved]))
     if width_change:
         _evolve_partitioning(tx, width)
-    wanted = _wanted_properties(tx, layout, width if width_change else None)
+    wanted = _wanted_properties(tx, layout, width if width_change else None, evolved_states)
     changed = {k: v for k, v in wanted.items() if current.get(k) != v}
     if changed:
         tx.set_properties(changed)
     return tx.commit_transaction()  # a no-op without staged changes
 
 
-def _wanted_properties(tx: Transaction, layout: StateLayout, width: int | None) -> dict[str, str]:
+def _wanted_properties(tx: Transaction, layout: StateLayout, width: int | None,
+                       evolved: set[str] = frozenset()) -> dict[str, str]:
     current = stored_keys.upgraded(tx.table_metadata.properties)
     wanted = {k: v for k, v in props.iceberg_table_properties().items() if k in _ENFORCED or k not in current}
-    wanted.update(layout_properties(layout, current.get(stored_keys.LAYOUT)))
+    wanted.update(layout_properties(layout, current.get(stored_keys.LAYOUT), evolved))
     if json.loads(wanted[stored_keys.LAYOUT]) == json.loads(current.get(stored_keys.LAYOUT, "null")):
         del wanted[stored_keys.LAYOUT]  # same content, maybe other formatting: no commit for that
     wanted[TableProperties.DEFAULT_NAME_MAPPING] = _name_mapping(tx)

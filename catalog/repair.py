@@ -39,7 +39,7 @@ import polars as pl
 import pyarrow as pa
 
 from catalog import inspection
-from catalog.schema import canonical_arrow_type
+from catalog.schema import canonical_arrow_type, evolution_problem
 from statestore import stored_keys
 from statestore.descriptors import StateDescriptor, StateKind, column_stem
 from statestore.errors import CommitConflictError, SchemaMismatchError
@@ -318,7 +318,7 @@ def migrate(table: IcebergStateTable, variable: str, value_type: pa.DataType) ->
     desc = inspection.descriptor(table, variable)
     old = canonical_arrow_type(desc.value_type)
     new = canonical_arrow_type(value_type)
-    problem = _not_wider(old, new, "the value")
+    problem = evolution_problem(old, new, "the value", drops=False)
     if problem:
         raise SchemaMismatchError(
             f"state {variable!r} of {table.identifier} holds {desc.value_type}; {value_type} is not a migration of it: "
@@ -336,33 +336,4 @@ def migrate(table: IcebergStateTable, variable: str, value_type: pa.DataType) ->
         tx.set_properties({stored_keys.LAYOUT: json.dumps(recorded, sort_keys=True)})
 
 
-def _is_list(t: pa.DataType) -> bool:
-    return pa.types.is_list(t) or pa.types.is_large_list(t)
-
-
-def _not_wider(old: pa.DataType, new: pa.DataType, where: str) -> str | None:
-    """Why ``new`` does not hold every ``old`` value as Iceberg evolves a column (None: it does)."""
-    if old == new:
-        return None
-    if pa.types.is_struct(old) and pa.types.is_struct(new):
-        names = [f.name for f in new]
-        gone = [f.name for f in old if f.name not in names]
-        if gone:
-            return f"{where} loses field(s) {gone}"
-        for f in old:
-            problem = _not_wider(f.type, new.field(f.name).type, f"field {f.name!r}")
-            if problem:
-                return problem
-        return None
-    if _is_list(old) and _is_list(new):
-        return _not_wider(old.value_type, new.value_type, f"the elements of {where}")
-    if pa.types.is_map(old) and pa.types.is_map(new):
-        return _not_wider(old.key_type, new.key_type, f"the keys of {where}") or \
-            _not_wider(old.item_type, new.item_type, f"the values of {where}")
-    if pa.types.is_integer(old) and pa.types.is_integer(new) and pa.types.is_signed_integer(old) and \
-            pa.types.is_signed_integer(new) and new.bit_width >= old.bit_width:
-        return None
-    if old == pa.float32() and new == pa.float64():
-        return None
-    return f"{where} changes from {old} to {new}"
 

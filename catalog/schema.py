@@ -78,17 +78,19 @@ def default_partition_width(max_parallelism: int) -> int:
     return -(-max_parallelism // props.DEFAULT_PARTITION_COUNT)
 
 
-def layout_properties(layout: StateLayout, recorded_layout: str | None = None) -> dict[str, str]:
+def layout_properties(layout: StateLayout, recorded_layout: str | None = None,
+                      evolved: set[str] = frozenset()) -> dict[str, str]:
     """The statestore.* table properties of ``layout``.
 
     States recorded earlier stay recorded as they were: undeclared ones because their
     columns stay in the table and a later operator may declare them again, declared ones
     because ``check_compatible`` found them equal (an Arrow flavour of the same type must
-    not rewrite the property at every open).
+    not rewrite the property at every open), except those in ``evolved`` (their schema
+    evolved to the declared one).
     """
     states = {s["name"]: s for s in _recorded_states(recorded_layout)}
     for d in layout.descriptors:
-        if d.name not in states:  # else validated equal (kind, canonical types): keep the recorded spelling
+        if d.name not in states or d.name in evolved:  # else validated equal: keep the recorded spelling
             states[d.name] = {
                 "name": d.name, "kind": d.kind.value, "value_type": str(d.value_type),
                 "user_key_type": None if d.user_key_type is None else str(d.user_key_type),
@@ -152,6 +154,7 @@ def _check_state_kinds(table_name: str, recorded_layout: str | None, layout: Sta
 
 def _check_column_types(table_name: str, schema: Schema, layout: StateLayout) -> None:
     known = {f.name for f in schema.fields}
+    values = {d.value_column: d.name for d in layout.descriptors}
     for f in layout.entry_schema:
         if f.name not in known:
             if not f.nullable:
@@ -162,11 +165,73 @@ def _check_column_types(table_name: str, schema: Schema, layout: StateLayout) ->
             continue
         have = canonical_type(schema.find_field(f.name).field_type)
         want = canonical_arrow_type(f.type)
-        if not have.equals(want):
+        if have.equals(want):
+            continue
+        if f.name in values:
+            problem = evolution_problem(have, want, "the value")
+            if problem is None:
+                continue  # the state's schema evolves when the table is opened (``evolved_columns``)
             raise StateTableMismatchError(
-                f"column {f.name!r} of state table {table_name} has type {have}, the operator declares "
-                f"{want}: {_FIX}"
-            )
+                f"state {values[f.name]!r} of state table {table_name} holds {have}; the operator declares {want}, "
+                f"which is not an evolution of it: {problem} (as Spark's STATE_STORE_INVALID_VALUE_SCHEMA_EVOLUTION: "
+                "a value's schema may gain nullable fields, lose fields, reorder them and widen int to long or float "
+                "to double); declare it as it was, or declare the changed value as a new state variable")
+        raise StateTableMismatchError(
+            f"column {f.name!r} of state table {table_name} has type {have}, the operator declares "
+            f"{want}: {_FIX}"
+        )
+
+
+def evolution_problem(old: pa.DataType, new: pa.DataType, where: str, drops: bool = True) -> str | None:
+    """Why values stored as ``old`` cannot be read as ``new`` the way Spark evolves a state's
+    schema (Avro's schema resolution: fields matched by name, fields added (read as null) or,
+    with ``drops``, dropped; int -> long and float -> double widened); None when they can."""
+    if old.equals(new):
+        return None
+    if pa.types.is_struct(old) and pa.types.is_struct(new):
+        declared = {f.name for f in new}
+        gone = [f.name for f in old if f.name not in declared]
+        if gone and not drops:
+            return f"{where} loses field(s) {gone}"
+        stored = {f.name: f for f in old}
+        for f in new:
+            if f.name not in stored:
+                if not f.nullable:
+                    return f"{where} gains field {f.name!r}, which is not nullable (old values have none)"
+                continue
+            problem = evolution_problem(stored[f.name].type, f.type, f"field {f.name!r}", drops)
+            if problem:
+                return problem
+        return None
+    if _is_list(old) and _is_list(new):
+        return evolution_problem(old.value_type, new.value_type, f"the elements of {where}", drops)
+    if pa.types.is_map(old) and pa.types.is_map(new):
+        return (evolution_problem(old.key_type, new.key_type, f"the keys of {where}", drops)
+                or evolution_problem(old.item_type, new.item_type, f"the values of {where}", drops))
+    if pa.types.is_signed_integer(old) and pa.types.is_signed_integer(new) and new.bit_width >= old.bit_width:
+        return None
+    if old == pa.float32() and new == pa.float64():
+        return None
+    return f"{where} changes from {old} to {new}"
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+def evolved_columns(schema: Schema, layout: StateLayout) -> tuple[pa.Schema, set[str]]:
+    """The value columns whose declared type evolves the table's (``evolution_problem`` found
+    none), as a schema to unite the table's with by name (fields added, types widened; a field
+    the declaration dropped stays in the table, so no stored value is lost), and the names of
+    their state variables."""
+    known = {f.name for f in schema.fields}
+    fields, names = [], set()
+    for d in layout.descriptors:
+        if d.value_column in known and not canonical_type(schema.find_field(d.value_column).field_type).equals(
+                canonical_arrow_type(d.value_type)):
+            fields.append(pa.field(d.value_column, d.value_type))
+            names.add(d.name)
+    return pa.schema(fields), names
 
 
 def new_columns(schema: Schema, layout: StateLayout) -> pa.Schema:

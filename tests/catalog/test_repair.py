@@ -17,6 +17,7 @@ from catalog import IcebergStateTable, inspection
 from catalog.fileio import wait_for_deletes
 from catalog.naming import Locations
 from catalog.repair import Repair, RepairConflictError, migrate
+from catalog.schema import canonical_type
 from statestore import (
     ListStateDescriptor,
     MapStateDescriptor,
@@ -26,7 +27,7 @@ from statestore import (
     TtlConfig,
     ValueStateDescriptor,
 )
-from statestore.errors import SchemaMismatchError, StateNotDeclaredError
+from statestore.errors import SchemaMismatchError, StateNotDeclaredError, StateTableMismatchError
 from tests.catalog.catalog_helpers import referenced_files
 
 N = 8
@@ -221,6 +222,49 @@ def test_migration_adds_a_struct_field_and_widens_types(table, place):
         migrate(resumed, "point", pa.struct([("n", pa.int64())]))
     with pytest.raises(SchemaMismatchError, match="changes from int64 to int32"):
         migrate(resumed, "count", pa.int32())
+
+
+def test_a_value_schema_declared_changed_evolves_when_the_table_is_reopened_as_sparks_does(table, place):
+    """As Spark evolves a state's schema on restart (Avro's resolution, by field name): fields
+    reordered, widened and added, then dropped; metadata only, old entries read with the new
+    declaration; a dropped field stays in the table (nothing stored is lost); a narrowing or a
+    new field that is not nullable is refused."""
+    table.close()
+
+    def layout_with(point: pa.DataType) -> StateLayout:
+        return StateLayout.of(LAYOUT.key_schema, [DESCRIPTORS[0], ValueStateDescriptor("point", point),
+                                                  *DESCRIPTORS[2:]], N)
+
+    wider = pa.struct([("s", pa.string()), ("n", pa.int64()), ("note", pa.string())])
+    resumed = place.ref("op").open(layout_with(wider))
+    snapshot = resumed.iceberg_table.metadata.current_snapshot_id
+    assert resumed.current_checkpoint().snapshot_id == snapshot  # no new snapshot: no file written
+    # The table's column, by name: n widened, note added (its fields keep the table's order).
+    assert canonical_type(resumed.iceberg_table.schema().find_field("v_point").field_type) == pa.struct(
+        [("n", pa.int64()), ("s", pa.string()), ("note", pa.string())])
+    store = StateStore(resumed, config=StoreConfig(clock_ms=lambda: NOW))
+    assert store.get_state("point").get_batch(users("u1")).to_pylist() == [{"s": "b1", "n": 1, "note": None}]
+    store.get_state("point").update_batch(users("u2"), [{"s": "new", "n": 2**40, "note": "wide"}])
+    store.checkpoint(batch_id=2)
+    resumed.close()
+
+    narrower = pa.struct([("n", pa.int64())])  # s and note no longer declared
+    resumed = place.ref("op").open(layout_with(narrower))
+    store = StateStore(resumed, config=StoreConfig(clock_ms=lambda: NOW))
+    assert store.get_state("point").get_batch(users("u1", "u2")).to_pylist() == [{"n": 1}, {"n": 2**40}]
+    store.get_state("point").update_batch(users("u3"), [{"n": 3}])
+    store.checkpoint(batch_id=3)
+    kept = {r["user"]: r["v_point"] for r in inspection.live_state(resumed, "point", now_ms=NOW).to_pylist()}
+    assert kept["u1"] == {"n": 1, "s": "b1", "note": None}  # the table still holds the dropped fields
+    assert kept["u2"] == {"n": 2**40, "s": "new", "note": "wide"} and kept["u3"] == {"n": 3, "s": None, "note": None}
+    resumed.close()
+
+    for point, problem in ((pa.struct([("n", pa.int32())]), "field 'n' changes from int64 to int32"),
+                           (pa.struct([("n", pa.int64()), pa.field("must", pa.int64(), nullable=False)]),
+                            "gains field 'must', which is not nullable")):
+        with pytest.raises(StateTableMismatchError) as refused:
+            place.ref("op").open(layout_with(point))
+        assert problem in str(refused.value) and "STATE_STORE_INVALID_VALUE_SCHEMA_EVOLUTION" in str(refused.value)
 
 
 def test_a_map_entry_without_its_user_key_is_refused(table):

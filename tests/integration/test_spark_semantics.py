@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from catalog import IcebergStateTable, connect
@@ -307,6 +308,37 @@ def test_state_fields_declared_not_nullable_as_spark(spark, tmp_path, location):
     assert said.startswith("[TRANSFORM_WITH_STATE_SCHEMA_MUST_BE_NULLABLE] If Avro encoding is enabled, all the "
                            "fields in the schema for column family last must be nullable"), said
     assert said.split(" Current schema: ")[0] in theirs_text, (said, theirs_text)
+
+
+# ---------------------------------------------------------------------------- schema evolution
+
+def test_a_value_schema_changed_between_runs_evolves_as_spark_evolves_it(spark, tmp_path, location):
+    """Spark (Avro state encoding, where it evolves state schemas) and ours restarted three times
+    on the same checkpoints, the value state declared anew each time: int widened to long and a
+    field added, then fields reordered and one dropped. Old values read with the new schema
+    alike. (Spark's default encoding refuses any change; ours evolves there too.)"""
+    where = location()
+    outputs = []
+    spark.conf.set(ENCODING_CONF, "avro")
+    try:
+        input_dir = tmp_path / "in"
+        input_dir.mkdir()
+        for version, batch in enumerate(key_rows(["aab", "ac", "abc"])):
+            pq.write_table(batch, input_dir / f"part-{version:04d}.parquet")  # one new file per run
+            theirs = run_spark(spark, stream(spark, str(input_dir)), P.EvolvingProcessor(version), P.EVOLVING_OUTPUT,
+                               str(tmp_path / "cp-spark"))
+            ours, _ = run_ours(spark, stream(spark, str(input_dir)), P.EvolvingProcessor(version), P.EVOLVING_OUTPUT,
+                               str(tmp_path / "cp-ours"), where)
+            outputs.append((theirs.emitted(), ours.emitted()))
+    finally:
+        spark.conf.unset(ENCODING_CONF)
+    assert [theirs for theirs, _ in outputs] == [
+        [[("a", "NoneType:None"), ("b", "NoneType:None")]],
+        [[("a", "(int:2, str:'a', NoneType:None)"), ("c", "NoneType:None")]],      # widened, count added
+        [[("a", "(str:'a1', int:10)"), ("b", "(str:'b', int:1)"), ("c", "(str:'c1', int:10)")]],  # reordered
+    ], outputs
+    for theirs, ours in outputs:
+        assert ours == theirs
 
 
 # ---------------------------------------------------------------------------- arrow batches

@@ -415,6 +415,38 @@ class PandasChunksProcessor(StatefulProcessor):
         pass
 
 
+# ---------------------------------------------------------------------------- schema evolution
+
+EVOLVING_OUTPUT = "key string, read string"
+EVOLVING_SCHEMAS = (
+    "id int, name string",                   # as first declared
+    "id long, name string, count int",       # id widened, count added
+    "name string, id long",                  # reordered, count dropped
+)
+
+
+class EvolvingProcessor(StatefulProcessor):
+    """A value state whose declared schema changes between runs (``EVOLVING_SCHEMAS[version]``):
+    each batch emits what it read (the old value, read with the new schema), then writes a value
+    of the new schema."""
+
+    def __init__(self, version: int):
+        self.version = version
+
+    def init(self, handle) -> None:
+        self.value = handle.getValueState("value", EVOLVING_SCHEMAS[self.version])
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        n = sum(1 for _ in rows)
+        read = self.value.get()
+        new = {0: (n, key[0]), 1: (n * 10, key[0] + "1", n), 2: (key[0] + "2", n * 100)}[self.version]
+        self.value.update(new)
+        yield Row(key=key[0], read=describe(read))
+
+    def close(self) -> None:
+        pass
+
+
 # ---------------------------------------------------------------------------- state names
 
 NAMES_OUTPUT = "key string, count long, items long, entries long"
