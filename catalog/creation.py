@@ -95,15 +95,17 @@ def _create(catalog: Catalog, identifier: tuple[str, str], layout: StateLayout, 
 def _bring_up_to_date(table: Table, layout: StateLayout, width: int | None) -> Table:
     check_compatible(".".join(table.name()), table.schema(), table.properties, layout)
     added = new_columns(table.schema(), layout)
-    evolved, evolved_states = evolved_columns(table.schema(), layout)
+    evolved, dropped, evolved_states = evolved_columns(table.schema(), layout)
     current = stored_keys.upgraded(table.properties)
     width_change = width is not None and str(width) != current.get(stored_keys.PARTITION_WIDTH)
     tx = table.transaction()
     if len(added) or len(evolved):
         # New variables' columns, and values whose schema evolves (fields added, types widened, by
-        # name; a field no longer declared stays): metadata only, no file is rewritten.
+        # name; a field no longer declared stays, optional): metadata only, no file is rewritten.
         with tx.update_schema() as update:
             update.union_by_name(pa.schema([*added, *evolved]))
+            for path in dropped:
+                update.make_column_optional(path)
     if width_change:
         _evolve_partitioning(tx, width)
     wanted = _wanted_properties(tx, layout, width if width_change else None, evolved_states)

@@ -199,6 +199,8 @@ def evolution_problem(old: pa.DataType, new: pa.DataType, where: str, drops: boo
                 if not f.nullable:
                     return f"{where} gains field {f.name!r}, which is not nullable (old values have none)"
                 continue
+            if stored[f.name].nullable and not f.nullable:
+                return f"field {f.name!r} becomes not nullable (old values may hold nulls)"
             problem = evolution_problem(stored[f.name].type, f.type, f"field {f.name!r}", drops)
             if problem:
                 return problem
@@ -219,19 +221,41 @@ def _is_list(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
-def evolved_columns(schema: Schema, layout: StateLayout) -> tuple[pa.Schema, set[str]]:
+def evolved_columns(schema: Schema, layout: StateLayout) -> tuple[pa.Schema, list[str], set[str]]:
     """The value columns whose declared type evolves the table's (``evolution_problem`` found
-    none), as a schema to unite the table's with by name (fields added, types widened; a field
-    the declaration dropped stays in the table, so no stored value is lost), and the names of
-    their state variables."""
+    none), as a schema to unite the table's with by name (fields added, types widened); the
+    paths of the table's required fields the declaration dropped (they stay in the table, so no
+    stored value is lost, but become optional: values written from now on have none); and the
+    names of the state variables concerned."""
     known = {f.name for f in schema.fields}
-    fields, names = [], set()
+    fields, dropped, names = [], [], set()
     for d in layout.descriptors:
-        if d.value_column in known and not canonical_type(schema.find_field(d.value_column).field_type).equals(
-                canonical_arrow_type(d.value_type)):
+        if d.value_column not in known:
+            continue
+        have = canonical_type(schema.find_field(d.value_column).field_type)
+        if not have.equals(canonical_arrow_type(d.value_type)):
             fields.append(pa.field(d.value_column, d.value_type))
+            dropped += _required_fields_dropped(have, canonical_arrow_type(d.value_type), (d.value_column,))
             names.add(d.name)
-    return pa.schema(fields), names
+    return pa.schema(fields), dropped, names
+
+
+def _required_fields_dropped(old: pa.DataType, new: pa.DataType, path: tuple[str, ...]) -> list[str]:
+    if pa.types.is_struct(old) and pa.types.is_struct(new):
+        declared = {f.name: f for f in new}
+        out = []
+        for f in old:
+            if f.name not in declared:
+                if not f.nullable:
+                    out.append(".".join((*path, f.name)))
+            else:
+                out += _required_fields_dropped(f.type, declared[f.name].type, (*path, f.name))
+        return out
+    if _is_list(old) and _is_list(new):
+        return _required_fields_dropped(old.value_type, new.value_type, (*path, "element"))
+    if pa.types.is_map(old) and pa.types.is_map(new):
+        return _required_fields_dropped(old.item_type, new.item_type, (*path, "value"))
+    return []
 
 
 def new_columns(schema: Schema, layout: StateLayout) -> pa.Schema:

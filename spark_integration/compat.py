@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -96,44 +98,60 @@ class SchemaMustBeNullableError(StateStoreError, PySparkException):
 
     def __init__(self, state_name: str, schema: StructType):
         parameters = {"columnFamilyName": state_name, "schema": scala_string(schema)}
+        # Spark's text, its lines joined as Spark joins them.
         message = (f"If Avro encoding is enabled, all the fields in the schema for column family {state_name} must "
-                   f"be nullable when using the TransformWithState operator. Please make the schema nullable. "
+                   f"be nullable\nwhen using the TransformWithState operator.\nPlease make the schema nullable. "
                    f"Current schema: {parameters['schema']}")
         Exception.__init__(self, message)
         PySparkException.__init__(self, message=message, errorClass=self.CONDITION, messageParameters=parameters)
+        self._state_name, self._schema = state_name, schema
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self._state_name, self._schema)
 
     def getSqlState(self) -> str:
         return "XXKST"
 
 
 def scala_string(schema: DataType) -> str:
-    """A schema as Spark's JVM prints it (``StructType(StructField(id,IntegerType,false))``), as
-    Spark's messages show state schemas."""
+    """A type as Spark's JVM prints it (``StructType(StructField(id,IntegerType,false))``,
+    ``ArrayType(LongType,true)``), as Spark's messages show state schemas."""
+    from pyspark.sql.types import ArrayType, MapType
+
+    def flag(b: bool) -> str:
+        return str(b).lower()
+
     if isinstance(schema, StructType):
-        return "StructType(" + ",".join(f"StructField({f.name},{scala_string(f.dataType)},{str(f.nullable).lower()})"
+        return "StructType(" + ",".join(f"StructField({f.name},{scala_string(f.dataType)},{flag(f.nullable)})"
                                         for f in schema.fields) + ")"
-    return type(schema).__name__ if type(schema).__name__ != "DecimalType" else repr(schema)
+    if isinstance(schema, ArrayType):
+        return f"ArrayType({scala_string(schema.elementType)},{flag(schema.containsNull)})"
+    if isinstance(schema, MapType):
+        return (f"MapType({scala_string(schema.keyType)},{scala_string(schema.valueType)},"
+                f"{flag(schema.valueContainsNull)})")
+    return repr(schema).replace("()", "")  # IntegerType() -> IntegerType; DecimalType(10,2), CharType(3) as they are
 
 
-def check_nullable_for_avro(declared: dict[str, list[StructType]], encoding: str | None) -> None:
-    """Refuse, as Spark does with Avro state encoding, a state schema with a field that is not
-    nullable (``declared``: the state variables' schemas as ``init`` gave them)."""
+def check_nullable_for_avro(handle: DeclaringHandle, encoding: str | None) -> None:
+    """Refuse, as Spark does with Avro state encoding, a state whose value schema (a list's
+    elements', a map's values') has a top-level field that is not nullable; Spark stores a
+    value with a TTL inside a struct of its own, which it does not refuse, nor a map's user key."""
     if (encoding or "").lower() != "avro":
         return
-    for name, schemas in declared.items():
-        for schema in schemas:
-            if any(not f.nullable for f in schema.fields):
-                raise SchemaMustBeNullableError(name, schema)
+    for name, schema in handle.value_schemas.items():
+        if name not in handle.with_ttl and any(not f.nullable for f in schema.fields):
+            raise SchemaMustBeNullableError(name, schema)
 
 
 class DeclaringHandle:
     """Runs a processor's ``init`` on the driver and records the state variables it declares
-    (and the Spark schemas they were declared with, by name)."""
+    (and, by name, the Spark schemas of their values and which have a TTL)."""
 
     def __init__(self) -> None:
         self.descriptors: list[StateDescriptor] = []
         self.deleted: list[str] = []
-        self.spark_schemas: dict[str, list[StructType]] = {}
+        self.value_schemas: dict[str, StructType] = {}
+        self.with_ttl: set[str] = set()
 
     def _declare(self, desc: StateDescriptor) -> None:
         check_state_name(desc.name)
@@ -143,24 +161,29 @@ class DeclaringHandle:
             raise ValueError(f"state variable {desc.name!r} is declared twice in init()")
         self.descriptors.append(desc)
 
-    def _schema(self, stateName: str, schema: Any, what: str) -> pa.DataType:
+    def _value(self, stateName: str, schema: Any, what: str, ttl: TtlConfig | None) -> pa.DataType:
         struct = spark_struct(schema, what)
-        self.spark_schemas.setdefault(stateName, []).append(struct)
+        self.value_schemas[stateName] = struct
+        if ttl is not None:
+            self.with_ttl.add(stateName)
         return arrow_type(struct)
 
     def getValueState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> None:
-        t = self._schema(stateName, schema, f"value state {stateName!r}")
-        self._declare(ValueStateDescriptor(stateName, t, ttl=_ttl(ttlDurationMs, stateName)))
+        ttl = _ttl(ttlDurationMs, stateName)
+        t = self._value(stateName, schema, f"value state {stateName!r}", ttl)
+        self._declare(ValueStateDescriptor(stateName, t, ttl=ttl))
 
     def getListState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> None:
-        t = self._schema(stateName, schema, f"list state {stateName!r}")
-        self._declare(ListStateDescriptor(stateName, t, ttl=_ttl(ttlDurationMs, stateName)))
+        ttl = _ttl(ttlDurationMs, stateName)
+        t = self._value(stateName, schema, f"list state {stateName!r}", ttl)
+        self._declare(ListStateDescriptor(stateName, t, ttl=ttl))
 
     def getMapState(self, stateName: str, userKeySchema: Any, valueSchema: Any,
                     ttlDurationMs: int | None = None) -> None:
-        k = self._schema(stateName, userKeySchema, f"map state {stateName!r} user key")
-        v = self._schema(stateName, valueSchema, f"map state {stateName!r} value")
-        self._declare(MapStateDescriptor(stateName, key_type=k, value_type=v, ttl=_ttl(ttlDurationMs, stateName)))
+        ttl = _ttl(ttlDurationMs, stateName)
+        k = arrow_type(spark_struct(userKeySchema, f"map state {stateName!r} user key"))
+        v = self._value(stateName, valueSchema, f"map state {stateName!r} value", ttl)
+        self._declare(MapStateDescriptor(stateName, key_type=k, value_type=v, ttl=ttl))
 
     def registerTimer(self, expiryTimestampMs: int) -> None:
         raise NoCurrentKeyError("registerTimer needs a grouping key: call it from handleInputRows, not init()")
@@ -543,10 +566,11 @@ class DeletedStateVariableError(StateVariableDeletedError, PySparkRuntimeError):
     variable: Spark's ``PySparkRuntimeError`` with Spark's text, which processors written for
     Spark catch (and the store's ``StateVariableDeletedError``)."""
 
-    def __init__(self, message: str, hint: str):
-        Exception.__init__(self, message)
+    def __init__(self, message: str, hint: str | None = None):
+        Exception.__init__(self, message)  # args: (message,), so that it unpickles (its notes travel with it)
         PySparkRuntimeError.__init__(self, message=message)
-        self.add_note(hint)
+        if hint:
+            self.add_note(hint)
 
 
 # What Spark's Python client says when a call reaches a deleted variable, by the kind of state
@@ -829,36 +853,55 @@ def _key_order(keys: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return order, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
+UNLIMITED_BYTES = 2**31 - 1  # Spark's default for maxBytesPerBatch: no limit, and no size counted
+_BYTE_UNITS = {"b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30,
+               "t": 1 << 40, "tb": 1 << 40, "p": 1 << 50, "pb": 1 << 50}
+
+
+def byte_size(text: str) -> int:
+    """A size as Spark's byte settings take it (``64k``, ``1m``, ``256MB``; a plain number is bytes)."""
+    match = re.fullmatch(r"\s*(-?\d+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in ("", *_BYTE_UNITS):
+        raise ValueError(f"not a size in bytes: {text!r}")
+    return int(match.group(1)) * _BYTE_UNITS.get(match.group(2).lower(), 1)
+
+
 @dataclass(frozen=True)
 class ArrowBatching:
-    """How Spark cuts a key's rows into the DataFrames a pandas processor gets: a new one after
-    ``max_records`` rows (``spark.sql.execution.arrow.maxRecordsPerBatch``; 0 or less: no
-    limit) or once it holds ``max_bytes`` (``spark.sql.execution.arrow.maxBytesPerBatch``,
-    counted here as the key's Arrow bytes per row: at least one row per DataFrame)."""
+    """How Spark cuts a key's rows into the DataFrames a pandas processor gets (Spark's Python
+    worker, ``transformWithStateInPandas``): a DataFrame ends once it holds ``max_records`` rows
+    (``spark.sql.execution.arrow.maxRecordsPerBatch``; 0 or less: no limit) or its rows times
+    the task's average Arrow bytes per row reach ``max_bytes``
+    (``spark.sql.execution.arrow.maxBytesPerBatch``; counted only when it is set)."""
 
     max_records: int = 10_000
-    max_bytes: int = 2**31 - 1
+    max_bytes: int = UNLIMITED_BYTES
 
     RECORDS_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
     BYTES_CONF = "spark.sql.execution.arrow.maxBytesPerBatch"
 
     @classmethod
     def of_session(cls, conf_get: Callable[[str], str | None]) -> ArrowBatching:
-        """The session's settings (Spark's defaults where it has none)."""
-        values = {}
-        for name, key in (("max_records", cls.RECORDS_CONF), ("max_bytes", cls.BYTES_CONF)):
+        """The session's settings (Spark's defaults where it has none or one that is not a number)."""
+        values: dict[str, int] = {}
+        for name, key, parse in (("max_records", cls.RECORDS_CONF, int), ("max_bytes", cls.BYTES_CONF, byte_size)):
             try:
                 value = conf_get(key)
-                values[name] = int(str(value).strip().rstrip("bB")) if value is not None else getattr(cls, name)
-            except Exception:  # unset and unknown to this Spark, or not a number: Spark's default
+            except Exception:  # unknown to this Spark and unset
+                value = None
+            try:
+                values[name] = parse(str(value).strip()) if value is not None else getattr(cls, name)
+            except ValueError:
                 values[name] = getattr(cls, name)
         return cls(**values)
 
-    def rows_per_frame(self, rows: int, nbytes: int) -> int:
-        """Rows in each DataFrame of a key with ``rows`` rows of ``nbytes`` Arrow bytes."""
-        most = self.max_records if self.max_records > 0 else rows
-        if self.max_bytes > 0 and rows and nbytes:
-            most = min(most, max(1, -(-self.max_bytes * rows // nbytes)))  # rows until max_bytes is reached
+    def rows_per_frame(self, average_row_bytes: float) -> int:
+        """Rows in each DataFrame of a key (the last may hold fewer), given the task's average
+        Arrow bytes per row."""
+        most = self.max_records if self.max_records > 0 else UNLIMITED_BYTES
+        if self.max_bytes != UNLIMITED_BYTES and average_row_bytes > 0:
+            by_bytes = 1 if self.max_bytes <= 0 else math.ceil(self.max_bytes / average_row_bytes)
+            most = min(most, by_bytes)
         return max(1, most)
 
 
@@ -881,10 +924,10 @@ def _pandas_groups(rows: pa.Table, key_groups: np.ndarray | None, store: StateSt
     keys = list(zip(*[c.to_pylist() for c in rows.select(names).take(firsts).columns], strict=True))
     kgs = key_groups[firsts] if key_groups is not None else None
     batching = batching or ArrowBatching()
-    # Every key fits one DataFrame unless some key has more rows than a limit allows.
-    row_bytes = ordered.nbytes / max(1, ordered.num_rows)
-    cut = batching.rows_per_frame(int(np.max(np.diff(bounds))), int(np.max(np.diff(bounds)) * row_bytes)) < \
-        int(np.max(np.diff(bounds)))
+    # As Spark's worker: the size per row is the task's average, counted only under a byte limit.
+    row_bytes = ordered.nbytes / ordered.num_rows if batching.max_bytes != UNLIMITED_BYTES else 0.0
+    step = batching.rows_per_frame(row_bytes)
+    cut = step < int(np.max(np.diff(bounds)))  # else every key fits one DataFrame
     for j, key in enumerate(keys):
         start, end = int(bounds[j]), int(bounds[j + 1])
         if not cut:
@@ -892,7 +935,6 @@ def _pandas_groups(rows: pa.Table, key_groups: np.ndarray | None, store: StateSt
             part.index = pd.RangeIndex(len(part))  # from 0, as Spark's; cheaper than reset_index
             yield key, -1 if kgs is None else int(kgs[j]), iter([part])
             continue
-        step = batching.rows_per_frame(end - start, ordered.slice(start, end - start).nbytes)
         parts = []
         for at in range(start, end, step):
             part = frame.iloc[at:min(at + step, end)]

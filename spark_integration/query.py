@@ -68,6 +68,7 @@ from spark_integration.ticks import (
     Beacon,
     beacon_path,
     is_ticks_offset,
+    restamp_beacon,
     sweep_beacons,
     ticks_frame,
     warm_planner,
@@ -887,6 +888,7 @@ def start_stateful_query(
     if event_time_column is None and watermark is not None:
         event_time_column = watermark[0]  # Spark's stateful operators use the watermark's column
     run_schema = input_schema  # the columns the tasks get
+    declared = None  # a StatefulProcessor's declarations (compat.DeclaringHandle)
     if isinstance(processor, VectorizedProcessor):
         descriptors = list(processor.state_variables(input_schema, keys))
         if output_schema is None:
@@ -910,7 +912,6 @@ def start_stateful_query(
             raise TypeError(f"{type(processor).__name__}.handleInputRows is 'async def': start it with "
                             f"api='async' (rows) or api='async_pandas' (DataFrames)")
         declared = declare(processor)
-        check_nullable_for_avro(declared.spark_schemas, df.sparkSession.conf.get(ENCODING_CONF, None))
         descriptors = list(declared.descriptors)
         with_ttl = [d.name for d in descriptors if d.ttl is not None]
         if with_ttl and mode != "processingtime":
@@ -946,8 +947,10 @@ def start_stateful_query(
     # timer is due), one that shows the state figures in its progress, and one whose checkpoint
     # already has it (Spark refuses a checkpoint whose sources changed).
     try:
-        ticks = _with_ticks(spark, checkpoint_location, runner.table.current_checkpoint(),
-                            needed=mode != "none", asked=progress_figures)
+        info = runner.table.current_checkpoint()
+        if declared is not None:
+            check_nullable_for_avro(declared, _state_encoding(spark, checkpoint_location, info))
+        ticks = _with_ticks(spark, checkpoint_location, info, needed=mode != "none", asked=progress_figures)
     except BaseException:
         runner.close()
         raise
@@ -955,6 +958,7 @@ def start_stateful_query(
         # Batches without input when a timer is due, as Spark's, and the state figures in the
         # query's progress.
         sweep_beacons(keep=runner.beacon)
+        restamp_beacon(runner.beacon, runner.no_data_batches)
         source = ticks_frame(df, runner.beacon)
         if warm_workers:
             threading.Thread(target=_warm_ticks_planner, args=(spark, runner.beacon),
@@ -1002,11 +1006,11 @@ def _with_ticks(spark: SparkSession, checkpoint_location: str, info: Any, needed
     return existing
 
 
-def _checkpoint_has_ticks(spark: SparkSession, checkpoint_location: str, info: Any) -> bool | None:
-    """Whether Spark's checkpoint of this query lists the ticks source among its sources (its
-    offset log: one line per source after the version and the batch metadata); None when Spark
-    has recorded no batch there yet. The entry read is that of the state table's newest batch
-    when this query wrote it (Spark keeps its recent entries), else batch 0's."""
+def _checkpoint_offsets(spark: SparkSession, checkpoint_location: str, info: Any) -> list[str] | None:
+    """The lines of an entry of Spark's offset log of this query (the version, the batch
+    metadata with the settings Spark keeps for the query's life, one line per source); None
+    when Spark has recorded no batch there yet. The entry read is that of the state table's
+    newest batch when this query wrote it (Spark keeps its recent entries), else batch 0's."""
     try:
         query_id = _query_id(spark, checkpoint_location)
     except QueryCheckpointUnreadableError:
@@ -1015,10 +1019,28 @@ def _checkpoint_has_ticks(spark: SparkSession, checkpoint_location: str, info: A
     if info is not None and info.batch_id is not None and info.properties.get(stored_keys.QUERY_ID) == query_id:
         batch = info.batch_id
     try:
-        lines = _read_checkpoint_file(spark, checkpoint_location, f"offsets/{batch}").splitlines()
+        return _read_checkpoint_file(spark, checkpoint_location, f"offsets/{batch}").splitlines()
     except Exception:  # none written yet (a query stopped before its first batch)
         return None
-    return any(is_ticks_offset(line) for line in lines[2:])
+
+
+def _checkpoint_has_ticks(spark: SparkSession, checkpoint_location: str, info: Any) -> bool | None:
+    """Whether Spark's checkpoint of this query lists the ticks source among its sources; None
+    when Spark has recorded no batch there yet."""
+    lines = _checkpoint_offsets(spark, checkpoint_location, info)
+    return None if lines is None else any(is_ticks_offset(line) for line in lines[2:])
+
+
+def _state_encoding(spark: SparkSession, checkpoint_location: str, info: Any) -> str | None:
+    """Spark's state encoding of the query: the one its checkpoint recorded when it first ran
+    (Spark keeps it for the query's life, whatever the session says later), else the session's."""
+    lines = _checkpoint_offsets(spark, checkpoint_location, info)
+    if lines is not None and len(lines) > 1:
+        with contextlib.suppress(ValueError, AttributeError):
+            recorded = (json.loads(lines[1]).get("conf") or {}).get(ENCODING_CONF)
+            if recorded:
+                return recorded
+    return spark.conf.get(ENCODING_CONF, None)
 
 
 def _warm_beside(query: StreamingQuery, runner: StatefulRunner, view: CheckpointView, after_sources: bool) -> None:

@@ -43,7 +43,7 @@ import os
 import secrets
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
@@ -97,6 +97,14 @@ def write_beacon(path: str, beacon: Beacon) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(asdict(beacon), f)
     os.replace(tmp, path)
+
+
+def restamp_beacon(path: str, no_data_batches: bool) -> None:
+    """Make a restarted query's beacon follow its setting of Spark's no-data batches at once
+    (the previous run's beacon holds the previous run's), before the first batch rewrites it."""
+    beacon = read_beacon(path)
+    if beacon is not None and beacon.no_data_batches != no_data_batches:
+        write_beacon(path, replace(beacon, no_data_batches=no_data_batches))
 
 
 _BEACON_BYTES_MAX = 1 << 20

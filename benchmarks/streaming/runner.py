@@ -45,7 +45,8 @@ class Runner:
         return {"busy_before": busy, "waited_s": time.perf_counter() - t0}
 
     def run(self, job: dict, title: str) -> dict:
-        """Run one job in a fresh Python process; returns its result, or {"error": ...}."""
+        """Run one job in a fresh Python process (or the serving one, ``one_driver``); returns its
+        result, or {"error": ...}."""
         self.jobs_run += 1
         name = f"job-{self.jobs_run:02d}-{job['impl']}-{job['kind']}"
         scratch = self.root / "scratch" / name
@@ -111,7 +112,9 @@ class Runner:
             if server.poll() is not None:
                 return {"error": f"the serving worker exited {server.returncode}: {log.read_text()[-1500:]}"}
             if time.perf_counter() > deadline:
-                self.close()
+                os.killpg(server.pid, signal.SIGKILL)  # the stuck job, its process and the JVM it started
+                server.wait()
+                self._server = None
                 return {"error": f"timed out after {self.timeout_s:.0f} s"}
             time.sleep(0.1)
         return None

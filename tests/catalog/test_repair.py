@@ -261,7 +261,8 @@ def test_a_value_schema_declared_changed_evolves_when_the_table_is_reopened_as_s
 
     for point, problem in ((pa.struct([("n", pa.int32())]), "field 'n' changes from int64 to int32"),
                            (pa.struct([("n", pa.int64()), pa.field("must", pa.int64(), nullable=False)]),
-                            "gains field 'must', which is not nullable")):
+                            "gains field 'must', which is not nullable"),
+                           (pa.struct([pa.field("n", pa.int64(), nullable=False)]), "field 'n' becomes not nullable")):
         with pytest.raises(StateTableMismatchError) as refused:
             place.ref("op").open(layout_with(point))
         assert problem in str(refused.value) and "STATE_STORE_INVALID_VALUE_SCHEMA_EVOLUTION" in str(refused.value)

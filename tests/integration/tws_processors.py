@@ -345,8 +345,8 @@ class DeletedStateProcessor(StatefulProcessor):
         for name, call in calls.items():
             try:
                 said.append(f"{name} -> {call()!r}")
-            except PySparkRuntimeError as e:
-                said.append(f"{name} raised {type(e).__name__}({e})")
+            except PySparkRuntimeError as e:  # what a processor written for Spark catches
+                said.append(f"{name} raised PySparkRuntimeError({e})")
         fresh = self.fresh.get()
         self.fresh.update((n,))
         kept = self.kept.get()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import pickle
 import random
 from collections.abc import Iterator
 
@@ -21,7 +22,15 @@ from hypothesis import strategies as st
 from pyspark.errors import PySparkException, PySparkRuntimeError
 from pyspark.sql import Row
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor, TimerValues
-from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType, TimestampType
+from pyspark.sql.types import (
+    ArrayType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
 
 from spark_integration.compat import (
     ArrowBatching,
@@ -705,6 +714,9 @@ def test_a_handle_obtained_before_delete_if_exists_raises_one_obtained_after_wor
         assert str(raised.value) == f"{text}: Value state s is not initialized."
         assert isinstance(raised.value, StateVariableDeletedError)
         assert "call get...State('s') again after the delete" in raised.value.__notes__[0]
+        again = pickle.loads(pickle.dumps(raised.value))  # as an executor's exception reaches the driver
+        assert (type(again), str(again), again.__notes__) == (type(raised.value), str(raised.value),
+                                                                 raised.value.__notes__)
     after = handle.getValueState("s")
     store.set_current_key(("a",))
     assert (after.exists(), after.get()) == (False, None)
@@ -744,28 +756,39 @@ def test_list_and_map_handles_obtained_before_delete_if_exists_fail_as_on_spark_
 
 
 def test_avro_encoding_refuses_a_state_field_that_is_not_nullable_with_sparks_condition():
+    strict = StructType([StructField("k", StringType(), False), StructField("v", ArrayType(LongType()))])
+
     class NotNullable(StatefulProcessor):
+        def __init__(self, value_too: bool):
+            self.value_too = value_too
+
         def init(self, handle) -> None:
             handle.getValueState("fine", VALUE)
-            handle.getMapState("index", StructType([StructField("k", StringType(), False)]), VALUE)
+            # As Spark: a map's user key, and a value with a TTL (stored in a struct of its own), pass.
+            handle.getMapState("index", strict, VALUE)
+            handle.getListState("kept", strict, ttlDurationMs=60_000)
+            if self.value_too:
+                handle.getMapState("values", VALUE, strict)
 
         def handleInputRows(self, key, rows, timerValues):
             return iter(())
 
-    declared = declare(NotNullable())
-    check_nullable_for_avro(declared.spark_schemas, None)  # Spark's default encoding takes it
-    check_nullable_for_avro(declared.spark_schemas, "unsaferow")
+    check_nullable_for_avro(declare(NotNullable(False)), "avro")
+    declared = declare(NotNullable(True))
+    check_nullable_for_avro(declared, None)  # Spark's default encoding takes it
+    check_nullable_for_avro(declared, "unsaferow")
     with pytest.raises(SchemaMustBeNullableError) as raised:
-        check_nullable_for_avro(declared.spark_schemas, "avro")
+        check_nullable_for_avro(declared, "avro")
     error = raised.value
     assert isinstance(error, PySparkException) and isinstance(error, StateStoreError)
     assert (error.getCondition(), error.getSqlState()) == ("TRANSFORM_WITH_STATE_SCHEMA_MUST_BE_NULLABLE", "XXKST")
-    assert error.getMessageParameters() == {"columnFamilyName": "index",
-                                            "schema": "StructType(StructField(k,StringType,false))"}
+    shown = "StructType(StructField(k,StringType,false),StructField(v,ArrayType(LongType,true),true))"
+    assert error.getMessageParameters() == {"columnFamilyName": "values", "schema": shown}
     assert str(error) == ("[TRANSFORM_WITH_STATE_SCHEMA_MUST_BE_NULLABLE] If Avro encoding is enabled, all the fields "
-                          "in the schema for column family index must be nullable when using the TransformWithState "
-                          "operator. Please make the schema nullable. Current schema: "
-                          "StructType(StructField(k,StringType,false))")
+                          "in the schema for column family values must be nullable\nwhen using the TransformWithState "
+                          f"operator.\nPlease make the schema nullable. Current schema: {shown}")
+    again = pickle.loads(pickle.dumps(error))  # as an executor's exception reaches the driver
+    assert (type(again), str(again)) == (SchemaMustBeNullableError, str(error))
 
 
 class ChunkSizes(StatefulProcessor):
@@ -790,7 +813,8 @@ class ChunkSizes(StatefulProcessor):
     (None, {"a": "i1[5]", "b": "[1]"}),                                      # Spark's defaults: one DataFrame
     (ArrowBatching(max_records=2), {"a": "i1[2, 2, 1]", "b": "[1]"}),
     (ArrowBatching(max_records=0, max_bytes=2), {"a": "i1[1, 1, 1, 1, 1]", "b": "[1]"}),  # every row alone
-    (ArrowBatching(max_records=-1, max_bytes=0), {"a": "i1[5]", "b": "[1]"}),   # no limit at all
+    (ArrowBatching(max_records=-1), {"a": "i1[5]", "b": "[1]"}),                         # no limit at all
+    (ArrowBatching(max_records=-1, max_bytes=40), {"a": "i1[3, 2]", "b": "[1]"}),  # ~14 bytes a row: 3 reach 40
 ])
 def test_a_pandas_processor_gets_a_keys_rows_cut_as_sparks_arrow_batches(tmp_path, batching, expected):
     from spark_integration.compat import run_pandas_processor
@@ -805,10 +829,12 @@ def test_a_pandas_processor_gets_a_keys_rows_cut_as_sparks_arrow_batches(tmp_pat
 
 
 def test_arrow_batching_reads_the_sessions_settings_and_falls_back_to_sparks_defaults():
-    conf = {"spark.sql.execution.arrow.maxRecordsPerBatch": "3", "spark.sql.execution.arrow.maxBytesPerBatch": "64b"}
-    assert ArrowBatching.of_session(conf.get) == ArrowBatching(3, 64)
+    records, size = "spark.sql.execution.arrow.maxRecordsPerBatch", "spark.sql.execution.arrow.maxBytesPerBatch"
+    assert ArrowBatching.of_session({records: "3", size: "64"}.get) == ArrowBatching(3, 64)
+    for text, bytes_ in (("64b", 64), ("64k", 65536), ("1m", 2**20), ("256MB", 256 * 2**20), ("2g", 2**31)):
+        assert ArrowBatching.of_session({size: text}.get).max_bytes == bytes_, text
     assert ArrowBatching.of_session({}.get) == ArrowBatching(10_000, 2**31 - 1)
-    assert ArrowBatching.of_session({"spark.sql.execution.arrow.maxRecordsPerBatch": "x"}.get).max_records == 10_000
+    assert ArrowBatching.of_session({records: "x", size: "lots"}.get) == ArrowBatching(10_000, 2**31 - 1)
 
 
 def test_frames_to_arrow_matches_columns_by_name_or_position_and_keeps_the_frames_order():
