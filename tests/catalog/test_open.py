@@ -74,7 +74,7 @@ def test_paths_partitions_and_filesystem(open_table):
         (StateLayout.of(pa.schema([("account", pa.string())]), DESCRIPTORS, MAX_PARALLELISM), "key columns ['user']"),
         (StateLayout.of(pa.schema([("user", pa.int64())]), DESCRIPTORS, MAX_PARALLELISM), "column 'user'"),
         (StateLayout.of(KEY_SCHEMA, [ValueStateDescriptor("count", pa.string())], MAX_PARALLELISM),
-         "changes from int64 to string"),
+         "the value changes from int64 to "),
         (StateLayout.of(KEY_SCHEMA, [ListStateDescriptor("count", pa.int64())], MAX_PARALLELISM), "'count'"),
     ],
     ids=["max-parallelism", "key-name", "key-type", "value-type", "state-kind"],

@@ -814,7 +814,7 @@ class ChunkSizes(StatefulProcessor):
     (ArrowBatching(max_records=2), {"a": "i1[2, 2, 1]", "b": "[1]"}),
     (ArrowBatching(max_records=0, max_bytes=2), {"a": "i1[1, 1, 1, 1, 1]", "b": "[1]"}),  # every row alone
     (ArrowBatching(max_records=-1), {"a": "i1[5]", "b": "[1]"}),                         # no limit at all
-    (ArrowBatching(max_records=-1, max_bytes=40), {"a": "i1[3, 2]", "b": "[1]"}),  # ~14 bytes a row: 3 reach 40
+    (ArrowBatching(max_records=-1, max_bytes=30), {"a": "i1[3, 2]", "b": "[1]"}),  # ~13 bytes a row: 3 reach 30
 ])
 def test_a_pandas_processor_gets_a_keys_rows_cut_as_sparks_arrow_batches(tmp_path, batching, expected):
     from spark_integration.compat import run_pandas_processor
