@@ -75,9 +75,25 @@ def spark_struct(schema: StructType | DataType | str, what: str) -> StructType:
 
 
 def arrow_type(schema: StructType) -> pa.DataType:
+    """The stored Arrow type of a state schema: Spark's conversion, with every field nullable
+    at every depth. Spark's default state encoding stores a field declared not nullable as any
+    other; here a value column sits beside other variables' in one entry row, null in their
+    rows, and Arrow refuses a null parent over a child declared not nullable."""
     from pyspark.sql.pandas.types import to_arrow_type
 
-    return to_arrow_type(schema, timezone="UTC")
+    return _nullable(to_arrow_type(schema, timezone="UTC"))
+
+
+def _nullable(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _nullable(f.type), nullable=True, metadata=f.metadata) for f in t])
+    if pa.types.is_large_list(t):
+        return pa.large_list(pa.field(t.value_field.name, _nullable(t.value_type), nullable=True))
+    if pa.types.is_list(t):
+        return pa.list_(pa.field(t.value_field.name, _nullable(t.value_type), nullable=True))
+    if pa.types.is_map(t):
+        return pa.map_(t.key_type, pa.field(t.item_field.name, _nullable(t.item_type), nullable=True))
+    return t
 
 
 def _ttl(ttl_ms: int | None, name: str) -> TtlConfig | None:
