@@ -118,6 +118,7 @@ def diagnose(force: bool = False) -> None:
                             "modules": len(modules), "new_modules": sorted(modules - known)[:40],
                             "arrow_mb": round(pa.total_allocated_bytes() / 2**20, 1),
                             "arrow_peak_mb": round(pa.default_memory_pool().max_memory() / 2**20, 1),
+                            "glibc_mb": _glibc_heap(), "pymalloc": _pymalloc_arenas(),
                             "types": dict(types.most_common(60)), "caches": cache_sizes(objects),
                             "functions": dict(collections.Counter(
                                 f"{o.__module__}.{o.__qualname__}" for o in objects
@@ -131,6 +132,52 @@ def diagnose(force: bool = False) -> None:
     _DIAGNOSIS["modules"] = modules
     with open(Path(folder) / f"{os.getpid()}.jsonl", "a") as out:
         out.write(json.dumps(line) + "\n")
+
+
+def _glibc_heap() -> dict[str, float]:
+    """glibc's ``mallinfo2``, in MB: the arenas' heap (``arena``), what of it is in use
+    (``uordblks``) and free (``fordblks``), and the mmapped blocks (``hblkhd``)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return {}
+    fn.restype = MallInfo2
+    info = fn()
+    return {n: round(getattr(info, n) / 2**20, 1) for n in ("arena", "uordblks", "fordblks", "hblkhd")} | {
+        "hblks": info.hblks}
+
+
+def _pymalloc_arenas() -> dict[str, int]:
+    """The counts ``sys._debugmallocstats`` prints (it writes to the C stderr): Python's small
+    object allocator's arenas now and at most, and its bytes in used and free blocks."""
+    import re
+    import tempfile
+
+    wanted = {"arenas allocated current": "arenas", "arenas highwater mark": "arenas_max",
+              "bytes in allocated blocks": "used_bytes", "bytes in available blocks": "free_bytes"}
+    with tempfile.TemporaryFile(mode="w+") as out:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(out.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        out.seek(0)
+        text = out.read()
+    found = {}
+    for label, name in wanted.items():
+        m = re.search(rf"# {label}\s*=\s*([\d,]+)", text)
+        if m:
+            found[name] = int(m.group(1).replace(",", ""))
+    return found
 
 
 def _rss_kinds(pid: int) -> dict[str, float]:

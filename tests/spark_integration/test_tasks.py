@@ -530,3 +530,33 @@ def test_a_worker_returns_freed_memory_at_most_once_per_interval(location, worke
     assert isinstance(reported[0]["trimmed_mb"], float) and reported[0]["trimmed_mb"] >= -1.0
     assert "trimmed_mb" not in reported[1]  # not due again within the interval
     assert state_counts(location, driver.layout, KEYS[0][:2]) == [2, 2]
+
+
+def test_a_worker_pins_glibcs_mmap_threshold_so_a_freed_large_block_does_not_move_it():
+    """glibc raises its mmap threshold to the size of each mmapped block freed: after a 24 MiB
+    block, one of 16 MiB would come from a heap. Pinned (``tasks._pin_mmap_threshold``, at a
+    worker's first task), the 16 MiB block is a mapping of its own, unmapped when freed."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    try:
+        mallinfo2 = libc.mallinfo2
+    except AttributeError:
+        pytest.skip("not glibc 2.33 or later: no mallopt/mallinfo2 to check")
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    mallinfo2.restype = MallInfo2
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    assert tasks._pin_mmap_threshold()
+    libc.free(libc.malloc(24 << 20))  # would raise a dynamic threshold to 24 MiB
+    mapped = mallinfo2().hblks
+    block = libc.malloc(16 << 20)
+    try:
+        assert mallinfo2().hblks == mapped + 1  # its own mapping, not the heap's
+    finally:
+        libc.free(block)
+    assert mallinfo2().hblks == mapped  # unmapped at once
