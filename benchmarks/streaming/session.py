@@ -77,7 +77,8 @@ def spark_machine_info() -> dict:
     Spark configuration of every job."""
     import pyspark
 
-    java = subprocess.run(["java", "-version"], capture_output=True, text=True).stderr.splitlines()
+    java = [line for line in subprocess.run(["java", "-version"], capture_output=True, text=True).stderr.splitlines()
+            if not line.startswith("NOTE: Picked up")]  # JDK_JAVA_OPTIONS, when set, is announced first
     mem = next((line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
                 if line.startswith("MemTotal")), None)
     base = machine_info()
