@@ -181,22 +181,24 @@ def key_rows(spec: list[str]) -> list[pa.Table]:
 SESSION_BATCHES = ["aab", "bc", "c", "aad"]
 
 
-@pytest.mark.parametrize("api", ["row", "pandas"])
+@pytest.mark.parametrize("api", ["row", "pandas", "async_pandas"])
 def test_processing_time_sessions_close_in_the_next_batch_and_after_the_input_as_spark(spark, tmp_path, location,
                                                                                        api):
     """A session closes 1 ms after a key's last rows: in the next batch, which on both engines
     starts later; the last sessions close after the input ended, in a batch without input.
     Spark runs a batch at every trigger in processing time (forever, even under
-    availableNow): its query is stopped once every session closed."""
+    availableNow): its query is stopped once every session closed. ``async_pandas``: ours runs
+    the pandas processor written with coroutine handlers, against Spark's pandas run."""
     input_dir = write_batches(tmp_path / "in", key_rows(SESSION_BATCHES))
-    processor = P.PandasSessionProcessor(1) if api == "pandas" else P.SessionProcessor(1)
+    processor = P.PandasSessionProcessor(1) if api != "row" else P.SessionProcessor(1)
+    mine = P.AsyncPandasSessionProcessor(1) if api == "async_pandas" else processor
 
     def all_closed(run: Run) -> bool:
         return sum(1 for rows in run.batches.values() for r in rows if r[2]) == 5
 
     theirs = run_spark(spark, stream(spark, input_dir), processor, P.SESSION_OUTPUT, str(tmp_path / "cp-spark"),
-                       time_mode="ProcessingTime", api=api, until=all_closed)
-    ours, no_input = run_ours(spark, stream(spark, input_dir), processor, P.SESSION_OUTPUT,
+                       time_mode="ProcessingTime", api="pandas" if api != "row" else "row", until=all_closed)
+    ours, no_input = run_ours(spark, stream(spark, input_dir), mine, P.SESSION_OUTPUT,
                               str(tmp_path / "cp-ours"), location(), time_mode="ProcessingTime", api=api)
     compare(theirs, ours)
     assert output_batches_without_input(ours, no_input) == [[("a", 2, True), ("d", 1, True)]]

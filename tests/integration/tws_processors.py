@@ -141,6 +141,25 @@ class PandasSessionProcessor(SessionProcessor):
         yield pd.DataFrame({"key": [k], "events": [total], "closed": [True]})
 
 
+class AsyncPandasSessionProcessor(SessionProcessor):
+    """``PandasSessionProcessor`` with coroutine handlers (``api="async_pandas"``): DataFrames in
+    and out, its reads awaited."""
+
+    async def handleInputRows(self, key, rows, timerValues):
+        old = await self.events.get()
+        total = (old[0] if old else 0) + sum(len(f) for f in rows)
+        self.events.update((total,))
+        for t in self.handle.listTimers():
+            self.handle.deleteTimer(t)
+        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + self.gap_ms)
+        yield pd.DataFrame({"key": [key[0]], "events": [total], "closed": [False]})
+
+    async def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
+        total = (await self.events.get())[0]
+        self.events.clear()
+        yield pd.DataFrame({"key": [key[0]], "events": [total], "closed": [True]})
+
+
 # ---------------------------------------------------------------------------- event-time timers
 
 WINDOW_OUTPUT = "key string, total long, fired_at long, watermark long, late_seen long"
