@@ -180,6 +180,37 @@ def _pymalloc_arenas() -> dict[str, int]:
     return found
 
 
+# A Python worker this large runs tasks (the idle daemon and its forks hold 35-80 MB).
+TASK_WORKER_MIN_BYTES = 150 * 2**20
+_MAPPING_CLASSES = ((1 << 30, "1g_arena"), (8 << 20, "8_64m"), (1 << 20, "1_8m"), (0, "small"))
+
+
+def anonymous_by_mapping(pid: int) -> dict[str, float]:
+    """Anonymous MB of a process by the kind of mapping that holds it (``/proc/<pid>/smaps``):
+    ``heap`` (glibc's main arena), ``1g_arena`` (a 1 GiB reservation: Arrow's mimalloc arena),
+    ``8_64m`` (glibc's 64 MiB thread heaps, mimalloc's segments), ``1_8m`` (pymalloc's 1 MiB
+    arenas, thread stacks, jemalloc's extents for polars), ``small``."""
+    out = {"heap": 0, **{name: 0 for _, name in _MAPPING_CLASSES}}
+    size = name = None
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=6)
+                if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                    lo, hi = head[0].split("-")
+                    size = int(hi, 16) - int(lo, 16)
+                    name = head[5].strip() if len(head) > 5 else ("" if head[4] == "0" else "file")
+                elif head[0] == "Anonymous:" and name is not None and name in ("", "[heap]"):
+                    kb = int(head[1])
+                    if name == "[heap]":
+                        out["heap"] += kb
+                    else:
+                        out[next(label for floor, label in _MAPPING_CLASSES if size >= floor)] += kb
+    except (OSError, ValueError, IndexError):
+        return {}
+    return {k: round(v / 1024, 1) for k, v in out.items()}
+
+
 def _rss_kinds(pid: int) -> dict[str, float]:
     """Resident MB by kind (anonymous, file-backed, shared memory) from ``smaps_rollup``: a step made
     by a library mapped for the first time shows as file-backed, one made by an allocator as anonymous."""
@@ -286,6 +317,9 @@ def process_figures(driver: int) -> dict[str, float]:
         figures[f"{name}_fds"] = sum(f for _, f in pairs)
         if name == "workers":  # each worker on its own: a worker's growth must not hide in the sum
             figures["worker_rss_mb"] = {str(p): round(r / 2**20, 1) for p, (r, _) in zip(pids, pairs, strict=True)}
+            # The task workers' anonymous memory by the mapping that holds it (which allocator grew).
+            figures["worker_anon_mb"] = {str(p): anonymous_by_mapping(p) for p, (r, _) in zip(pids, pairs, strict=True)
+                                         if r > TASK_WORKER_MIN_BYTES}
     figures["workers"] = len(groups["workers"])
     return figures
 
