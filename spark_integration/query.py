@@ -947,10 +947,11 @@ def start_stateful_query(
     # timer is due), one that shows the state figures in its progress, and one whose checkpoint
     # already has it (Spark refuses a checkpoint whose sources changed).
     try:
-        info = runner.table.current_checkpoint()
+        # Spark's offset log, read once: the sources and the settings the checkpoint was started with.
+        offsets = _checkpoint_offsets(spark, checkpoint_location, runner.table.current_checkpoint())
         if declared is not None:
-            check_nullable_for_avro(declared, _state_encoding(spark, checkpoint_location, info))
-        ticks = _with_ticks(spark, checkpoint_location, info, needed=mode != "none", asked=progress_figures)
+            check_nullable_for_avro(declared, _state_encoding(spark, offsets))
+        ticks = _with_ticks(checkpoint_location, offsets, needed=mode != "none", asked=progress_figures)
     except BaseException:
         runner.close()
         raise
@@ -990,10 +991,11 @@ def start_stateful_query(
     return query
 
 
-def _with_ticks(spark: SparkSession, checkpoint_location: str, info: Any, needed: bool, asked: bool) -> bool:
-    """Whether the query runs with the ticks source: as its checkpoint was started, or, for a
-    new checkpoint, when timers need it or the figures are asked for."""
-    existing = _checkpoint_has_ticks(spark, checkpoint_location, info)
+def _with_ticks(checkpoint_location: str, offsets: list[str] | None, needed: bool, asked: bool) -> bool:
+    """Whether the query runs with the ticks source: as its checkpoint was started (``offsets``:
+    ``_checkpoint_offsets``), or, for a new checkpoint, when timers need it or the figures are
+    asked for."""
+    existing = None if offsets is None else any(is_ticks_offset(line) for line in offsets[2:])
     if existing is None:
         return needed or asked
     if not existing and (needed or asked):
@@ -1024,17 +1026,10 @@ def _checkpoint_offsets(spark: SparkSession, checkpoint_location: str, info: Any
         return None
 
 
-def _checkpoint_has_ticks(spark: SparkSession, checkpoint_location: str, info: Any) -> bool | None:
-    """Whether Spark's checkpoint of this query lists the ticks source among its sources; None
-    when Spark has recorded no batch there yet."""
-    lines = _checkpoint_offsets(spark, checkpoint_location, info)
-    return None if lines is None else any(is_ticks_offset(line) for line in lines[2:])
-
-
-def _state_encoding(spark: SparkSession, checkpoint_location: str, info: Any) -> str | None:
+def _state_encoding(spark: SparkSession, lines: list[str] | None) -> str | None:
     """Spark's state encoding of the query: the one its checkpoint recorded when it first ran
-    (Spark keeps it for the query's life, whatever the session says later), else the session's."""
-    lines = _checkpoint_offsets(spark, checkpoint_location, info)
+    (``lines``: ``_checkpoint_offsets``; Spark keeps it for the query's life, whatever the
+    session says later), else the session's."""
     if lines is not None and len(lines) > 1:
         with contextlib.suppress(ValueError, AttributeError):
             recorded = (json.loads(lines[1]).get("conf") or {}).get(ENCODING_CONF)
