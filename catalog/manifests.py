@@ -103,7 +103,27 @@ class AvroTruncatedError(ValueError):
     """An Avro file ends inside a block (pyiceberg would take the end for the last block's)."""
 
 
-class _WholeFile(StreamingBinaryDecoder):
+class _StrictDecoder(StreamingBinaryDecoder):
+    """pyiceberg's pure decoder, but a negative length is damage: pyiceberg's reads it as empty
+    bytes (and its skip moves back), where the Cython decoder raises SystemError on the same
+    bytes, so a manifest the pure decoder had passed could fail later in a fast read."""
+
+    __slots__ = ()
+
+    def read_bytes(self) -> bytes:
+        return self.read(self._length())
+
+    def skip_bytes(self) -> None:
+        self.skip(self._length())
+
+    def _length(self) -> int:
+        n = self.read_int()
+        if n < 0:
+            raise ValueError(f"a negative length ({n}) at byte {self.tell()}")
+        return n
+
+
+class _WholeFile(_StrictDecoder):
     """The pure decoder of the bytes of a whole Avro file, with their digest and size."""
 
     __slots__ = ("digest", "size")
@@ -124,7 +144,7 @@ def _new_decoder(data: bytes) -> BinaryDecoder:
                 _DECODED.move_to_end(digest)
         return _fast_decoder(data) if known else _WholeFile(data, digest)
     bounded = getattr(_BOUNDED, "on", False) or getattr(_BOUNDED, "block", False)  # a block of a _WholeFile's
-    return StreamingBinaryDecoder(data) if bounded else _fast_decoder(data)
+    return _StrictDecoder(data) if bounded else _fast_decoder(data)
 
 
 def _enter(self: AvroFile) -> AvroFile:

@@ -44,7 +44,7 @@ from pyiceberg.table import Table
 from catalog import inspection
 from catalog.iceberg_table import IcebergStateTable
 from catalog.inspection import sql_name
-from catalog.manifests import ManifestCache
+from catalog.manifests import ManifestCache, unreadable_as_corrupt
 from catalog.naming import Locations
 from statestore.errors import CheckpointNotFoundError
 from statestore.layout import KEY_GROUP
@@ -200,7 +200,8 @@ def _data_files(iceberg: Table, snapshot_id: int | None) -> list[DataFile]:
     if snapshot is None:
         return []
     ManifestCache(iceberg.io, iceberg.schema().find_field(KEY_GROUP).field_id).live_files(snapshot)
-    return [task.file for task in iceberg.scan(snapshot_id=snapshot.snapshot_id).plan_files()]
+    with unreadable_as_corrupt("manifests of the manifest list", snapshot.manifest_list):
+        return [task.file for task in iceberg.scan(snapshot_id=snapshot.snapshot_id).plan_files()]
 
 
 def _sql_list(paths: list[str]) -> str:

@@ -97,6 +97,27 @@ def test_the_catalogs_avro_reads_use_the_bounded_decoder():
     assert not isinstance(pyiceberg.avro.file.new_decoder(data), StreamingBinaryDecoder)
 
 
+def test_the_bounded_decoder_refuses_a_negative_length_the_fast_one_would_fail_on():
+    """pyiceberg's pure decoder read a negative length as empty bytes, so a damaged manifest
+    (a bound's length overwritten) passed the catalog's bounded read and then failed in a scan's
+    fast read with SystemError instead of ``CorruptMetadataError`` (found by ``test_fuzz_damage``
+    in CI). The bounded decoder takes a negative length as damage, in reads and skips."""
+    import pyiceberg.avro.file
+
+    from catalog.manifests import bounded_avro
+
+    data = _varint(-5) + b"12345"
+    with bounded_avro():
+        for read in ("read_bytes", "read_utf8", "skip_bytes", "skip_utf8"):
+            decoder = pyiceberg.avro.file.new_decoder(data)
+            with pytest.raises(ValueError, match="negative length"):
+                getattr(decoder, read)()
+        assert pyiceberg.avro.file.new_decoder(_varint(0)).read_bytes() == b""
+        assert pyiceberg.avro.file.new_decoder(_varint(3) + b"abc").read_utf8() == "abc"
+    with pytest.raises(SystemError):  # what the fast decoder does with the same bytes
+        pyiceberg.avro.file.new_decoder(data).read_bytes()
+
+
 def test_avro_bytes_not_decoded_whole_before_get_the_bounded_decoder_in_any_thread(open_table, warehouse: str):
     """pyiceberg reads manifests in threads of its own (a scan's plan, a commit's merge), where
     the catalog's ``bounded_avro`` does not reach: a damaged manifest met there first went to the
