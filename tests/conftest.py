@@ -14,7 +14,9 @@ servers and Spark session. Tests are handed out longest first (``tests/durations
 seconds each test took in a recorded run; a test not in it counts as its marker says), round-robin
 and then to whichever process is free (``--dist load``), so that the longest ones neither start
 last nor pile up in one process. ``ICESTATE_RECORD_DURATIONS=1`` rewrites the file from the run.
-The suite's wall time is reported at its end against its budget.
+The suite's wall time is reported at its end against its budget. ``ICESTATE_TEST_TIMELINE=FILE``
+writes each test's phases (start, stop, process) as JSON lines, to see where a run's time goes
+(``python -m tests.timeline FILE``).
 
 ``--fast`` (``scripts/test.sh --fast``): the tier for editing, the tests that start no Spark, are
 not marked slow and took under ``FAST_TEST_S`` in the recorded run (a test not yet recorded
@@ -92,6 +94,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # On the controller, the workers' reports of setup, call and teardown.
     _durations_taken[report.nodeid] = _durations_taken.get(report.nodeid, 0.0) + report.duration
+    timeline = os.environ.get("ICESTATE_TEST_TIMELINE")
+    if timeline and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller's copy of the report
+        node = getattr(report, "node", None)
+        worker = node.gateway.id if node is not None else "main"
+        with open(timeline, "a") as f:
+            f.write(json.dumps({"test": report.nodeid, "when": report.when, "start": report.start,
+                                "stop": report.stop, "worker": worker}) + "\n")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
