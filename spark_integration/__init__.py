@@ -2,6 +2,9 @@
 
 Public surface:
 
+* ``enable(spark, warehouse=...)`` / ``disable(spark)``: an existing job's own
+  ``groupBy(...).transformWithState(...)...writeStream...start()`` runs on icestate
+  (``spark_integration.dropin``);
 * ``start_stateful_query``: run a processor per key over a streaming DataFrame, state in an
   Iceberg state table (``StateLocation``), exactly-once, rescalable at every restart;
 * processors: any ``pyspark.sql.streaming.StatefulProcessor`` (Spark's row API, unchanged),
@@ -36,6 +39,9 @@ _EXPORTS = {
     "VectorizedBatch": "spark_integration.vectorized",
     "VectorizedProcessor": "spark_integration.vectorized",
     "VectorizedResult": "spark_integration.vectorized",
+    "enable": "spark_integration.dropin",
+    "disable": "spark_integration.dropin",
+    "DropInError": "spark_integration.dropin",
     "IcestateDataSource": "spark_integration.datasource",
     "register": "spark_integration.datasource",
 }

@@ -1,0 +1,634 @@
+"""One call switches an existing ``transformWithState`` job to icestate.
+
+After ``enable(spark, warehouse=...)`` (or with the settings as Spark conf keys, so that
+``spark-submit --conf spark.icestate.warehouse=...`` works too), the job's own code::
+
+    (df.groupBy("key")
+       .transformWithState(MyProcessor(), "key string, count long", "Update", "None")
+       .select(...).filter(...)                      # stateless operators: recorded
+       .writeStream.queryName("counts").option("checkpointLocation", cp)
+       .trigger(processingTime="10 seconds").foreachBatch(write).start())
+
+runs on icestate: ``transformWithState`` / ``transformWithStateInPandas`` (on a session where
+icestate is enabled) return a ``StatefulFrame``, which records the stateless operators chained
+after the processor, and its ``writeStream`` a ``StatefulStreamWriter``, which records the
+writer's settings; ``start()`` maps them onto ``start_stateful_query`` and applies the recorded
+operators and the sink to each batch's output. What cannot be mapped fails at the call or at
+``start()`` with what and why, never runs differently: a stateful operator after the processor
+(an aggregation, a join, deduplication, a watermark, a limit), file sinks, a sink of another
+format, ``complete`` output mode, a continuous trigger, a writer option the sink does not know.
+
+Settings (an argument of ``enable`` wins over the conf key):
+
+=================================  ==========================================================
+``spark.icestate.warehouse``       directory of the embedded SQLite catalog and its tables
+``spark.icestate.catalog``         name of an Iceberg catalog (``.pyiceberg.yaml``, environment)
+``spark.icestate.catalog.<prop>``  a property of that catalog (``uri``, ``s3.endpoint``, ...)
+``spark.icestate.namespace``       namespace of the state tables (default ``state``)
+``spark.icestate.table``           state table of the next query started (default: below)
+``spark.icestate.maxParallelism``  key groups of a new state table (default 128)
+``spark.icestate.parallelism``     tasks per batch (default ``spark.sql.shuffle.partitions``)
+=================================  ==========================================================
+
+A query's state table is named after its ``queryName``, else after its checkpoint location
+(the directory's name and a digest of its path), so that a restart on the same checkpoint
+finds its state.
+
+``disable(spark)`` gives the session back Spark's own operators (a running query is not
+touched).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.types import StructType
+
+from catalog.defaults import DEFAULT_NAMESPACE
+from spark_integration.location import StateLocation
+from statestore.keygroups import DEFAULT_MAX_PARALLELISM
+
+CONF_PREFIX = "spark.icestate."
+_SETTINGS = ("warehouse", "catalog", "namespace", "table", "maxParallelism", "parallelism")
+
+# Operators that work row by row on a batch's output: recorded, then applied to each batch.
+STATELESS = frozenset({
+    "select", "selectExpr", "filter", "where", "withColumn", "withColumns", "withColumnRenamed",
+    "withColumnsRenamed", "withMetadata", "drop", "toDF", "alias", "dropna", "fillna", "replace", "hint",
+})
+# Operators that keep state across batches (or order and cut the stream): Spark would run them
+# after the processor in the same query; here they need a second query.
+STATEFUL = frozenset({
+    "groupBy", "groupby", "rollup", "cube", "groupingSets", "agg", "count", "distinct", "dropDuplicates",
+    "drop_duplicates", "dropDuplicatesWithinWatermark", "join", "crossJoin", "lateralJoin", "union", "unionAll",
+    "unionByName", "intersect", "intersectAll", "subtract", "exceptAll", "withWatermark", "limit", "offset", "sort",
+    "orderBy", "sortWithinPartitions", "repartition", "repartitionByRange", "coalesce", "sample", "randomSplit",
+    "observe", "transform",
+})
+_SECOND_QUERY = (
+    "write this query's output with .writeStream.toTable('namespace.table') (an Iceberg table of the state "
+    "catalog, exactly once with the state) and run the operator in a second query over that table, or apply it "
+    "to each batch inside .foreachBatch(...)")
+SINKS = ("foreachBatch", "foreach", "console", "memory", "noop", "toTable")
+_SINK_OPTIONS = {"console": {"numRows", "truncate"}, "memory": set(), "noop": set(), "foreachBatch": set(),
+                 "foreach": set(), "toTable": set()}
+_FILE_FORMATS = ("parquet", "json", "csv", "orc", "text", "avro", "delta", "iceberg")
+
+
+class DropInError(ValueError):
+    """A job that the switch cannot run as Spark would: what, why and what to do instead."""
+
+
+# ---------------------------------------------------------------------------- enabling
+
+@dataclass(frozen=True)
+class _Enabled:
+    """What ``enable`` was given for one session (secrets stay in this process, never in conf)."""
+
+    settings: Mapping[str, str] = field(default_factory=dict)
+    catalog_properties: Mapping[str, str] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"_Enabled(settings={dict(self.settings)}, catalog_properties=<{len(self.catalog_properties)} keys>)"
+
+
+_ENABLED: dict[str, _Enabled] = {}
+_PATCH_LOCK = threading.Lock()
+_ORIGINALS: dict[tuple[type, str], Callable] = {}
+
+
+def _session_key(spark: SparkSession) -> str:
+    session_id = getattr(spark, "session_id", None)  # Spark Connect
+    if isinstance(session_id, str):
+        return "connect:" + session_id
+    return "classic:" + str(spark._jsparkSession.sessionUUID())
+
+
+def enable(spark: SparkSession, *, warehouse: str | None = None, catalog: str | None = None,
+           catalog_properties: Mapping[str, str] | None = None, namespace: str | None = None,
+           max_parallelism: int | None = None, parallelism: int | None = None) -> None:
+    """Run this session's ``transformWithState`` / ``transformWithStateInPandas`` queries on
+    icestate, state in Iceberg tables of ``warehouse`` (the embedded SQLite catalog) or of the
+    catalog ``catalog`` (with ``catalog_properties``). Arguments left out are read from the
+    session's conf keys ``spark.icestate.*`` when a query starts (module docstring)."""
+    given = {"warehouse": warehouse, "catalog": catalog, "namespace": namespace,
+             "maxParallelism": max_parallelism, "parallelism": parallelism}
+    settings = {k: str(v) for k, v in given.items() if v is not None}
+    _install()
+    _ENABLED[_session_key(spark)] = _Enabled(settings, dict(catalog_properties or {}))
+
+
+def disable(spark: SparkSession) -> None:
+    """Give the session back Spark's own stateful operators (queries already started keep running)."""
+    _ENABLED.pop(_session_key(spark), None)
+
+
+def is_enabled(spark: SparkSession) -> bool:
+    return _session_key(spark) in _ENABLED
+
+
+def _install() -> None:
+    """Wrap ``transformWithState`` and ``transformWithStateInPandas`` of the classic and the
+    Connect ``GroupedData`` once; the wrappers pass through on sessions not enabled."""
+    with _PATCH_LOCK:
+        classes = []
+        from pyspark.sql.group import GroupedData
+
+        classes.append(GroupedData)
+        try:
+            from pyspark.sql.connect.group import GroupedData as ConnectGroupedData
+        except ImportError:  # Connect's client dependencies are not installed
+            pass
+        else:
+            classes.append(ConnectGroupedData)
+        for cls in classes:
+            for name, api in (("transformWithState", "row"), ("transformWithStateInPandas", "pandas")):
+                if (cls, name) in _ORIGINALS:
+                    continue
+                original = getattr(cls, name)
+                _ORIGINALS[(cls, name)] = original
+                setattr(cls, name, _wrapper(original, api))
+
+
+def _wrapper(original: Callable, api: str) -> Callable:
+    def transform_with_state(self, statefulProcessor, outputStructType, outputMode, timeMode,
+                             initialState=None, eventTimeColumnName=""):
+        spark = self._df.sparkSession
+        if not is_enabled(spark):
+            return original(self, statefulProcessor, outputStructType, outputMode, timeMode,
+                            initialState=initialState, eventTimeColumnName=eventTimeColumnName)
+        return StatefulFrame._of(self, statefulProcessor, outputStructType, outputMode, timeMode, initialState,
+                                 eventTimeColumnName, api)
+
+    transform_with_state.__name__ = original.__name__
+    transform_with_state.__qualname__ = original.__qualname__
+    transform_with_state.__doc__ = original.__doc__
+    transform_with_state.__wrapped__ = original
+    return transform_with_state
+
+
+def _grouping_columns(grouped, what: str) -> list[str]:
+    """The column names a ``GroupedData`` groups by: its count's columns but the last, each a
+    column of its DataFrame (analysis only, nothing runs)."""
+    kind = getattr(grouped, "_group_type", None)  # Connect
+    if kind is None:
+        text = str(grouped._jgd.toString())
+        kind = "groupby" if "type: GroupBy" in text else text
+    if kind != "groupby":
+        raise DropInError(f"{what} is grouped by rollup, cube, pivot or grouping sets ({kind}): transformWithState "
+                          "takes a plain groupBy of columns")
+    names = grouped.count().columns[:-1]
+    columns = grouped._df.columns
+    computed = [n for n in names if n not in columns]
+    if computed:
+        raise DropInError(f"{what} is grouped by expression(s) {computed}, not by columns of the DataFrame "
+                          f"({columns}): add them as columns with withColumn first, then groupBy their names")
+    return names
+
+
+# ---------------------------------------------------------------------------- the processor's output
+
+@dataclass(frozen=True)
+class _Plan:
+    df: DataFrame
+    keys: list[str]
+    processor: Any
+    output_schema: StructType
+    output_mode: str
+    time_mode: str
+    initial: DataFrame | None
+    event_time_output: str
+    api: str
+    ops: tuple[tuple[str, tuple, dict], ...] = ()
+
+
+class StatefulFrame:
+    """The output of ``transformWithState`` on an icestate-enabled session: a streaming
+    DataFrame in all a job does with it (its schema and columns, stateless operators, its
+    ``writeStream``), run by ``start_stateful_query`` when its writer starts."""
+
+    def __init__(self, plan: _Plan):
+        self._plan = plan
+        self._template_df: DataFrame | None = None
+
+    @classmethod
+    def _of(cls, grouped, processor, output_schema, output_mode: str, time_mode: str, initial, event_time_output: str,
+            api: str) -> StatefulFrame:
+        df = grouped._df
+        spark = df.sparkSession
+        keys = _grouping_columns(grouped, "the input")
+        if isinstance(output_schema, str):
+            output_schema = _parse_ddl(spark, output_schema)
+        if not isinstance(output_schema, StructType):
+            raise TypeError("outputStructType must be a StructType or a DDL string, "
+                            f"got {type(output_schema).__name__}")
+        mode = str(output_mode).lower()
+        if mode not in ("append", "update"):
+            raise DropInError(f"outputMode {output_mode!r}: transformWithState runs in 'Append' or 'Update' mode")
+        initial_df = None
+        if initial is not None:
+            initial_keys = _grouping_columns(initial, "initialState")
+            if len(initial_keys) != len(keys):
+                raise DropInError(f"initialState is grouped by {initial_keys}, the input by {keys}: group both by "
+                                  "the same number of key columns")
+            initial_df = initial._df
+            for theirs, ours in zip(initial_keys, keys, strict=True):
+                if theirs != ours:
+                    initial_df = initial_df.withColumnRenamed(theirs, ours)
+        if event_time_output and event_time_output not in output_schema.fieldNames():
+            raise DropInError(f"eventTimeColumnName {event_time_output!r} is not a column of the output "
+                              f"({output_schema.fieldNames()})")
+        return cls(_Plan(df, keys, processor, output_schema, mode, time_mode, initial_df, event_time_output, api))
+
+    # --- what a streaming DataFrame shows
+
+    def _template(self) -> DataFrame:
+        """An empty batch of the output with the recorded operators applied."""
+        if self._template_df is None:
+            spark = self._plan.df.sparkSession
+            self._template_df = _apply(spark.createDataFrame([], self._plan.output_schema), self._plan.ops)
+        return self._template_df
+
+    @property
+    def schema(self) -> StructType:
+        return self._template().schema
+
+    @property
+    def columns(self) -> list[str]:
+        return self._template().columns
+
+    @property
+    def dtypes(self) -> list[tuple[str, str]]:
+        return self._template().dtypes
+
+    @property
+    def isStreaming(self) -> bool:
+        return True
+
+    @property
+    def sparkSession(self) -> SparkSession:
+        return self._plan.df.sparkSession
+
+    def printSchema(self, level: int | None = None) -> None:
+        self._template().printSchema(level)
+
+    def __getitem__(self, item):
+        return self._template()[item]
+
+    def __repr__(self) -> str:
+        ops = "".join(f".{name}(...)" for name, _, _ in self._plan.ops)
+        return (f"StatefulFrame[{type(self._plan.processor).__name__} by {self._plan.keys} on icestate{ops}: "
+                f"{self.schema.simpleString()}]")
+
+    @property
+    def writeStream(self) -> StatefulStreamWriter:
+        return StatefulStreamWriter(self._plan)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in STATELESS:
+            def record(*args, **kwargs) -> StatefulFrame:
+                ops = (*self._plan.ops, (name, args, kwargs))
+                _apply(self._template(), ops[-1:])  # analysed now, as Spark would: a wrong column fails here
+                return StatefulFrame(replace(self._plan, ops=ops))
+            return record
+        if name in STATEFUL:
+            raise DropInError(f"{name}() after transformWithState: icestate runs the processor's query as a "
+                              f"micro-batch loop of its own, so an operator that keeps state across batches (or "
+                              f"orders or cuts the stream) cannot follow it in the same query. "
+                              f"Instead, {_SECOND_QUERY}")
+        if hasattr(DataFrame, name):
+            raise DropInError(f"{name} is not available on the output of transformWithState on icestate (a "
+                              f"streaming DataFrame takes no actions; the stateless operators are "
+                              f"{sorted(STATELESS)}); apply it to each batch inside .foreachBatch(...)")
+        raise AttributeError(f"'StatefulFrame' object has no attribute {name!r}")
+
+
+def _apply(df: DataFrame, ops) -> DataFrame:
+    for name, args, kwargs in ops:
+        df = getattr(df, name)(*args, **kwargs)
+    return df
+
+
+def _parse_ddl(spark: SparkSession, ddl: str) -> StructType:
+    return spark.createDataFrame([], ddl).schema
+
+
+# ---------------------------------------------------------------------------- the writer
+
+@dataclass
+class _Writer:
+    sink: str | None = None  # "format:<name>", "foreachBatch", "foreach", "toTable"
+    options: dict[str, str] = field(default_factory=dict)
+    output_mode: str | None = None
+    query_name: str | None = None
+    trigger: dict[str, Any] | None = None
+    function: Any = None
+    table: str | None = None
+    partition_by: tuple[str, ...] = ()
+
+
+class StatefulStreamWriter:
+    """``writeStream`` of a ``StatefulFrame``: Spark's ``DataStreamWriter`` settings, mapped
+    onto ``start_stateful_query`` at ``start()`` / ``toTable()``."""
+
+    def __init__(self, plan: _Plan):
+        self._plan = plan
+        self._w = _Writer()
+
+    def format(self, source: str) -> StatefulStreamWriter:
+        self._w.sink = "format:" + str(source).lower()
+        return self
+
+    def option(self, key: str, value) -> StatefulStreamWriter:
+        self._w.options[str(key)] = _option_text(value)
+        return self
+
+    def options(self, **options) -> StatefulStreamWriter:
+        for k, v in options.items():
+            self.option(k, v)
+        return self
+
+    def outputMode(self, outputMode: str) -> StatefulStreamWriter:
+        self._w.output_mode = str(outputMode).lower()
+        return self
+
+    def queryName(self, queryName: str) -> StatefulStreamWriter:
+        self._w.query_name = queryName
+        return self
+
+    def partitionBy(self, *cols) -> StatefulStreamWriter:
+        self._w.partition_by = tuple(c for group in cols for c in ([group] if isinstance(group, str) else group))
+        return self
+
+    def trigger(self, *, processingTime: str | None = None, once: bool | None = None,
+                continuous: str | None = None, availableNow: bool | None = None) -> StatefulStreamWriter:
+        given = {k: v for k, v in (("processingTime", processingTime), ("once", once), ("continuous", continuous),
+                                   ("availableNow", availableNow)) if v is not None}
+        if len(given) != 1:
+            raise ValueError("trigger takes exactly one of processingTime, once, continuous, availableNow; "
+                             f"got {given}")
+        if "continuous" in given:
+            raise DropInError("a continuous trigger: Spark runs no stateful operator in continuous mode, nor does "
+                              "icestate; use processingTime or availableNow")
+        self._w.trigger = given
+        return self
+
+    def foreachBatch(self, func: Callable[[DataFrame, int], None]) -> StatefulStreamWriter:
+        self._w.sink, self._w.function = "foreachBatch", func
+        return self
+
+    def foreach(self, f) -> StatefulStreamWriter:
+        if not callable(f) and not hasattr(f, "process"):
+            raise TypeError("foreach takes a function of a row, or an object with a process(row) method")
+        self._w.sink, self._w.function = "foreach", f
+        return self
+
+    def start(self, path: str | None = None, format: str | None = None, outputMode: str | None = None,
+              partitionBy=None, queryName: str | None = None, **options) -> StreamingQuery:
+        if format is not None:
+            self.format(format)
+        if outputMode is not None:
+            self.outputMode(outputMode)
+        if partitionBy is not None:
+            self.partitionBy(partitionBy)
+        if queryName is not None:
+            self.queryName(queryName)
+        self.options(**options)
+        if path is not None:
+            self._w.options["path"] = path
+        return _start(self._plan, self._w)
+
+    def toTable(self, tableName: str, format: str | None = None, outputMode: str | None = None,
+                partitionBy=None, queryName: str | None = None, **options) -> StreamingQuery:
+        if format is not None and str(format).lower() != "iceberg":
+            raise DropInError(f"toTable(format={format!r}): on icestate toTable writes an Iceberg table of the "
+                              "state catalog; use foreachBatch to write another format")
+        self._w.sink, self._w.table = "toTable", tableName
+        return self.start(outputMode=outputMode, partitionBy=partitionBy, queryName=queryName, **options)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise DropInError(f"writeStream.{name} is not mapped onto icestate; the writer takes "
+                          "format, option(s), outputMode, queryName, trigger, foreachBatch, foreach, start and toTable")
+
+
+def _option_text(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+# ---------------------------------------------------------------------------- start
+
+def _start(plan: _Plan, w: _Writer) -> StreamingQuery:
+    from spark_integration.query import start_stateful_query
+
+    spark = plan.df.sparkSession
+    enabled = _ENABLED.get(_session_key(spark))
+    if enabled is None:
+        raise DropInError("icestate was disabled on this session after transformWithState was called; call it again")
+    sink = _sink_name(w)
+    mode = w.output_mode or plan.output_mode
+    if mode == "complete":
+        raise DropInError("outputMode 'complete': transformWithState runs in 'Append' or 'Update' mode (as Spark)")
+    if mode not in ("append", "update"):
+        raise DropInError(f"outputMode {mode!r}: use 'append' or 'update'")
+    options = dict(w.options)
+    checkpoint = options.pop("checkpointLocation", None) or _default_checkpoint(spark, w.query_name, sink)
+    path = options.pop("path", None)
+    unknown = sorted(set(options) - _SINK_OPTIONS[sink])
+    if unknown:
+        raise DropInError(f"option(s) {unknown} of the {sink} sink are not mapped onto icestate (it takes "
+                          f"{sorted(_SINK_OPTIONS[sink]) or 'none'} besides checkpointLocation)")
+    if path is not None:
+        raise DropInError(f"a path for the {sink} sink, which writes no files")
+    if w.partition_by and sink != "toTable":
+        raise DropInError(f"partitionBy for the {sink} sink, which writes no files")
+    if sink == "memory" and not w.query_name:
+        raise DropInError("the memory sink needs a queryName: it is the name of the table it fills (as Spark)")
+    location = _location(spark, enabled, w.query_name, checkpoint)
+    output_table = None
+    if sink == "toTable":
+        if plan.ops:
+            raise DropInError("toTable after stateless operators: the output table receives the processor's rows "
+                              "exactly once, with the state, as the processor emits them; apply the operators when "
+                              "reading the table, or write with foreachBatch")
+        if w.partition_by:
+            raise DropInError("toTable with partitionBy: the output table is created unpartitioned; partition it "
+                              "with Iceberg's tools after its creation")
+        output_table = w.table if "." in w.table else f"{location.namespace}.{w.table}"
+    callback = None if sink == "toTable" else _batch_callback(plan, w, sink, spark)
+    return start_stateful_query(
+        plan.df, plan.keys, plan.processor, plan.output_schema, location=location, checkpoint_location=checkpoint,
+        trigger=w.trigger, foreach_batch=callback, output_table=output_table, time_mode=plan.time_mode,
+        initial_state=plan.initial, query_name=w.query_name, api=plan.api)
+
+
+def _sink_name(w: _Writer) -> str:
+    if w.sink is None:
+        raise DropInError("the writer has no sink: Spark's default, the file sink of spark.sql.sources.default, "
+                          "is not mapped onto icestate; use foreachBatch, foreach, console, memory, noop or toTable")
+    if w.sink.startswith("format:"):
+        name = w.sink.removeprefix("format:")
+        if name in ("console", "memory", "noop"):
+            return name
+        if name in _FILE_FORMATS:
+            raise DropInError(f"the {name} file sink is not mapped onto icestate: write the files in "
+                              ".foreachBatch(lambda df, batch_id: ...) (at least once: dedupe by batch_id), or "
+                              "write an Iceberg table of the state catalog exactly once with .toTable(...)")
+        raise DropInError(f"the {name!r} sink is not mapped onto icestate: use foreachBatch, foreach, console, memory, "
+                          "noop or toTable")
+    return w.sink
+
+
+def _default_checkpoint(spark: SparkSession, query_name: str | None, sink: str) -> str:
+    """Where Spark would put the checkpoint without the option: under
+    ``spark.sql.streaming.checkpointLocation`` by query name (else a fresh directory);
+    a console or memory query with neither gets a temporary one, as Spark gives it."""
+    import os
+    import tempfile
+    import uuid
+
+    root = spark.conf.get("spark.sql.streaming.checkpointLocation", None)
+    if root:
+        return os.path.join(root, query_name or str(uuid.uuid4()))
+    if sink in ("console", "memory", "noop"):
+        return tempfile.mkdtemp(prefix="icestate-temporary-checkpoint-")
+    raise DropInError('checkpointLocation must be specified either through option("checkpointLocation", ...) or '
+                      'SparkSession.conf.set("spark.sql.streaming.checkpointLocation", ...): it holds the '
+                      "query's progress; its state goes to the state table")
+
+
+def _setting(spark: SparkSession, enabled: _Enabled, name: str) -> str | None:
+    if name in enabled.settings:
+        return enabled.settings[name]
+    value = spark.conf.get(CONF_PREFIX + name, None)
+    return value or None
+
+
+def _catalog_properties(spark: SparkSession, enabled: _Enabled) -> dict[str, str]:
+    """``spark.icestate.catalog.<prop>`` keys of the session's conf (``spark-submit --conf``
+    ones included), then what ``enable`` was given."""
+    prefix = CONF_PREFIX + "catalog."
+    props = {k.removeprefix(prefix): v for k, v in spark.conf.getAll.items() if k.startswith(prefix)}
+    props.update(enabled.catalog_properties)
+    return props
+
+
+def _location(spark: SparkSession, enabled: _Enabled, query_name: str | None, checkpoint: str) -> StateLocation:
+    warehouse = _setting(spark, enabled, "warehouse")
+    catalog = _setting(spark, enabled, "catalog")
+    if warehouse is None and catalog is None:
+        raise DropInError("icestate needs where its state tables live: enable(spark, warehouse=...) or "
+                          "enable(spark, catalog=...), or the conf key spark.icestate.warehouse or "
+                          "spark.icestate.catalog")
+    max_parallelism = int(_setting(spark, enabled, "maxParallelism") or DEFAULT_MAX_PARALLELISM)
+    parallelism = _setting(spark, enabled, "parallelism") or spark.conf.get("spark.sql.shuffle.partitions", "200")
+    parallelism = max(1, min(int(parallelism), max_parallelism))
+    table = _setting(spark, enabled, "table") or state_table_name(query_name, checkpoint)
+    return StateLocation(table=table, warehouse=None if catalog else warehouse,
+                         namespace=_setting(spark, enabled, "namespace") or DEFAULT_NAMESPACE,
+                         max_parallelism=max_parallelism, parallelism=parallelism, catalog_name=catalog,
+                         catalog_properties=_catalog_properties(spark, enabled) if catalog else {})
+
+
+def state_table_name(query_name: str | None, checkpoint: str) -> str:
+    """The state table of a query: its name, else its checkpoint directory's name and a digest
+    of the checkpoint's path (a restart on the same checkpoint finds the same table)."""
+    if query_name:
+        return _identifier(query_name)
+    digest = hashlib.sha256(checkpoint.rstrip("/").encode()).hexdigest()[:10]
+    stem = _identifier(checkpoint.rstrip("/").rsplit("/", 1)[-1]) or "query"
+    return f"{stem}_{digest}"
+
+
+def _identifier(text: str) -> str:
+    return re.sub(r"[^0-9A-Za-z_]+", "_", text).strip("_").lower()[:64]
+
+
+# ---------------------------------------------------------------------------- sinks, per batch
+
+def _batch_callback(plan: _Plan, w: _Writer, sink: str, spark: SparkSession) -> Callable[[DataFrame, int], None]:
+    ops = plan.ops
+    if sink == "foreachBatch":
+        func = w.function
+
+        def each(df: DataFrame, batch_id: int) -> None:
+            func(_apply(df, ops), batch_id)
+        return each
+    if sink == "foreach":
+        return _foreach(w.function, ops)
+    if sink == "console":
+        rows = int(w.options.get("numRows", "20"))
+        truncate = w.options.get("truncate", "true").lower() != "false"
+
+        def show(df: DataFrame, batch_id: int) -> None:
+            print("-------------------------------------------")
+            print(f"Batch: {batch_id}")
+            print("-------------------------------------------")
+            _apply(df, ops).show(rows, truncate)
+        return show
+    if sink == "noop":
+        def nothing(df: DataFrame, batch_id: int) -> None:
+            _apply(df, ops).write.format("noop").mode("overwrite").save()
+        return nothing
+    if sink == "memory":
+        return _MemorySink(spark, w.query_name, ops)
+    raise AssertionError(sink)
+
+
+def _foreach(writer, ops) -> Callable[[DataFrame, int], None]:
+    if not hasattr(writer, "process"):
+        def each_row(df: DataFrame, batch_id: int) -> None:
+            _apply(df, ops).foreach(writer)
+        return each_row
+
+    def each_partition(df: DataFrame, batch_id: int) -> None:
+        def run(rows) -> None:
+            from pyspark import TaskContext
+
+            partition = TaskContext.get().partitionId()
+            opened = writer.open(partition, batch_id) if hasattr(writer, "open") else True
+            error = None
+            try:
+                if opened:
+                    for row in rows:
+                        writer.process(row)
+            except BaseException as e:
+                error = e
+                raise
+            finally:
+                if hasattr(writer, "close"):
+                    writer.close(error)
+
+        _apply(df, ops).foreachPartition(run)
+    return each_partition
+
+
+class _MemorySink:
+    """Spark's memory sink: every batch's rows appended to a table named after the query,
+    readable with ``spark.table(name)`` / ``spark.sql``; kept in the driver (for tests and
+    notebooks, as Spark's)."""
+
+    def __init__(self, spark: SparkSession, name: str, ops):
+        self._spark, self._name, self._ops = spark, name, ops
+        self._batches: dict[int, Any] = {}
+
+    def __call__(self, df: DataFrame, batch_id: int) -> None:
+        import pyarrow as pa
+
+        rows = _apply(df, self._ops)
+        table = rows.toArrow()
+        self._batches[batch_id] = table  # a batch run again replaces its rows
+        whole = pa.concat_tables([self._batches[b] for b in sorted(self._batches)])
+        self._spark.createDataFrame(whole, schema=rows.schema).createOrReplaceTempView(self._name)

@@ -1,0 +1,233 @@
+"""One call switches an existing job (``spark_integration.dropin``): the job's own code, written
+for Spark's ``transformWithState``, run by Spark and then on icestate after ``enable(spark, ...)``
+in the same test, with the same input; outputs compared batch by batch, through each sink the
+switch maps. What it cannot map fails with what to do, before anything runs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from spark_integration import runner_of
+from spark_integration.dropin import DropInError, StatefulFrame, disable, enable, state_table_name
+from tests.integration import tws_processors as P
+from tests.integration.conftest import SPARK_CONF
+from tests.integration.streaming_helpers import PROVIDER_CONF, ROCKSDB, stream, write_batches
+
+SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
+
+
+def count_batches(n: int, start: int = 0) -> list[pa.Table]:
+    return [pa.table({"key": [f"k{(i * 7) % 11}" for i in range(b * 30, b * 30 + 30)],
+                      "v": pa.array(range(b * 30, b * 30 + 30), pa.int64())}) for b in range(start, start + n)]
+
+
+@pytest.fixture
+def engines(spark, tmp_path):
+    """Run a job on Spark's own operator (RocksDB, one shuffle partition) or on icestate; the
+    session is left as it was."""
+
+    def run(job, engine: str, **enable_args):
+        if engine == "spark":
+            spark.conf.set(PROVIDER_CONF, ROCKSDB)
+            spark.conf.set(SHUFFLE_PARTITIONS, "1")
+        else:
+            enable(spark, **({"warehouse": str(tmp_path / "wh")} | enable_args))
+        try:
+            query = job()
+            query.awaitTermination(240)
+            if query.exception() is not None:
+                raise query.exception()
+            return query
+        finally:
+            disable(spark)
+            spark.conf.unset(PROVIDER_CONF)
+            spark.conf.set(SHUFFLE_PARTITIONS, SPARK_CONF[SHUFFLE_PARTITIONS])
+
+    yield run
+    disable(spark)
+
+
+class Batches:
+    def __init__(self) -> None:
+        self.rows: dict[int, list[tuple]] = {}
+
+    def __call__(self, df: DataFrame, batch_id: int) -> None:
+        self.rows[batch_id] = sorted(tuple(r) for r in df.collect())
+
+    def emitted(self) -> list[list[tuple]]:
+        return [rows for _, rows in sorted(self.rows.items()) if rows]
+
+
+def counts_job(spark, input_dir: str, checkpoint: str, sink, *, api: str = "row", name: str | None = None):
+    """A job as written for Spark: the processor, stateless operators after it, a writer."""
+    grouped = stream(spark, input_dir).groupBy("key")
+    if api == "pandas":
+        out = grouped.transformWithStateInPandas(P.PandasCountsProcessor(), P.COUNTS_OUTPUT, "Update", "None")
+    else:
+        out = grouped.transformWithState(P.CountsProcessor(), P.COUNTS_OUTPUT, "Update", "None")
+    out = (out.select("key", "count", "parity_keys").filter(F.col("count") > 3)
+           .withColumn("twice", F.col("count") * 2).withColumnRenamed("parity_keys", "parities"))
+    writer = out.writeStream.option("checkpointLocation", checkpoint).trigger(availableNow=True)
+    if name:
+        writer = writer.queryName(name)
+    return sink(writer).start()
+
+
+@pytest.mark.parametrize("api", ["row", "pandas"])
+def test_an_existing_job_with_stateless_operators_and_foreach_batch_runs_as_on_spark(spark, tmp_path, engines, api):
+    input_dir = write_batches(tmp_path / "in", count_batches(3))
+    theirs, ours = Batches(), Batches()
+    engines(lambda: counts_job(spark, input_dir, str(tmp_path / "cp-spark"), lambda w: w.foreachBatch(theirs),
+                               api=api), "spark")
+    query = engines(lambda: counts_job(spark, input_dir, str(tmp_path / "cp-ours"), lambda w: w.foreachBatch(ours),
+                                       api=api), "icestate")
+    assert len(theirs.emitted()) == 2  # the first batch's counts (2 or 3) are filtered out
+    assert ours.emitted() == theirs.emitted()
+    runner = runner_of(query)  # it ran on icestate: its state is in the table named after the checkpoint
+    assert runner.table.identifier.endswith(state_table_name(None, str(tmp_path / "cp-ours")))
+    assert runner.table.current_checkpoint() is not None
+
+
+def test_memory_console_and_foreach_sinks_as_spark(spark, tmp_path, engines, capfd):
+    """The memory and foreach sinks' rows against Spark's same sinks; the console's tables
+    against Spark's batches (Spark's console sink prints from the JVM, whose output a test
+    cannot capture; ours prints Spark's ``show`` of each batch under Spark's header)."""
+    input_dir = write_batches(tmp_path / "in", count_batches(2))
+    theirs = Batches()
+    engines(lambda: counts_job(spark, input_dir, str(tmp_path / "cp-batches"), lambda w: w.foreachBatch(theirs)),
+            "spark")
+    for engine in ("spark", "icestate"):
+        engines(lambda e=engine: counts_job(spark, input_dir, str(tmp_path / f"cp-mem-{e}"),
+                                            lambda w: w.format("memory"), name=f"mem_{e}"), engine)
+        written = tmp_path / f"foreach-{engine}"
+        written.mkdir()
+        engines(lambda e=engine, d=written: counts_job(spark, input_dir, str(tmp_path / f"cp-foreach-{e}"),
+                                                       lambda w: w.foreach(RowFiles(str(d)))), engine)
+    capfd.readouterr()
+    engines(lambda: counts_job(spark, input_dir, str(tmp_path / "cp-console"),
+                               lambda w: w.format("console").option("numRows", 50).option("truncate", False)),
+            "icestate")
+    shown = _console_batches(capfd.readouterr().out)
+    memory = {e: sorted(tuple(r) for r in spark.table(f"mem_{e}").collect()) for e in ("spark", "icestate")}
+    assert memory["spark"] and memory["icestate"] == memory["spark"]
+    assert RowFiles.read(tmp_path / "foreach-icestate") == RowFiles.read(tmp_path / "foreach-spark") != []
+    assert [rows for _, rows in sorted(shown.items()) if rows] == \
+        [[tuple(str(v) for v in r) for r in rows] for rows in theirs.emitted()]
+
+
+def _console_batches(text: str) -> dict[int, list[tuple[str, ...]]]:
+    """The console sink's batches: each one's rows, read from its table (sorted)."""
+    batches, current = {}, None
+    for line in text.splitlines():
+        if line.startswith("Batch: "):
+            current = int(line.removeprefix("Batch: "))
+            batches[current] = []
+        elif current is not None and line.startswith("|"):
+            batches[current].append(tuple(cell.strip() for cell in line.strip("|").split("|")))
+    return {b: sorted(lines[1:]) for b, lines in batches.items()}  # the first line: the header
+
+
+class RowFiles:
+    """A ForeachWriter: one file per partition and epoch, the rows it processed as JSON lines."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def open(self, partition_id: int, epoch_id: int) -> bool:
+        self.path = os.path.join(self.directory, f"{epoch_id}-{partition_id}.jsonl")
+        self.lines = []
+        return True
+
+    def process(self, row) -> None:
+        self.lines.append(json.dumps(row.asDict(), sort_keys=True))
+
+    def close(self, error) -> None:
+        if error is None and self.lines:
+            with open(self.path, "w") as f:
+                f.write("\n".join(self.lines) + "\n")
+
+    @staticmethod
+    def read(directory: Path) -> list[str]:
+        return sorted(line for p in directory.iterdir() for line in p.read_text().splitlines())
+
+
+def test_conf_keys_name_the_warehouse_and_a_restart_continues_the_state(spark, tmp_path, engines):
+    input_dir = tmp_path / "in"
+    write_batches(input_dir, count_batches(2))
+    spark.conf.set("spark.icestate.warehouse", str(tmp_path / "wh-conf"))
+    try:
+        theirs, ours = Batches(), Batches()
+        for batches in (2, 3):  # a restart on the same checkpoints, one more file of input
+            write_batches(input_dir, count_batches(batches))
+            engines(lambda: counts_job(spark, str(input_dir), str(tmp_path / "cp-spark"),
+                                       lambda w: w.foreachBatch(theirs)), "spark")
+            query = engines(lambda: counts_job(spark, str(input_dir), str(tmp_path / "cp-ours"),
+                                               lambda w: w.foreachBatch(ours), name="counts"), "icestate",
+                            warehouse=None)
+        assert len(theirs.emitted()) == 2 and ours.emitted() == theirs.emitted()
+        table = runner_of(query).table
+        assert table.identifier.endswith(".counts") and str(tmp_path / "wh-conf") in runner_of(query).location.warehouse
+    finally:
+        spark.conf.unset("spark.icestate.warehouse")
+
+
+def test_what_cannot_be_mapped_fails_with_what_to_do_and_disable_restores_spark(spark, tmp_path):
+    input_dir = write_batches(tmp_path / "in", count_batches(1))
+    enable(spark, warehouse=str(tmp_path / "wh"))
+    try:
+        out = stream(spark, input_dir).groupBy("key").transformWithState(P.CountsProcessor(), P.COUNTS_OUTPUT,
+                                                                           "Update", "None")
+        assert isinstance(out, StatefulFrame) and out.isStreaming
+        assert out.columns == ["key", "count", "recent", "parity_keys"]
+        with pytest.raises(DropInError, match="second query"):
+            out.groupBy("key").count()
+        with pytest.raises(DropInError, match="second query"):
+            out.dropDuplicates(["key"])
+        with pytest.raises(Exception, match="nope"):  # analysed at once, as Spark's operators are
+            out.select("nope")
+        writer = out.writeStream.option("checkpointLocation", str(tmp_path / "cp"))
+        with pytest.raises(DropInError, match=r"parquet file sink is not mapped.*foreachBatch"):
+            writer.format("parquet").start(str(tmp_path / "files"))
+        with pytest.raises(DropInError, match="'complete'"):
+            out.writeStream.outputMode("complete").option("checkpointLocation", str(tmp_path / "cp")) \
+                .foreachBatch(lambda df, b: None).start()
+        with pytest.raises(DropInError, match=r"option\(s\) \['kafka.bootstrap.servers'\]"):
+            out.writeStream.format("console").option("kafka.bootstrap.servers", "x").start()
+        with pytest.raises(DropInError, match="checkpointLocation must be specified"):
+            out.writeStream.foreachBatch(lambda df, b: None).start()
+        with pytest.raises(DropInError, match="toTable after stateless operators"):
+            out.select("key").writeStream.option("checkpointLocation", str(tmp_path / "cp")).toTable("state.out")
+        with pytest.raises(DropInError, match="continuous"):
+            out.writeStream.trigger(continuous="1 second")
+        assert not spark.streams.active
+    finally:
+        disable(spark)
+    spark_out = stream(spark, input_dir).groupBy("key").transformWithState(P.CountsProcessor(), P.COUNTS_OUTPUT,
+                                                                             "Update", "None")
+    assert isinstance(spark_out, DataFrame) and not isinstance(spark_out, StatefulFrame)
+
+
+def test_to_table_writes_the_output_table_exactly_once(spark, tmp_path, engines):
+    input_dir = write_batches(tmp_path / "in", count_batches(2))
+    theirs = Batches()
+    engines(lambda: stream(spark, input_dir).groupBy("key")
+            .transformWithState(P.CountsProcessor(), P.COUNTS_OUTPUT, "Update", "None")
+            .writeStream.option("checkpointLocation", str(tmp_path / "cp-spark")).trigger(availableNow=True)
+            .foreachBatch(theirs).start(), "spark")
+    query = engines(lambda: stream(spark, input_dir).groupBy("key")
+                    .transformWithState(P.CountsProcessor(), P.COUNTS_OUTPUT, "Update", "None")
+                    .writeStream.option("checkpointLocation", str(tmp_path / "cp-ours")).trigger(availableNow=True)
+                    .toTable("outputs.counts"), "icestate")
+    catalog = runner_of(query).location.ref.catalog()
+    try:
+        written = catalog.load_table("outputs.counts").scan().to_arrow()
+    finally:
+        getattr(catalog, "close", lambda: None)()
+    assert sorted(tuple(r.values()) for r in written.to_pylist()) == sorted(r for b in theirs.emitted() for r in b)
