@@ -13,6 +13,9 @@ bash scripts/setup.sh
 workers=${ICESTATE_TEST_WORKERS:-$(nproc)}
 if [ "$workers" -gt 4 ]; then workers=4; fi
 status=0
-.venv/bin/python -m pytest -n "$workers" --dist load "$@" || status=$?
+# --maxschedchunk 1: each process is handed the next test (longest first) when it is free; by
+# default xdist hands each process a quarter of its share of consecutive tests at once, so the
+# first process got all the longest tests and ran them one after another.
+.venv/bin/python -m pytest -n "$workers" --dist load --maxschedchunk 1 "$@" || status=$?
 echo "scripts/test.sh: set up, linted and tested in $((SECONDS / 60)) min $((SECONDS % 60)) s (exit $status)"
 exit "$status"

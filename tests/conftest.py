@@ -11,9 +11,9 @@ its SQLAlchemy URI (with the password) is also published in ``pg_server.URI_ENV`
 
 The suite runs in parallel processes (``scripts/test.sh``: pytest-xdist), each with its own
 servers and Spark session. Tests are handed out longest first (``tests/durations.json``, the
-seconds each test took in a recorded run; a test not in it counts as its marker says), round-robin
-and then to whichever process is free (``--dist load``), so that the longest ones neither start
-last nor pile up in one process. ``ICESTATE_RECORD_DURATIONS=1`` rewrites the file from the run.
+seconds each test took in a recorded run; a test not in it counts as its marker says), one at a
+time to whichever process is free (``--dist load --maxschedchunk 1``), so that the longest ones
+neither start last nor pile up in one process. ``ICESTATE_RECORD_DURATIONS=1`` rewrites the file from the run.
 The suite's wall time is reported at its end against its budget. ``ICESTATE_TEST_TIMELINE=FILE``
 writes each test's phases (start, stop, process) as JSON lines, to see where a run's time goes
 (``python -m tests.timeline FILE``).
