@@ -15,8 +15,13 @@ after the processor, and its ``writeStream`` a ``StatefulStreamWriter``, which r
 writer's settings; ``start()`` maps them onto ``start_stateful_query`` and applies the recorded
 operators and the sink to each batch's output. What cannot be mapped fails at the call or at
 ``start()`` with what and why, never runs differently: a stateful operator after the processor
-(an aggregation, a join, deduplication, a watermark, a limit), file sinks, a sink of another
-format, ``complete`` output mode, a continuous trigger, a writer option the sink does not know.
+(an aggregation, a join, deduplication, a watermark, a limit: the error names the way that
+works, a second query over a file sink's output), a sink of another format, a file sink on a
+Spark Connect session, ``complete`` output mode, a continuous trigger, an option the console,
+memory or callback sinks do not know. Sinks: ``foreachBatch``, ``foreach`` (a function or a
+writer object), ``console``, ``memory``, ``noop``, the file sinks (``parquet``, ``json``,
+``csv``, ``orc``, ``text``: exactly once with Spark's ``_spark_metadata`` log, ``FileSink``) and
+``toTable`` (an Iceberg table of the state catalog, exactly once with the state).
 
 Settings (an argument of ``enable`` wins over the conf key):
 
@@ -41,8 +46,10 @@ touched).
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import threading
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -73,13 +80,14 @@ STATEFUL = frozenset({
     "observe", "transform",
 })
 _SECOND_QUERY = (
-    "write this query's output with .writeStream.toTable('namespace.table') (an Iceberg table of the state "
-    "catalog, exactly once with the state) and run the operator in a second query over that table, or apply it "
-    "to each batch inside .foreachBatch(...)")
-SINKS = ("foreachBatch", "foreach", "console", "memory", "noop", "toTable")
+    "write this query's output with a file sink (.writeStream.format('parquet').option('path', p), exactly once, "
+    "read by Spark as its own sink's output) and run the operator in a second query over it "
+    "(spark.readStream.schema(...).parquet(p)...), or apply it to each batch inside .foreachBatch(...)")
+SINKS = ("foreachBatch", "foreach", "console", "memory", "noop", "toTable", "parquet", "json", "csv", "orc", "text")
 _SINK_OPTIONS = {"console": {"numRows", "truncate"}, "memory": set(), "noop": set(), "foreachBatch": set(),
                  "foreach": set(), "toTable": set()}
-_FILE_FORMATS = ("parquet", "json", "csv", "orc", "text", "avro", "delta", "iceberg")
+# Spark's file sinks (FileStreamSink): their options go to the format's writer, as Spark's.
+FILE_FORMATS = ("parquet", "json", "csv", "orc", "text")
 
 
 class DropInError(ValueError):
@@ -437,7 +445,7 @@ def _start(plan: _Plan, w: _Writer) -> StreamingQuery:
     enabled = _ENABLED.get(_session_key(spark))
     if enabled is None:
         raise DropInError("icestate was disabled on this session after transformWithState was called; call it again")
-    sink = _sink_name(w)
+    sink = _sink_name(w, spark)
     mode = w.output_mode or plan.output_mode
     if mode == "complete":
         raise DropInError("outputMode 'complete': transformWithState runs in 'Append' or 'Update' mode (as Spark)")
@@ -446,14 +454,21 @@ def _start(plan: _Plan, w: _Writer) -> StreamingQuery:
     options = dict(w.options)
     checkpoint = options.pop("checkpointLocation", None) or _default_checkpoint(spark, w.query_name, sink)
     path = options.pop("path", None)
-    unknown = sorted(set(options) - _SINK_OPTIONS[sink])
-    if unknown:
-        raise DropInError(f"option(s) {unknown} of the {sink} sink are not mapped onto icestate (it takes "
-                          f"{sorted(_SINK_OPTIONS[sink]) or 'none'} besides checkpointLocation)")
-    if path is not None:
-        raise DropInError(f"a path for the {sink} sink, which writes no files")
-    if w.partition_by and sink != "toTable":
-        raise DropInError(f"partitionBy for the {sink} sink, which writes no files")
+    if sink in FILE_FORMATS:
+        if path is None:
+            raise DropInError(f"the {sink} file sink needs a path: start(path) or option('path', ...) (as Spark)")
+        if getattr(spark, "session_id", None) is not None:
+            raise DropInError(f"the {sink} file sink on a Spark Connect session is not mapped onto icestate yet: "
+                              "use .toTable(...) (exactly once) or .foreachBatch(...)")
+    else:
+        unknown = sorted(set(options) - _SINK_OPTIONS[sink])
+        if unknown:
+            raise DropInError(f"option(s) {unknown} of the {sink} sink are not mapped onto icestate (it takes "
+                              f"{sorted(_SINK_OPTIONS[sink]) or 'none'} besides checkpointLocation)")
+        if path is not None:
+            raise DropInError(f"a path for the {sink} sink, which writes no files")
+        if w.partition_by and sink != "toTable":
+            raise DropInError(f"partitionBy for the {sink} sink, which writes no files")
     if sink == "memory" and not w.query_name:
         raise DropInError("the memory sink needs a queryName: it is the name of the table it fills (as Spark)")
     location = _location(spark, enabled, w.query_name, checkpoint)
@@ -467,27 +482,27 @@ def _start(plan: _Plan, w: _Writer) -> StreamingQuery:
             raise DropInError("toTable with partitionBy: the output table is created unpartitioned; partition it "
                               "with Iceberg's tools after its creation")
         output_table = w.table if "." in w.table else f"{location.namespace}.{w.table}"
-    callback = None if sink == "toTable" else _batch_callback(plan, w, sink, spark)
+    if sink in FILE_FORMATS:
+        callback = FileSink(spark, path, sink, options, w.partition_by, plan.ops)
+    else:
+        callback = None if sink == "toTable" else _batch_callback(plan, w, sink, spark)
     return start_stateful_query(
         plan.df, plan.keys, plan.processor, plan.output_schema, location=location, checkpoint_location=checkpoint,
         trigger=w.trigger, foreach_batch=callback, output_table=output_table, time_mode=plan.time_mode,
         initial_state=plan.initial, query_name=w.query_name, api=plan.api)
 
 
-def _sink_name(w: _Writer) -> str:
-    if w.sink is None:
-        raise DropInError("the writer has no sink: Spark's default, the file sink of spark.sql.sources.default, "
-                          "is not mapped onto icestate; use foreachBatch, foreach, console, memory, noop or toTable")
+def _sink_name(w: _Writer, spark: SparkSession) -> str:
+    if w.sink is None:  # Spark's default: the file sink of spark.sql.sources.default
+        w.sink = "format:" + spark.conf.get("spark.sql.sources.default", "parquet").lower()
     if w.sink.startswith("format:"):
         name = w.sink.removeprefix("format:")
         if name in ("console", "memory", "noop"):
             return name
-        if name in _FILE_FORMATS:
-            raise DropInError(f"the {name} file sink is not mapped onto icestate: write the files in "
-                              ".foreachBatch(lambda df, batch_id: ...) (at least once: dedupe by batch_id), or "
-                              "write an Iceberg table of the state catalog exactly once with .toTable(...)")
+        if name in FILE_FORMATS:
+            return name
         raise DropInError(f"the {name!r} sink is not mapped onto icestate: use foreachBatch, foreach, console, memory, "
-                          "noop or toTable")
+                          f"noop, toTable or a file sink ({', '.join(FILE_FORMATS)})")
     return w.sink
 
 
@@ -632,3 +647,117 @@ class _MemorySink:
         self._batches[batch_id] = table  # a batch run again replaces its rows
         whole = pa.concat_tables([self._batches[b] for b in sorted(self._batches)])
         self._spark.createDataFrame(whole, schema=rows.schema).createOrReplaceTempView(self._name)
+
+
+class FileSink:
+    """Spark's file sink (``FileStreamSink``), exactly once as Spark's: a batch's files are
+    written under a staging directory of the sink's (``_icestate_staging``: a name Spark's
+    readers skip), moved into the sink's directory, then listed in the batch's entry of the
+    sink's log ``_spark_metadata``, in Spark's format; a batch the log holds already (run again
+    after its state commit failed) is skipped. Spark's readers (``spark.read``,
+    ``spark.readStream`` of the directory, a second query) read only the files the log lists,
+    so files of an attempt that died before its entry are never read. Every
+    ``spark.sql.streaming.fileSink.log.compactInterval``-th entry is a compaction of the log
+    (``<id>.compact``: every entry so far), as Spark writes and reads it. Through the
+    driver's Hadoop filesystem: classic sessions."""
+
+    def __init__(self, spark: SparkSession, path: str, fmt: str, options: Mapping[str, str],
+                 partition_by: tuple[str, ...], ops):
+        self._spark, self._fmt, self._options, self._partition_by, self._ops = \
+            spark, fmt, dict(options), partition_by, ops
+        jvm = spark.sparkContext._jvm
+        self._jvm = jvm
+        self._root = jvm.org.apache.hadoop.fs.Path(path)
+        self._fs = self._root.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+        self._root = self._fs.makeQualified(self._root)
+        self._log = jvm.org.apache.hadoop.fs.Path(self._root, "_spark_metadata")
+        self._interval = int(spark.conf.get("spark.sql.streaming.fileSink.log.compactInterval", "10"))
+
+    def __call__(self, df: DataFrame, batch_id: int) -> None:
+        latest, compacted = self._latest()
+        if latest is not None and batch_id <= latest:
+            return  # this batch's files are in the log already (Spark's FileStreamSink.addBatch)
+        if compacted is not None and (compacted + 1) % self._interval:
+            raise DropInError(f"the sink log {self._log} was compacted at batch {compacted}, which does not fit "
+                              f"spark.sql.streaming.fileSink.log.compactInterval={self._interval}: set it to the "
+                              "interval the log was written with")
+        staging = self._jvm.org.apache.hadoop.fs.Path(self._root, f"_icestate_staging/{batch_id}-{uuid.uuid4().hex}")
+        writer = _apply(df, self._ops).write.format(self._fmt).options(**self._options).mode("errorifexists")
+        if self._partition_by:
+            writer = writer.partitionBy(*self._partition_by)
+        writer.save(staging.toString())
+        entries = []
+        prefix = staging.toUri().getPath().rstrip("/") + "/"
+        files = self._fs.listFiles(staging, True)
+        moves = []
+        while files.hasNext():
+            status = files.next()
+            relative = status.getPath().toUri().getPath().removeprefix(prefix)
+            if any(part.startswith(("_", ".")) for part in relative.split("/")):
+                continue  # _SUCCESS, checksums
+            moves.append((status, self._jvm.org.apache.hadoop.fs.Path(self._root, relative)))
+        for status, target in moves:
+            self._fs.mkdirs(target.getParent())
+            if not self._fs.rename(status.getPath(), target):
+                raise OSError(f"the file sink could not move {status.getPath()} to {target}")
+            moved = self._fs.getFileStatus(target)
+            entries.append({"path": moved.getPath().toUri().toString(), "size": moved.getLen(), "isDir": False,
+                            "modificationTime": moved.getModificationTime(),
+                            "blockReplication": moved.getReplication(), "blockSize": moved.getBlockSize(),
+                            "action": "add"})
+        if (batch_id + 1) % self._interval == 0:
+            entries = self._all_entries(batch_id) + entries
+            name = f"{batch_id}.compact"
+        else:
+            name = str(batch_id)
+        self._write_entry(name, entries)
+        self._fs.delete(staging, True)
+
+    def _latest(self) -> tuple[int | None, int | None]:
+        """The newest batch id of the log and its newest compaction's."""
+        if not self._fs.exists(self._log):
+            return None, None
+        ids, compacts = [], []
+        for status in self._fs.listStatus(self._log):
+            name = status.getPath().getName()
+            stem = name.removesuffix(".compact")
+            if stem.isdigit():
+                ids.append(int(stem))
+                if name.endswith(".compact"):
+                    compacts.append(int(stem))
+        return (max(ids) if ids else None), (max(compacts) if compacts else None)
+
+    def _all_entries(self, batch_id: int) -> list[dict]:
+        """Every entry before ``batch_id``: the newest compaction's, then the batches after it."""
+        _, compacted = self._latest()
+        entries = [] if compacted is None else self._read_entry(f"{compacted}.compact")
+        for b in range(0 if compacted is None else compacted + 1, batch_id):
+            entries += self._read_entry(str(b))
+        return entries
+
+    def _read_entry(self, name: str) -> list[dict]:
+        stream = self._fs.open(self._jvm.org.apache.hadoop.fs.Path(self._log, name))
+        try:
+            text = self._jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
+        finally:
+            stream.close()
+        lines = text.splitlines()
+        if not lines or lines[0] != "v1":
+            raise DropInError(f"the sink log entry {self._log}/{name} is not of Spark's version 1 (it starts with "
+                              f"{lines[:1]}): this sink's directory was written by another Spark version")
+        return [json.loads(line) for line in lines[1:] if line.strip()]
+
+    def _write_entry(self, name: str, entries: list[dict]) -> None:
+        """Write the entry under a temporary name, then rename it: a reader sees it whole or not at all;
+        a rename onto an existing entry fails (another writer)."""
+        self._fs.mkdirs(self._log)
+        temporary = self._jvm.org.apache.hadoop.fs.Path(self._log, f".{name}.{uuid.uuid4().hex}.tmp")
+        out = self._fs.create(temporary, False)
+        try:
+            text = "v1" + "".join("\n" + json.dumps(e, separators=(",", ":")) for e in entries)
+            out.write(bytearray(text.encode()))
+        finally:
+            out.close()
+        if not self._fs.rename(temporary, self._jvm.org.apache.hadoop.fs.Path(self._log, name)):
+            self._fs.delete(temporary, False)
+            raise OSError(f"the sink log entry {self._log}/{name} exists already: another query writes this sink")

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQueryListener
 
-from spark_integration import StateLocation, register, start_stateful_query
+from spark_integration import StateLocation, disable, enable, register, runner_of, start_stateful_query
 from tests.hostile import forged_envelopes
 from tests.integration import tws_processors as P
 from tests.integration.streaming_helpers import AsyncCountProcessor, FailingProcessor
@@ -96,6 +96,26 @@ def main(work: str, url: str) -> None:
     while len(listener.figures) < 3 and time.monotonic() < deadline:
         time.sleep(0.2)
     out["figures"] = listener.figures
+
+    # An existing job's own code after one call: the processor, a stateless operator after it,
+    # Spark's writer (spark_integration.dropin).
+    enable(spark, warehouse=f"{work}/wh-dropin")
+    seen_dropin = f"{work}/dropin.jsonl"
+
+    def record_dropin(df, batch_id):
+        with open(seen_dropin, "a") as f:
+            f.write(json.dumps([batch_id, sorted(list(r) for r in df.collect())]) + "\n")
+
+    query = (stream(files(f"{work}/in-d", ["aab", "bca"])).groupBy("key")
+             .transformWithState(P.CountsProcessor(), P.COUNTS_OUTPUT, "Update", "None")
+             .select("key", "count").writeStream.option("checkpointLocation", f"{work}/cp-d")
+             .trigger(availableNow=True).foreachBatch(record_dropin).start())
+    query.awaitTermination(240)
+    out["dropin_error"] = repr(query.exception())
+    out["dropin_table"] = runner_of(query).location.warehouse == f"{work}/wh-dropin"
+    disable(spark)
+    with open(seen_dropin) as f:
+        out["dropin"] = [json.loads(line) for line in f]
 
     # A processor's exception, as itself, when its message quotes an input value shaped like the
     # exception envelope (each forged form; loading any would create ``marker``).

@@ -193,8 +193,10 @@ def test_what_cannot_be_mapped_fails_with_what_to_do_and_disable_restores_spark(
         with pytest.raises(Exception, match="nope"):  # analysed at once, as Spark's operators are
             out.select("nope")
         writer = out.writeStream.option("checkpointLocation", str(tmp_path / "cp"))
-        with pytest.raises(DropInError, match=r"parquet file sink is not mapped.*foreachBatch"):
-            writer.format("parquet").start(str(tmp_path / "files"))
+        with pytest.raises(DropInError, match="the csv file sink needs a path"):
+            writer.format("csv").start()
+        with pytest.raises(DropInError, match="'kafka' sink is not mapped"):
+            writer.format("kafka").start()
         with pytest.raises(DropInError, match="'complete'"):
             out.writeStream.outputMode("complete").option("checkpointLocation", str(tmp_path / "cp")) \
                 .foreachBatch(lambda df, b: None).start()
@@ -231,3 +233,59 @@ def test_to_table_writes_the_output_table_exactly_once(spark, tmp_path, engines)
     finally:
         getattr(catalog, "close", lambda: None)()
     assert sorted(tuple(r.values()) for r in written.to_pylist()) == sorted(r for b in theirs.emitted() for r in b)
+
+
+COMPACT_INTERVAL = "spark.sql.streaming.fileSink.log.compactInterval"
+
+
+def test_a_file_sink_as_spark_read_by_a_second_stateful_query(spark, tmp_path, engines):
+    """Spark's parquet sink and ours, over three batches with the sink's log compacted every
+    second entry (as both write and read it): the same rows through Spark's reader of a sink's
+    directory (its log); then the route for a stateful operator after the processor, a second
+    query over the sink's directory, gives the same on both."""
+    input_dir = write_batches(tmp_path / "in", count_batches(4))
+    spark.conf.set(COMPACT_INTERVAL, "2")
+    try:
+        for engine in ("spark", "icestate"):
+            engines(lambda e=engine: counts_job(spark, input_dir, str(tmp_path / f"cp-files-{e}"),
+                                                lambda w: w.format("parquet").option("path", str(tmp_path / e))),
+                    engine)
+        def log(engine: str) -> list[str]:  # the entries (hidden files: the local filesystem's checksums)
+            return sorted(p.name for p in (tmp_path / engine / "_spark_metadata").iterdir() if p.name[0] != ".")
+
+        assert log("icestate") == log("spark") == ["0", "1.compact", "2", "3.compact"]
+        rows = {e: sorted(tuple(r) for r in spark.read.parquet(str(tmp_path / e)).collect())
+                for e in ("spark", "icestate")}
+        assert rows["spark"] and rows["icestate"] == rows["spark"]
+        second = {}
+        for engine in ("spark", "icestate"):
+            query = (spark.readStream.schema(spark.read.parquet(str(tmp_path / engine)).schema)
+                     .parquet(str(tmp_path / engine)).groupBy("parities").agg(F.max("count").alias("most"))
+                     .writeStream.format("memory").queryName(f"second_{engine}").outputMode("complete")
+                     .option("checkpointLocation", str(tmp_path / f"cp-second-{engine}"))
+                     .trigger(availableNow=True).start())
+            query.awaitTermination(120)
+            second[engine] = sorted(tuple(r) for r in spark.table(f"second_{engine}").collect())
+        assert second["spark"] and second["icestate"] == second["spark"]
+    finally:
+        spark.conf.unset(COMPACT_INTERVAL)
+
+
+def test_a_file_sink_batch_run_again_is_skipped_and_a_dead_attempts_files_are_never_read(spark, tmp_path):
+    """A batch whose state commit failed runs again with the same id: its files are listed in
+    the sink's log already, so nothing is written twice. An attempt that died before its log
+    entry leaves files that Spark's readers never see."""
+    from spark_integration.dropin import FileSink
+
+    path = tmp_path / "files"
+    sink = FileSink(spark, str(path), "parquet", {}, (), ())
+    batch = spark.createDataFrame([("a", 1), ("b", 2)], "key string, n long")
+    sink(batch, 0)
+    sink(batch, 0)  # run again after a failed commit
+    dead = path / "_icestate_staging" / "1-dead"
+    batch.write.parquet(str(dead))  # an attempt of batch 1 that died before it moved its files
+    batch.write.mode("append").parquet(str(path))  # or after it moved them, before its log entry
+    sink(spark.createDataFrame([("c", 3)], "key string, n long"), 1)
+    assert sorted(tuple(r) for r in spark.read.parquet(str(path)).collect()) == [("a", 1), ("b", 2), ("c", 3)]
+    assert sorted(p.name for p in (path / "_spark_metadata").iterdir() if p.name[0] != ".") == ["0", "1"]
+    assert (path / "_spark_metadata" / "0").read_text().startswith("v1\n{\"path\":\"file:")

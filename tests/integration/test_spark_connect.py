@@ -67,6 +67,9 @@ def test_stateful_queries_under_spark_connect(tmp_path: Path):
     # last batch's when Spark asks the sources again after it).
     assert {"0", "1"} <= set(got["figures"])
     assert got["figures"]["0"]["numRowsUpdated"] == 2 and got["figures"]["1"]["numEntriesTotal"] == 5
+    # An existing job's own code, switched by enable(spark, ...): on icestate, as Spark would emit.
+    assert got["dropin_error"] == "None" and got["dropin_table"] is True
+    assert got["dropin"] == [[0, [["a", 2], ["b", 1]]], [1, [["a", 3], ["b", 2], ["c", 1]]]]
     # A hostile input value in the processor's message ran no code (in the server's Python
     # process or the client), and the processor's exception came out as itself.
     assert got["marker_made"] is False
