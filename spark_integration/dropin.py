@@ -30,14 +30,14 @@ Settings (an argument of ``enable`` wins over the conf key):
 ``spark.icestate.catalog``         name of an Iceberg catalog (``.pyiceberg.yaml``, environment)
 ``spark.icestate.catalog.<prop>``  a property of that catalog (``uri``, ``s3.endpoint``, ...)
 ``spark.icestate.namespace``       namespace of the state tables (default ``state``)
-``spark.icestate.table``           state table of the next query started (default: below)
+``spark.icestate.table``           state table of the queries started while it is set
 ``spark.icestate.maxParallelism``  key groups of a new state table (default 128)
 ``spark.icestate.parallelism``     tasks per batch (default ``spark.sql.shuffle.partitions``)
 =================================  ==========================================================
 
-A query's state table is named after its ``queryName``, else after its checkpoint location
-(the directory's name and a digest of its path), so that a restart on the same checkpoint
-finds its state.
+A query's state table is named after its ``queryName`` (else its checkpoint directory) and a
+digest of its checkpoint location: the checkpoint decides which state a query resumes, as it
+does for Spark's state.
 
 ``disable(spark)`` gives the session back Spark's own operators (a running query is not
 touched).
@@ -288,6 +288,11 @@ class StatefulFrame:
         self._template().printSchema(level)
 
     def __getitem__(self, item):
+        from pyspark.sql import functions as F
+
+        if isinstance(item, str):  # a column by name, resolved against each batch (not the template)
+            self._template()[item]  # a wrong name fails here, as Spark's
+            return F.col("`" + item.replace("`", "``") + "`")
         return self._template()[item]
 
     def __repr__(self) -> str:
@@ -313,6 +318,8 @@ class StatefulFrame:
                               f"micro-batch loop of its own, so an operator that keeps state across batches (or "
                               f"orders or cuts the stream) cannot follow it in the same query. "
                               f"Instead, {_SECOND_QUERY}")
+        if not hasattr(DataFrame, name) and name in self.columns:  # a column, where Spark's gives one
+            return self[name]
         if hasattr(DataFrame, name):
             raise DropInError(f"{name} is not available on the output of transformWithState on icestate (a "
                               f"streaming DataFrame takes no actions; the stateless operators are "
@@ -357,7 +364,8 @@ class StatefulStreamWriter:
         return self
 
     def option(self, key: str, value) -> StatefulStreamWriter:
-        self._w.options[str(key)] = _option_text(value)
+        key = _KNOWN_OPTIONS.get(str(key).lower(), str(key))  # Spark's option keys ignore case
+        self._w.options[key] = _option_text(value)
         return self
 
     def options(self, **options) -> StatefulStreamWriter:
@@ -381,6 +389,8 @@ class StatefulStreamWriter:
                 continuous: str | None = None, availableNow: bool | None = None) -> StatefulStreamWriter:
         given = {k: v for k, v in (("processingTime", processingTime), ("once", once), ("continuous", continuous),
                                    ("availableNow", availableNow)) if v is not None}
+        if given.get("once") is False or given.get("availableNow") is False:
+            raise ValueError("trigger(once=...) and trigger(availableNow=...) take True only (as Spark)")
         if len(given) != 1:
             raise ValueError("trigger takes exactly one of processingTime, once, continuous, availableNow; "
                              f"got {given}")
@@ -395,7 +405,7 @@ class StatefulStreamWriter:
         return self
 
     def foreach(self, f) -> StatefulStreamWriter:
-        if not callable(f) and not hasattr(f, "process"):
+        if not callable(f) and not callable(getattr(f, "process", None)):
             raise TypeError("foreach takes a function of a row, or an object with a process(row) method")
         self._w.sink, self._w.function = "foreach", f
         return self
@@ -420,6 +430,9 @@ class StatefulStreamWriter:
         if format is not None and str(format).lower() != "iceberg":
             raise DropInError(f"toTable(format={format!r}): on icestate toTable writes an Iceberg table of the "
                               "state catalog; use foreachBatch to write another format")
+        if self._w.sink not in (None, "format:iceberg"):
+            raise DropInError(f"toTable after .format({self._w.sink.removeprefix('format:')!r}): on icestate toTable "
+                              "writes an Iceberg table of the state catalog")
         self._w.sink, self._w.table = "toTable", tableName
         return self.start(outputMode=outputMode, partitionBy=partitionBy, queryName=queryName, **options)
 
@@ -428,6 +441,9 @@ class StatefulStreamWriter:
             raise AttributeError(name)
         raise DropInError(f"writeStream.{name} is not mapped onto icestate; the writer takes "
                           "format, option(s), outputMode, queryName, trigger, foreachBatch, foreach, start and toTable")
+
+
+_KNOWN_OPTIONS = {k.lower(): k for k in ("checkpointLocation", "path", "numRows", "truncate")}
 
 
 def _option_text(value) -> str:
@@ -446,15 +462,18 @@ def _start(plan: _Plan, w: _Writer) -> StreamingQuery:
     if enabled is None:
         raise DropInError("icestate was disabled on this session after transformWithState was called; call it again")
     sink = _sink_name(w, spark)
-    mode = w.output_mode or plan.output_mode
+    mode = w.output_mode or "append"  # the query's mode: the writer's, Spark's default append
     if mode == "complete":
         raise DropInError("outputMode 'complete': transformWithState runs in 'Append' or 'Update' mode (as Spark)")
     if mode not in ("append", "update"):
         raise DropInError(f"outputMode {mode!r}: use 'append' or 'update'")
     options = dict(w.options)
-    checkpoint = options.pop("checkpointLocation", None) or _default_checkpoint(spark, w.query_name, sink)
+    checkpoint = options.pop("checkpointLocation", None)
     path = options.pop("path", None)
     if sink in FILE_FORMATS:
+        if mode != "append":
+            raise DropInError(f"outputMode {mode!r} with the {sink} file sink: file sinks take 'append' only (as "
+                              "Spark)")
         if path is None:
             raise DropInError(f"the {sink} file sink needs a path: start(path) or option('path', ...) (as Spark)")
         if getattr(spark, "session_id", None) is not None:
@@ -471,6 +490,7 @@ def _start(plan: _Plan, w: _Writer) -> StreamingQuery:
             raise DropInError(f"partitionBy for the {sink} sink, which writes no files")
     if sink == "memory" and not w.query_name:
         raise DropInError("the memory sink needs a queryName: it is the name of the table it fills (as Spark)")
+    checkpoint = checkpoint or _default_checkpoint(spark, w.query_name, sink)
     location = _location(spark, enabled, w.query_name, checkpoint)
     output_table = None
     if sink == "toTable":
@@ -527,6 +547,8 @@ def _default_checkpoint(spark: SparkSession, query_name: str | None, sink: str) 
 def _setting(spark: SparkSession, enabled: _Enabled, name: str) -> str | None:
     if name in enabled.settings:
         return enabled.settings[name]
+    if name in ("warehouse", "catalog") and ({"warehouse", "catalog"} & set(enabled.settings)):
+        return None  # enable() said where the state lives: neither conf key overrides it
     value = spark.conf.get(CONF_PREFIX + name, None)
     return value or None
 
@@ -558,12 +580,12 @@ def _location(spark: SparkSession, enabled: _Enabled, query_name: str | None, ch
 
 
 def state_table_name(query_name: str | None, checkpoint: str) -> str:
-    """The state table of a query: its name, else its checkpoint directory's name and a digest
-    of the checkpoint's path (a restart on the same checkpoint finds the same table)."""
-    if query_name:
-        return _identifier(query_name)
+    """The state table of a query: its name (else its checkpoint directory's name) and a digest
+    of its checkpoint's path. The checkpoint decides, as it decides for Spark's state: a restart
+    on the same checkpoint finds the same table whatever the query is called, and a query on a
+    new checkpoint starts with new state even under an old name."""
     digest = hashlib.sha256(checkpoint.rstrip("/").encode()).hexdigest()[:10]
-    stem = _identifier(checkpoint.rstrip("/").rsplit("/", 1)[-1]) or "query"
+    stem = _identifier(query_name or "") or _identifier(checkpoint.rstrip("/").rsplit("/", 1)[-1]) or "query"
     return f"{stem}_{digest}"
 
 
@@ -598,12 +620,12 @@ def _batch_callback(plan: _Plan, w: _Writer, sink: str, spark: SparkSession) -> 
             _apply(df, ops).write.format("noop").mode("overwrite").save()
         return nothing
     if sink == "memory":
-        return _MemorySink(spark, w.query_name, ops)
+        return _MemorySink(spark, w.query_name, ops, StatefulFrame(plan).schema)
     raise AssertionError(sink)
 
 
 def _foreach(writer, ops) -> Callable[[DataFrame, int], None]:
-    if not hasattr(writer, "process"):
+    if callable(writer):  # a function of a row (Spark's test: callable first)
         def each_row(df: DataFrame, batch_id: int) -> None:
             _apply(df, ops).foreach(writer)
         return each_row
@@ -635,9 +657,10 @@ class _MemorySink:
     readable with ``spark.table(name)`` / ``spark.sql``; kept in the driver (for tests and
     notebooks, as Spark's)."""
 
-    def __init__(self, spark: SparkSession, name: str, ops):
+    def __init__(self, spark: SparkSession, name: str, ops, schema: StructType):
         self._spark, self._name, self._ops = spark, name, ops
         self._batches: dict[int, Any] = {}
+        spark.createDataFrame([], schema).createOrReplaceTempView(name)  # queryable at once, as Spark's
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         import pyarrow as pa
@@ -693,10 +716,13 @@ class FileSink:
         while files.hasNext():
             status = files.next()
             relative = status.getPath().toUri().getPath().removeprefix(prefix)
-            if any(part.startswith(("_", ".")) for part in relative.split("/")):
-                continue  # _SUCCESS, checksums
+            if any(part.startswith(".") or (part.startswith("_") and "=" not in part)
+                   for part in relative.split("/")):
+                continue  # _SUCCESS, checksums (Spark's rule for hidden files: a partition's "_k=v" is not)
             moves.append((status, self._jvm.org.apache.hadoop.fs.Path(self._root, relative)))
         for status, target in moves:
+            if self._fs.exists(target):
+                raise OSError(f"the file sink's file {target} exists already: another query writes this sink")
             self._fs.mkdirs(target.getParent())
             if not self._fs.rename(status.getPath(), target):
                 raise OSError(f"the file sink could not move {status.getPath()} to {target}")
@@ -758,6 +784,7 @@ class FileSink:
             out.write(bytearray(text.encode()))
         finally:
             out.close()
-        if not self._fs.rename(temporary, self._jvm.org.apache.hadoop.fs.Path(self._log, name)):
+        entry = self._jvm.org.apache.hadoop.fs.Path(self._log, name)
+        if self._fs.exists(entry) or not self._fs.rename(temporary, entry):
             self._fs.delete(temporary, False)
             raise OSError(f"the sink log entry {self._log}/{name} exists already: another query writes this sink")

@@ -173,7 +173,9 @@ def test_conf_keys_name_the_warehouse_and_a_restart_continues_the_state(spark, t
                             warehouse=None)
         assert len(theirs.emitted()) == 2 and ours.emitted() == theirs.emitted()
         table = runner_of(query).table
-        assert table.identifier.endswith(".counts") and str(tmp_path / "wh-conf") in runner_of(query).location.warehouse
+        assert table.identifier.endswith("." + state_table_name("counts", str(tmp_path / "cp-ours")))
+        assert table.identifier.split(".")[-1].startswith("counts_")
+        assert str(tmp_path / "wh-conf") in runner_of(query).location.warehouse
     finally:
         spark.conf.unset("spark.icestate.warehouse")
 
@@ -289,3 +291,31 @@ def test_a_file_sink_batch_run_again_is_skipped_and_a_dead_attempts_files_are_ne
     assert sorted(tuple(r) for r in spark.read.parquet(str(path)).collect()) == [("a", 1), ("b", 2), ("c", 3)]
     assert sorted(p.name for p in (path / "_spark_metadata").iterdir() if p.name[0] != ".") == ["0", "1"]
     assert (path / "_spark_metadata" / "0").read_text().startswith("v1\n{\"path\":\"file:")
+
+
+def test_settings_precedence_option_case_and_columns_as_spark(spark, tmp_path):
+    """An argument of enable() wins over the conf keys (a conf catalog does not take the state
+    away from the warehouse given); option keys ignore case, as Spark's; the output's columns
+    are reachable as Spark's (``out["c"]``, ``out.c``); enabling one session leaves another alone."""
+    from spark_integration.dropin import _ENABLED, _location, _session_key
+
+    input_dir = write_batches(tmp_path / "in", count_batches(1))
+    spark.conf.set("spark.icestate.catalog", "production")
+    enable(spark, warehouse=str(tmp_path / "wh"))
+    try:
+        location = _location(spark, _ENABLED[_session_key(spark)], "q", str(tmp_path / "cp"))
+        assert location.catalog_name is None and location.warehouse == str(tmp_path / "wh")
+        assert location.table == state_table_name("q", str(tmp_path / "cp")) != state_table_name("q", "/other")
+        out = stream(spark, input_dir).groupBy("key").transformWithState(P.CountsProcessor(), P.COUNTS_OUTPUT,
+                                                                           "Update", "None")
+        assert str(out.filter(out["count"] > 1).filter(out.parity_keys > 0).columns) == str(out.columns)
+        with pytest.raises(Exception, match="nope"):
+            out["nope"]
+        writer = out.writeStream.option("CHECKPOINTLOCATION", str(tmp_path / "cp")).option("NumRows", 5)
+        assert writer._w.options == {"checkpointLocation": str(tmp_path / "cp"), "numRows": "5"}
+        other = spark.newSession()
+        assert not isinstance(stream(other, input_dir).groupBy("key").transformWithState(
+            P.CountsProcessor(), P.COUNTS_OUTPUT, "Update", "None"), StatefulFrame)
+    finally:
+        disable(spark)
+        spark.conf.unset("spark.icestate.catalog")
