@@ -13,9 +13,11 @@ bash scripts/setup.sh
 workers=${ICESTATE_TEST_WORKERS:-$(nproc)}
 if [ "$workers" -gt 4 ]; then workers=4; fi
 status=0
-# --maxschedchunk 1: each process is handed the next test (longest first) when it is free; by
-# default xdist hands each process a quarter of its share of consecutive tests at once, so the
-# first process got all the longest tests and ran them one after another.
-.venv/bin/python -m pytest -n "$workers" --dist load --maxschedchunk 1 "$@" || status=$?
+# loadfile: each process is handed the next test file when it is free, the files with the most
+# recorded seconds first (tests/conftest.py), a file's tests together (its module-scoped fixtures
+# set up once). xdist's "load" hands each process a quarter of its share of consecutive tests at
+# once: the first process got all the longest tests and ran them one after another.
+# --no-loadscope-reorder keeps the order tests/conftest.py gives.
+.venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@" || status=$?
 echo "scripts/test.sh: set up, linted and tested in $((SECONDS / 60)) min $((SECONDS % 60)) s (exit $status)"
 exit "$status"

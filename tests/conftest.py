@@ -11,9 +11,13 @@ its SQLAlchemy URI (with the password) is also published in ``pg_server.URI_ENV`
 
 The suite runs in parallel processes (``scripts/test.sh``: pytest-xdist), each with its own
 servers and Spark session. Tests are handed out longest first (``tests/durations.json``, the
-seconds each test took in a recorded run; a test not in it counts as its marker says), one at a
-time to whichever process is free (``--dist load --maxschedchunk 1``), so that the longest ones
-neither start last nor pile up in one process. ``ICESTATE_RECORD_DURATIONS=1`` rewrites the file from the run.
+seconds each test took in a recorded run; a test not in it counts as its marker says), file by
+file, the files with the most recorded seconds first, each file to whichever process is free
+(``--dist loadfile --no-loadscope-reorder``). A file's tests run together, one after another,
+in one process: spread out or interleaved with other files' tests, each process and each return
+to a file set its module-scoped fixtures up again (the killed
+drivers of ``test_driver_kill`` ran three times in one run). ``ICESTATE_RECORD_DURATIONS=1``
+rewrites the file from the run.
 The suite's wall time is reported at its end against its budget. ``ICESTATE_TEST_TIMELINE=FILE``
 writes each test's phases (start, stop, process) as JSON lines, to see where a run's time goes
 (``python -m tests.timeline FILE``).
@@ -60,6 +64,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "in the recorded run (tests/durations.json)")
 
 
+def _base_id(nodeid: str) -> str:
+    """A test's id without the ``@group`` that xdist's loadgroup appends."""
+    return nodeid.split("@")[0] if nodeid.rfind("@") > nodeid.rfind("]") else nodeid
+
+
+def _file_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
+
+
 def _recorded_durations() -> dict[str, float]:
     try:
         recorded = json.loads(DURATIONS.read_text())
@@ -75,15 +88,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     recorded = _recorded_durations()
 
     def expected_s(item: pytest.Item) -> float:
-        if item.nodeid in recorded:
-            return recorded[item.nodeid]
+        base = _base_id(item.nodeid)
+        if base in recorded:
+            return recorded[base]
         return _UNKNOWN_SLOW_S if item.get_closest_marker("slow") is not None else _UNKNOWN_S
 
-    items.sort(key=expected_s, reverse=True)
+    # A file's tests stay together, in file order (their module-scoped fixtures are set up once),
+    # the files ranked by their total: xdist hands out whole files (--dist loadfile).
+    totals: dict[str, float] = {}
+    for item in items:
+        totals[_file_of(item)] = totals.get(_file_of(item), 0.0) + expected_s(item)
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-totals[_file_of(item)], _file_of(item), order[id(item)]))
     if config.getoption("fast"):
         def fast(item: pytest.Item) -> bool:
             return (item.get_closest_marker("spark") is None and item.get_closest_marker("slow") is None
-                    and recorded.get(item.nodeid, 0.0) < FAST_TEST_S)
+                    and recorded.get(_base_id(item.nodeid), 0.0) < FAST_TEST_S)
 
         kept = [item for item in items if fast(item)]
         if len(kept) < len(items):
@@ -93,13 +113,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # On the controller, the workers' reports of setup, call and teardown.
-    _durations_taken[report.nodeid] = _durations_taken.get(report.nodeid, 0.0) + report.duration
+    test = _base_id(report.nodeid)
+    _durations_taken[test] = _durations_taken.get(test, 0.0) + report.duration
     timeline = os.environ.get("ICESTATE_TEST_TIMELINE")
     if timeline and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller's copy of the report
         node = getattr(report, "node", None)
         worker = node.gateway.id if node is not None else "main"
         with open(timeline, "a") as f:
-            f.write(json.dumps({"test": report.nodeid, "when": report.when, "start": report.start,
+            f.write(json.dumps({"test": test, "when": report.when, "start": report.start,
                                 "stop": report.stop, "worker": worker}) + "\n")
 
 
