@@ -83,7 +83,6 @@ _SECOND_QUERY = (
     "write this query's output with a file sink (.writeStream.format('parquet').option('path', p), exactly once, "
     "read by Spark as its own sink's output) and run the operator in a second query over it "
     "(spark.readStream.schema(...).parquet(p)...), or apply it to each batch inside .foreachBatch(...)")
-SINKS = ("foreachBatch", "foreach", "console", "memory", "noop", "toTable", "parquet", "json", "csv", "orc", "text")
 _SINK_OPTIONS = {"console": {"numRows", "truncate"}, "memory": set(), "noop": set(), "foreachBatch": set(),
                  "foreach": set(), "toTable": set()}
 # Spark's file sinks (FileStreamSink): their options go to the format's writer, as Spark's.
@@ -732,7 +731,7 @@ class FileSink:
                             "blockReplication": moved.getReplication(), "blockSize": moved.getBlockSize(),
                             "action": "add"})
         if (batch_id + 1) % self._interval == 0:
-            entries = self._all_entries(batch_id) + entries
+            entries = self._all_entries(batch_id, compacted) + entries
             name = f"{batch_id}.compact"
         else:
             name = str(batch_id)
@@ -753,9 +752,9 @@ class FileSink:
                     compacts.append(int(stem))
         return (max(ids) if ids else None), (max(compacts) if compacts else None)
 
-    def _all_entries(self, batch_id: int) -> list[dict]:
-        """Every entry before ``batch_id``: the newest compaction's, then the batches after it."""
-        _, compacted = self._latest()
+    def _all_entries(self, batch_id: int, compacted: int | None) -> list[dict]:
+        """Every entry before ``batch_id``: the newest compaction's (``compacted``), then the
+        batches after it."""
         entries = [] if compacted is None else self._read_entry(f"{compacted}.compact")
         for b in range(0 if compacted is None else compacted + 1, batch_id):
             entries += self._read_entry(str(b))
