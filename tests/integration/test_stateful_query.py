@@ -653,16 +653,20 @@ def test_a_runner_keeps_as_many_batch_reports_as_spark_keeps_progress_updates(sp
 
 
 class ProgressListener(StreamingQueryListener):
-    """Every progress event of every query, as a listener of Spark's gets them."""
+    """The progress events of the queries started after it was added, as a listener of Spark's
+    gets them. The bus delivers asynchronously, so a late event of a query stopped before the
+    listener was added can still arrive: it is left out by the query's id."""
 
     def __init__(self) -> None:
+        self.started: set[str] = set()
         self.progress: list = []
 
     def onQueryStarted(self, event) -> None:
-        pass
+        self.started.add(str(event.id))
 
     def onQueryProgress(self, event) -> None:
-        self.progress.append(event.progress)
+        if str(event.progress.id) in self.started:
+            self.progress.append(event.progress)
 
     def onQueryIdle(self, event) -> None:
         pass
