@@ -8,7 +8,8 @@ state over a few hundred string keys at 1 to 4 tasks: per batch it writes, flush
 task's store, commits the checkpoint (retention keeps 2 checkpoints, so every commit expires
 one and deletes its files) and, every third batch, compacts the table through a second table
 object as the compactor process does. The harness SIGKILLs the writer at a seeded moment of
-its run (uniform over the duration of an uninterrupted run, measured first), then checks
+its run (a seeded phase among those an uninterrupted run, measured first, goes through, then a
+seeded part of a phase's mean time: paced by the writer, not the clock), then checks
 what it left: the newest checkpoint opens in a fresh table object, holds the batch it says
 and exactly the state a pure-Python model computes for that batch, and every file it
 references exists. It then restarts the writer at another seeded parallelism (a rescale),
@@ -265,6 +266,15 @@ def _wait_started(proc: subprocess.Popen, phase_file: Path, before: int) -> None
         time.sleep(0.01)
 
 
+def _wait_phases(proc: subprocess.Popen, phase_file: Path, count: int) -> None:
+    """Until the phase file holds ``count`` lines or the writer exited."""
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        if phase_file.exists() and len(phase_file.read_text().splitlines()) >= count:
+            return
+        time.sleep(0.005)
+
+
 def _run_to_end(warehouse: Path, seed: int, parallelism: int, phase_file: Path, log: Path) -> float:
     """Run the writer to the end; returns the seconds from its table being open to its exit."""
     before = len(phase_file.read_text().splitlines()) if phase_file.exists() else 0
@@ -319,10 +329,17 @@ def _sweep_an_hour_later(warehouse: Path) -> int:
     return len(before) - len(after)
 
 
-def run_iteration(root: Path, index: int, seed: int, kills: int, duration_s: float,
+def run_iteration(root: Path, index: int, seed: int, kills: int, reference: tuple[int, float],
                   rng: random.Random) -> Iteration:
     """One iteration: kill the writer ``kills`` times at seeded moments, check after each, run
-    to the end, check against the model, sweep an hour later."""
+    to the end, check against the model, sweep an hour later.
+
+    ``reference`` is the uninterrupted run's phase count and seconds. A kill is paced by the
+    writer's own phases, not by the clock: a seeded phase among those left, then a seeded part of
+    a phase's mean time. Timed from the start alone, every kill of a writer that ran faster than
+    the reference (a machine less loaded than when it was timed) landed after its end."""
+    ref_phases, duration_s = reference
+    phase_s = duration_s / max(ref_phases, 1)
     started = time.perf_counter()
     it = Iteration(index, seed)
     where = root / f"it{index:04d}"
@@ -332,13 +349,15 @@ def run_iteration(root: Path, index: int, seed: int, kills: int, duration_s: flo
         resumes_at = 0  # the batch the next writer starts with
         for kill in range(kills):
             parallelism = rng.choice(PARALLELISMS)
-            # Uniform over what is left of an uninterrupted run (plus its closing), so kills land
-            # while the restarted writer still works.
-            delay = rng.uniform(0.0, duration_s * (BATCHES - resumes_at + 1) / (BATCHES + 1))
+            # Uniform over the phases left of an uninterrupted run (plus its closing), so kills
+            # land while the restarted writer still works.
+            left = max(1, round(ref_phases * (BATCHES - resumes_at + 1) / (BATCHES + 1)))
+            after_phases, delay = rng.randrange(left), rng.uniform(0.0, phase_s)
             before = len(phase_file.read_text().splitlines()) if phase_file.exists() else 0
             proc = _start_child(warehouse, seed, parallelism, phase_file, log)
             try:
                 _wait_started(proc, phase_file, before)
+                _wait_phases(proc, phase_file, before + 1 + after_phases)
                 time.sleep(delay)
                 phase = _last_phase(phase_file)
                 with contextlib.suppress(ProcessLookupError):
@@ -353,7 +372,8 @@ def run_iteration(root: Path, index: int, seed: int, kills: int, duration_s: flo
                 raise AssertionError(f"the writer exited with {code} before its kill: {_tail(log)}")
             batch, _ = _check(warehouse, seed, f"after kill {kill + 1} ({phase})")
             resumes_at = batch + 1
-            it.kills.append({"delay_s": round(delay, 3), "phase": phase.split()[-1] if code else "finished",
+            it.kills.append({"after_phases": after_phases, "delay_s": round(delay, 3),
+                             "phase": phase.split()[-1] if code else "finished",
                              "at_batch": int(phase.split()[0]) if phase[0].isdigit() else None,
                              "checkpoint_batch": batch, "parallelism": parallelism})
             if code == 0:
@@ -379,13 +399,14 @@ def run_store(iterations: int, kills: int, seed: int, root: Path, only: int | No
     ref.mkdir(parents=True, exist_ok=True)
     duration = _run_to_end(ref / "warehouse", seed, 2, ref / "phases", ref / "writer.log")
     _check(ref / "warehouse", seed, "the uninterrupted run")
-    harness.console.print(f"uninterrupted run: {duration:.1f} s for {BATCHES} batches once its table is open; "
-                          "killing within that")
+    ref_phases = len((ref / "phases").read_text().splitlines())
+    harness.console.print(f"uninterrupted run: {duration:.1f} s, {ref_phases} phases for {BATCHES} batches once its "
+                          "table is open; killing within those phases")
     results_name, results = results, []
     todo = [only] if only is not None else range(iterations)
     for index in harness.progress(todo, f"{len(todo)} iterations x {kills} kills"):
         rng = random.Random(f"{seed}:{index}")
-        it = run_iteration(root, index, rng.randrange(2**31), kills, duration, rng)
+        it = run_iteration(root, index, rng.randrange(2**31), kills, (ref_phases, duration), rng)
         results.append(it)
         if it.failure:
             harness.console.print(f"[red]iteration {index} failed[/red] (replay: --seed {seed} --only {index}): "
@@ -400,7 +421,8 @@ def run_store(iterations: int, kills: int, seed: int, root: Path, only: int | No
                                  if a["parallelism"] != b["parallelism"]),
         "failures": [{"index": it.index, "failure": it.failure} for it in results if it.failure],
         "garbage_swept_an_hour_later": sum(it.garbage_swept for it in results),
-        "uninterrupted_run_s": round(duration, 2), "seconds": round(time.perf_counter() - started, 1),
+        "uninterrupted_run_s": round(duration, 2), "uninterrupted_run_phases": ref_phases,
+        "seconds": round(time.perf_counter() - started, 1),
         "batches": BATCHES, "keys": KEYS, "retain_checkpoints": RETAIN, "compact_every": COMPACT_EVERY,
         "machine": harness.machine_info(),
     }
