@@ -111,6 +111,60 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             items[:] = kept
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds of this process and every process under it (its JVM, Python workers, drivers
+    in subprocesses), with those of the children they reaped: read from /proc (Linux only)."""
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        stats[int(entry.name)] = (int(fields[1]), sum(int(v) for v in fields[11:15]) / _CLOCK_TICKS)
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0.0))[1]
+        todo += children.get(pid, [])
+    return total
+
+
+_TIMELINE_CPU = bool(os.environ.get("ICESTATE_TEST_TIMELINE")) and os.path.isdir("/proc")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    # With the timeline on, each phase's CPU seconds (the worker's process tree) go to the
+    # controller with the report; a phase's start is the previous phase's end.
+    outcome = yield
+    if not _TIMELINE_CPU:
+        return
+    now = _tree_cpu_s()
+    before = item.stash.get(_CPU_KEY, now) if call.when != "setup" else item.stash.get(_CPU_START_KEY, now)
+    item.stash[_CPU_KEY] = now
+    outcome.get_result().user_properties.append(("cpu_s", round(now - before, 2)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    if _TIMELINE_CPU:
+        item.stash[_CPU_START_KEY] = _tree_cpu_s()
+    yield
+
+
+_CPU_KEY = pytest.StashKey[float]()
+_CPU_START_KEY = pytest.StashKey[float]()
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # On the controller, the workers' reports of setup, call and teardown.
     test = _base_id(report.nodeid)
@@ -120,8 +174,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         node = getattr(report, "node", None)
         worker = node.gateway.id if node is not None else "main"
         with open(timeline, "a") as f:
+            cpu = dict(report.user_properties).get("cpu_s")
             f.write(json.dumps({"test": test, "when": report.when, "start": report.start,
-                                "stop": report.stop, "worker": worker}) + "\n")
+                                "stop": report.stop, "worker": worker, "cpu_s": cpu}) + "\n")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

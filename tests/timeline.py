@@ -1,6 +1,7 @@
 """Where a test run's time went, from the lines ``ICESTATE_TEST_TIMELINE=FILE`` wrote
 (``tests/conftest.py``): per process, the time in tests against the run's span, the gaps
-between tests, and the longest tests and modules.
+between tests, the longest tests and modules, and those that used the most CPU (each test
+process's own and that of every process under it: its JVM, workers, drivers it started).
 
     python -m tests.timeline FILE
 """
@@ -43,6 +44,21 @@ def main(path: str) -> None:
     print("longest tests:")
     for name, s in per_test.most_common(15):
         print(f"  {s:7.1f} s  {name}")
+    cpu_module, cpu_test = collections.Counter(), collections.Counter()
+    for r in rows:
+        if r.get("cpu_s") is not None:
+            cpu_module[r["test"].split("::")[0]] += r["cpu_s"]
+            cpu_test[r["test"]] += r["cpu_s"]
+    if cpu_module:
+        total = sum(cpu_module.values())
+        print(f"CPU of the processes under each test's process: {total / 60:.1f} min in all "
+              f"({total / (end - begin):.2f} cores on average over the span)")
+        print("modules using most CPU (CPU s, wall s):")
+        for name, s in cpu_module.most_common(25):
+            print(f"  {s:7.1f}  {per_module[name]:7.1f}  {name}")
+        print("tests using most CPU (CPU s, wall s):")
+        for name, s in cpu_test.most_common(15):
+            print(f"  {s:7.1f}  {per_test[name]:7.1f}  {name}")
 
 
 if __name__ == "__main__":
