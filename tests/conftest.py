@@ -37,13 +37,14 @@ from pathlib import Path
 
 import pytest
 
-from tests import pg_server, s3_server
+from tests import jvm_archive, pg_server, s3_server
 
 # Every JVM the tests start (the shared Spark sessions, drivers in subprocesses, the standalone
-# cluster, the Connect server) compiles with C1 alone: short-lived JVMs over small data then spend
-# less of the two cores in C2's compiler threads (Spark's semantics module: 157 -> 133 s). A
-# user's JVMs are not touched; ICESTATE_TEST_JDK_OPTIONS="" keeps the JVM's default.
-os.environ.setdefault("JDK_JAVA_OPTIONS", os.environ.get("ICESTATE_TEST_JDK_OPTIONS", "-XX:TieredStopAtLevel=1"))
+# cluster, the Connect server) compiles with C1 alone, collects with the serial collector and maps
+# the classes Spark loads from a class-data-sharing archive when ``python -m tests.jvm_archive``
+# (scripts/test.sh) wrote one (``tests/jvm_archive.py``: a fresh session's CPU 16-17 -> 10 s). A
+# user's JVMs are not touched; ICESTATE_TEST_JDK_OPTIONS="" keeps the JVM's defaults.
+os.environ.setdefault("JDK_JAVA_OPTIONS", os.environ.get("ICESTATE_TEST_JDK_OPTIONS", jvm_archive.jvm_options()))
 if not os.environ["JDK_JAVA_OPTIONS"]:
     del os.environ["JDK_JAVA_OPTIONS"]
 
@@ -111,31 +112,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             items[:] = kept
 
 
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
 def _tree_cpu_s() -> float:
-    """CPU seconds of this process and every process under it (its JVM, Python workers, drivers
-    in subprocesses), with those of the children they reaped: read from /proc (Linux only)."""
-    stats: dict[int, tuple[int, float]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        stats[int(entry.name)] = (int(fields[1]), sum(int(v) for v in fields[11:15]) / _CLOCK_TICKS)
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
-    total, todo = 0.0, [os.getpid()]
-    while todo:
-        pid = todo.pop()
-        total += stats.get(pid, (0, 0.0))[1]
-        todo += children.get(pid, [])
-    return total
+    """CPU seconds of this process and every live process under it (its JVM, Python workers,
+    drivers in subprocesses), with those of the children they reaped (Linux only)."""
+    from benchmarks.streaming.cpu import process_tree_cpu_s
+
+    return process_tree_cpu_s(os.getpid())
+
+
+def _machine_busy_s() -> float:
+    from benchmarks.streaming.cpu import machine_cpu_s
+
+    return machine_cpu_s()[0]
 
 
 _TIMELINE_CPU = bool(os.environ.get("ICESTATE_TEST_TIMELINE")) and os.path.isdir("/proc")
@@ -151,7 +139,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     now = _tree_cpu_s()
     before = item.stash.get(_CPU_KEY, now) if call.when != "setup" else item.stash.get(_CPU_START_KEY, now)
     item.stash[_CPU_KEY] = now
-    outcome.get_result().user_properties.append(("cpu_s", round(now - before, 2)))
+    report = outcome.get_result()
+    report.user_properties += [("cpu_s", round(now - before, 2)), ("machine_busy_s", _machine_busy_s())]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -174,9 +163,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         node = getattr(report, "node", None)
         worker = node.gateway.id if node is not None else "main"
         with open(timeline, "a") as f:
-            cpu = dict(report.user_properties).get("cpu_s")
-            f.write(json.dumps({"test": test, "when": report.when, "start": report.start,
-                                "stop": report.stop, "worker": worker, "cpu_s": cpu}) + "\n")
+            props = dict(report.user_properties)
+            f.write(json.dumps({"test": test, "when": report.when, "start": report.start, "stop": report.stop,
+                                "worker": worker, "cpu_s": props.get("cpu_s"),
+                                "machine_busy_s": props.get("machine_busy_s")}) + "\n")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

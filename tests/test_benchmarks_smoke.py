@@ -1,6 +1,6 @@
 """Smoke test of the benchmarks, so that a change that breaks one fails CI rather than the next
-benchmark run: every module of ``benchmarks`` imports, and ``bench_store``, ``remote_storage``
-and ``bench_restart_reads`` (moto's S3 server and our proxy, started by the run) run end to end
+benchmark run: every module of ``benchmarks`` imports, and ``remote_storage``, ``bench_restart_reads``
+(moto's S3 server and our proxy, started by the run) and ``bench_inspect`` run end to end
 through their command lines at tiny sizes (no Spark), as does the whole suite
 (``benchmarks.suite``) in its tiny mode, writing their JSON and plots to a temporary folder,
 never over the recorded results.
@@ -30,25 +30,6 @@ def test_the_package_lists_every_benchmark():
 @pytest.mark.parametrize("name", MODULES)
 def test_module_imports(name):
     importlib.import_module(name)
-
-
-def test_bench_store_runs_end_to_end(tmp_path, monkeypatch):
-    pytest.importorskip("rocksdict")
-    pytest.importorskip("matplotlib")
-    from benchmarks import bench_store
-
-    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
-    app = typer.Typer()
-    app.command()(bench_store.main)
-    # many >= 15: the commit-growth figure takes the median of checkpoints 5-15.
-    args = ["--big", "2000", "--small", "500", "--lookup", "1000", "--delta", "100", "--many", "16", "--repeat", "1"]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
-    results = json.loads((tmp_path / "bench_store.json").read_text())
-    assert results["lookup"]["state_keys"] == 2000
-    assert results["checkpoint_restore"]["big"]["delta_keys"] == 100
-    assert len(results["commit_growth"]["commit_s_all"]) == 16
-    assert (tmp_path / "bench_store.png").stat().st_size > 0
 
 
 def test_remote_storage_runs_end_to_end(tmp_path, monkeypatch):
@@ -169,6 +150,12 @@ def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
                     "async processor on S3: events/s / the synchronous runner on S3",
                     "async processor, fully cached: CPU per event / the synchronous runner's"):
         assert rows[measure]["value"] > 0, rows[measure]
+    # The store step (bench_store at its tiny sizes; many >= 15: the commit-growth figure takes the
+    # median of checkpoints 5-15).
+    store = json.loads((tmp_path / "bench_store.json").read_text())
+    assert store["lookup"]["state_keys"] == 2000
+    assert store["checkpoint_restore"]["big"]["delta_keys"] == 100
+    assert len(store["commit_growth"]["commit_s_all"]) == 16
     runs = json.loads((tmp_path / "bench_async.json").read_text())["runs"]
     assert set(runs) == {f"{where}, {runner}" for where in ("local cached", "s3 small cache")
                          for runner in ("sync", "async")}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -49,6 +50,11 @@ def main(path: str) -> None:
         if r.get("cpu_s") is not None:
             cpu_module[r["test"].split("::")[0]] += r["cpu_s"]
             cpu_test[r["test"]] += r["cpu_s"]
+    busy = sorted((r["stop"], r["machine_busy_s"]) for r in rows if r.get("machine_busy_s") is not None)
+    if len(busy) > 1 and busy[-1][0] > busy[0][0]:
+        cores = os.cpu_count() or 1
+        fraction = (busy[-1][1] - busy[0][1]) / (busy[-1][0] - busy[0][0]) / cores
+        print(f"the machine's {cores} cores were {fraction:.0%} busy over the run (all processes, from /proc/stat)")
     if cpu_module:
         total = sum(cpu_module.values())
         print(f"CPU of the processes under each test's process: {total / 60:.1f} min in all "
