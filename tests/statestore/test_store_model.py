@@ -690,3 +690,4 @@ TestIceberg.settings = settings(MODEL_SETTINGS, max_examples=5, stateful_step_co
 # Each over 7 s on the reference machine: left out of the fast tier (scripts/test.sh --fast).
 for _case in (TestStringKeys, TestPairKeys, TestPartialViews, TestUnhashedLookups, TestTwoWorkers, TestIceberg):
     _case.pytestmark = [pytest.mark.slow]
+del _case  # a module-level name bound to a TestCase is collected again: TestIceberg ran twice
