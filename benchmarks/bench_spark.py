@@ -128,6 +128,8 @@ def main(
     scaling_keys: str = typer.Option("1000000,5000000,20000000",
                                      help="state sizes (keys, comma-separated) of the scaling scenario"),
     state_batch_events: int = typer.Option(200_000, help="events per update batch of the scaling and cache scenarios"),
+    state_batches: str = typer.Option("", help="insert,update batches of the scaling and cache scenarios' state "
+                                               "(default 4,3 for scaling and 4,5 for the cache)"),
     small_restart_events: int = typer.Option(1_000, help="events of the small first batch after a restart (scaling)"),
     cache_keys: int = typer.Option(20_000_000, help="keys of the state of the cache scenario"),
     cache_fractions: str = typer.Option("1,0.3,0.1", help="cache bounds of the cache scenario, as fractions of the "
@@ -152,6 +154,15 @@ def main(
         report_from.write_text(json.dumps(results, indent=2, default=str))
         finish(results, report_from.with_suffix(".png"))
         return
+    state_shape: dict[str, int] = {}  # batches of the scaling and cache scenarios' state
+    if state_batches:
+        try:
+            build, steady = (int(n) for n in state_batches.split(","))
+        except ValueError:
+            raise typer.BadParameter(f"--state-batches {state_batches!r}: give two counts, e.g. 4,3") from None
+        if build < 1 or steady < 1:
+            raise typer.BadParameter(f"--state-batches {state_batches!r}: both counts must be at least 1")
+        state_shape = {"build": build, "steady": steady}
     if quick:  # the small data set only, no reruns, short waits: a smoke run of every code path
         events, keys, batches, small_events, small_keys, restart_keys = 100_000, 10_000, 5, 20_000, 2_000, 100_000
         reruns, quiet_wait = 0, min(quiet_wait, 20)
@@ -211,11 +222,11 @@ def main(
         if "scaling" in scenarios:
             sizes = [int(k) for k in scaling_keys.split(",") if k.strip()]
             results["scaling"] = run_scaling(runner, sizes, state_batch_events, small_restart_events, rescale_to,
-                                             ours_restart_impl, ours_reason)
+                                             ours_restart_impl, ours_reason, **state_shape)
         if "cache" in scenarios:
             fractions = [float(f) for f in cache_fractions.split(",") if f.strip() and float(f) != 1]
             results["cache"] = run_cache(runner, cache_keys, state_batch_events, fractions, ours_restart_impl,
-                                         ours_reason)
+                                         ours_reason, **state_shape)
         results["finished"] = datetime.now(UTC).isoformat()
         results["total_s"] = time.perf_counter() - t_start
         if remote is not None:

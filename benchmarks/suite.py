@@ -93,7 +93,8 @@ STEPS = (
          {"tiny": [*_SPARK_COMMON, "--workloads", "throughput,scaling,cache", "--datasets", "main",
                    "--only", "spark-floor-count,ours-vectorized", "--events", "20000",
                    "--keys", "2000", "--batches", "3", "--scaling-keys", "3000", "--state-batch-events", "2000",
-                   "--small-restart-events", "50", "--cache-keys", "3000", "--cache-fractions", "0.1",
+                   "--state-batches", "2,1", "--small-restart-events", "50", "--cache-keys", "3000",
+                   "--cache-fractions", "0.1",
                    "--reruns", "0", "--quiet-wait", "0", "--timeout", "300", "--one-driver"],
           "quick": [*_SPARK_COMMON, "--workloads", "throughput,scaling,cache", "--datasets", "main",
                     "--only", "spark-floor-count,spark-floor-repartition,spark-count-rocksdb,spark-count-hdfs,"

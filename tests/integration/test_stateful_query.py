@@ -38,6 +38,7 @@ from statestore.errors import (
     UnsupportedKeyTypeError,
 )
 from tests.hostile import forged_envelopes
+from tests.integration.conftest import SPARK_CONF
 from tests.integration.streaming_helpers import (
     PROFILE_OUTPUT,
     PROVIDER_CONF,
@@ -55,6 +56,8 @@ from tests.integration.streaming_helpers import (
     stream,
     write_batches,
 )
+
+SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 
 
 @pytest.fixture
@@ -100,6 +103,7 @@ def test_same_processor_same_output_as_spark_transform_with_state(spark, tmp_pat
     input_dir = write_batches(tmp_path / "in", key_batches(3, 60, 23))
     spark_rows: list[tuple] = []
     spark.conf.set(PROVIDER_CONF, ROCKSDB)
+    spark.conf.set(SHUFFLE_PARTITIONS, "1")  # one Python runner and RocksDB store per batch, not four
     try:
         out = stream(spark, input_dir).groupBy("key").transformWithState(ProfileProcessor(), PROFILE_OUTPUT,
                                                                           "Update", "None")
@@ -109,6 +113,7 @@ def test_same_processor_same_output_as_spark_transform_with_state(spark, tmp_pat
         assert q.exception() is None
     finally:
         spark.conf.unset(PROVIDER_CONF)
+        spark.conf.set(SHUFFLE_PARTITIONS, SPARK_CONF[SHUFFLE_PARTITIONS])
     ours, collect = collector()
     run_to_end(spark, input_dir, ProfileProcessor(), PROFILE_OUTPUT, location=where(),
                checkpoint=str(tmp_path / "cp-ours"), foreach_batch=collect)
@@ -124,6 +129,7 @@ def test_the_change_feed_per_batch_equals_spark_state_readers(spark, tmp_path, w
     changelog = "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"
     spark.conf.set(PROVIDER_CONF, ROCKSDB)
     spark.conf.set(changelog, "true")
+    spark.conf.set(SHUFFLE_PARTITIONS, "1")
     try:
         out = stream(spark, input_dir).groupBy("key").transformWithState(CountProcessor(), "key string, count long",
                                                                           "Update", "None")
@@ -138,6 +144,7 @@ def test_the_change_feed_per_batch_equals_spark_state_readers(spark, tmp_path, w
     finally:
         spark.conf.unset(PROVIDER_CONF)
         spark.conf.unset(changelog)
+        spark.conf.set(SHUFFLE_PARTITIONS, SPARK_CONF[SHUFFLE_PARTITIONS])
     loc = where()
     run_to_end(spark, input_dir, CountProcessor(), "key string, count long", location=loc,
                checkpoint=str(tmp_path / "cp-ours"))
