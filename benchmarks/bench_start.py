@@ -16,6 +16,9 @@ progress ``timestamp`` of batch 0), to the end of the query (the last batch comm
 ``awaitTermination`` returned). Medians over ``repeat`` runs, the implementations in turn in each
 round; the ratios divide ours by Spark's medians of the same run.
 
+``--one-driver`` (the suite's tiny mode, a smoke run of every code path) runs the three in one
+driver process per round: only the first starts fresh, so its figures do not compare.
+
 Prints a table, writes ``bench_start.json`` and ``bench_start.png`` to the results folder.
 Run: ``.venv/bin/python -m benchmarks.bench_start`` (``--repeat 1`` for a smoke run).
 """
@@ -105,16 +108,19 @@ def _job(impl: str, scratch: Path, rows: int, keys: int) -> dict:
     return out
 
 
-def _run_job(impl: str, rows: int, keys: int, timeout: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix=f"bench-start-{impl}-") as scratch:
-        command = [sys.executable, "-m", "benchmarks.bench_start", "--job", impl, "--scratch", scratch,
+def _run_jobs(impls: list[str], rows: int, keys: int, timeout: float) -> list[dict]:
+    """One driver process running ``impls`` one after another (each a fresh SparkSession; only
+    the first a fresh JVM and fresh Python workers); their figures, in order."""
+    with tempfile.TemporaryDirectory(prefix="bench-start-") as scratch:
+        command = [sys.executable, "-m", "benchmarks.bench_start", "--job", ",".join(impls), "--scratch", scratch,
                    "--rows", str(rows), "--keys", str(keys)]
-        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=repo_env(), timeout=timeout)
+        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=repo_env(),
+                              timeout=timeout * len(impls))
     lines = [line for line in done.stdout.splitlines() if line.startswith(_MARK)]
-    if done.returncode != 0 or not lines:
+    if done.returncode != 0 or len(lines) != len(impls):
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-        raise RuntimeError(f"the {impl} job failed (exit {done.returncode}):\n{tail}")
-    return json.loads(lines[-1][len(_MARK):])
+        raise RuntimeError(f"the {', '.join(impls)} driver failed (exit {done.returncode}):\n{tail}")
+    return [json.loads(line[len(_MARK):]) for line in lines]
 
 
 def _summary(runs: list[dict]) -> dict:
@@ -150,20 +156,30 @@ def main(
     rows: Annotated[int, typer.Option(help="Input rows (one Parquet file).")] = 200,
     keys: Annotated[int, typer.Option(help="Distinct keys of the input.")] = 50,
     timeout: Annotated[float, typer.Option(help="Seconds a driver may take.")] = 600.0,
-    job: Annotated[str | None, typer.Option(hidden=True, help="Run one driver (internal).")] = None,
+    one_driver: Annotated[bool, typer.Option(help="Smoke run: the implementations one after another in one "
+                                                  "driver process per round (only the first starts fresh: the "
+                                                  "figures do not compare).")] = False,
+    job: Annotated[str | None, typer.Option(hidden=True, help="Run jobs in this driver (internal).")] = None,
     scratch: Annotated[Path | None, typer.Option(hidden=True)] = None,
 ) -> None:
     """A tiny stateful query's start in a fresh driver, ours against Spark's own."""
     if job is not None:
-        if job not in IMPLS or scratch is None:
-            raise typer.BadParameter(f"--job must be one of {IMPLS} with --scratch")
-        print(_MARK + json.dumps(_job(job, scratch, rows, keys)), flush=True)
+        jobs = job.split(",")
+        if not set(jobs) <= set(IMPLS) or scratch is None:
+            raise typer.BadParameter(f"--job takes implementations of {IMPLS}, with --scratch")
+        for impl in jobs:
+            (scratch / impl).mkdir()
+            print(_MARK + json.dumps(_job(impl, scratch / impl, rows, keys)), flush=True)
         return
     runs: dict[str, list[dict]] = {impl: [] for impl in IMPLS}
     order = list(IMPLS)
-    for _ in progress(range(repeat), "fresh drivers"):
-        for impl in order:
-            runs[impl].append(_run_job(impl, rows, keys, timeout))
+    for _ in progress(range(repeat), "drivers" if one_driver else "fresh drivers"):
+        if one_driver:
+            for impl, run in zip(order, _run_jobs(order, rows, keys, timeout), strict=True):
+                runs[impl].append(run)
+        else:
+            for impl in order:
+                runs[impl].append(_run_jobs([impl], rows, keys, timeout)[0])
         order = order[1:] + order[:1]  # a different implementation first in each round
     impls = {impl: _summary(r) for impl, r in runs.items()}
 
@@ -171,7 +187,8 @@ def main(
         return impls[impl].get(figure, {}).get("median")
 
     results = {
-        "config": {"repeat": repeat, "rows": rows, "keys": keys}, "machine": machine_info(),
+        "config": {"repeat": repeat, "rows": rows, "keys": keys, "one_driver": one_driver},
+        "machine": machine_info(),
         "impls": impls, "runs": runs,
         "ratios": {
             "first_trigger_ours_over_spark_count": ratio(med("ours-compat", "start_to_first_trigger_s"),

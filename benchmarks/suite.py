@@ -87,7 +87,7 @@ STEPS = (
          {"tiny": ["--tiny"], "quick": ["--quick"], "full": []},
          {m: "bench_async.json" for m in MODES}),
     Step("start", "benchmarks.bench_start",
-         {"tiny": ["--repeat", "1"], "quick": ["--repeat", "3"], "full": ["--repeat", "5"]},
+         {"tiny": ["--repeat", "1", "--one-driver"], "quick": ["--repeat", "3"], "full": ["--repeat", "5"]},
          {m: "bench_start.json" for m in MODES}),
     Step("spark", "benchmarks.bench_spark",
          {"tiny": [*_SPARK_COMMON, "--workloads", "throughput,scaling,cache", "--datasets", "main",
