@@ -16,6 +16,15 @@ import sys
 from pathlib import Path
 
 
+def _tally(rows: list[dict], value) -> tuple[collections.Counter, collections.Counter]:
+    """``value`` of the rows summed per test and per module."""
+    per_test, per_module = collections.Counter(), collections.Counter()
+    for r in rows:
+        per_test[r["test"]] += value(r)
+        per_module[r["test"].split("::")[0]] += value(r)
+    return per_test, per_module
+
+
 def main(path: str) -> None:
     rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
     if not rows:
@@ -35,21 +44,14 @@ def main(path: str) -> None:
               f"before its first {first:.0f} s, after its last {last:.0f} s")
         for g, a, b in sorted(gaps, reverse=True)[:5]:
             print(f"    gap {g:.1f} s after {a} before {b}")
-    per_test, per_module = collections.Counter(), collections.Counter()
-    for r in rows:
-        per_test[r["test"]] += r["stop"] - r["start"]
-        per_module[r["test"].split("::")[0]] += r["stop"] - r["start"]
+    per_test, per_module = _tally(rows, lambda r: r["stop"] - r["start"])
     print("longest modules:")
     for name, s in per_module.most_common(15):
         print(f"  {s:7.1f} s  {name}")
     print("longest tests:")
     for name, s in per_test.most_common(15):
         print(f"  {s:7.1f} s  {name}")
-    cpu_module, cpu_test = collections.Counter(), collections.Counter()
-    for r in rows:
-        if r.get("cpu_s") is not None:
-            cpu_module[r["test"].split("::")[0]] += r["cpu_s"]
-            cpu_test[r["test"]] += r["cpu_s"]
+    cpu_test, cpu_module = _tally([r for r in rows if r.get("cpu_s") is not None], lambda r: r["cpu_s"])
     busy = sorted((r["stop"], r["machine_busy_s"]) for r in rows if r.get("machine_busy_s") is not None)
     if len(busy) > 1 and busy[-1][0] > busy[0][0]:
         cores = os.cpu_count() or 1
