@@ -21,6 +21,14 @@ esac
 # short soak, sleeping interpreters, fault injection); 3 on 2 cores: 16.3 min, all passed.
 workers=${ICESTATE_TEST_WORKERS:-$(($(nproc) + 1))}
 if [ "$workers" -gt 4 ]; then workers=4; fi
+# The run's temporary files (Spark's local directories, the JVMs' native libraries, the Connect
+# server's artifacts, the tests' tables) go under one directory, removed at the end when the run
+# passed: drivers the tests kill cannot clean up after themselves (tests/conftest.py points the
+# JVMs there too).
+# Others may pass through it (not list it): the PostgreSQL server runs as its own user.
+TMPDIR=$(mktemp -d "${TMPDIR:-/tmp}/icestate-tests-XXXXXX")
+chmod 711 "$TMPDIR"
+export TMPDIR
 status=0
 # loadfile: each process is handed the next test file when it is free, the files with the most
 # recorded seconds first (tests/conftest.py), a file's tests together (its module-scoped fixtures
@@ -28,5 +36,6 @@ status=0
 # once: the first process got all the longest tests and ran them one after another.
 # --no-loadscope-reorder keeps the order tests/conftest.py gives.
 .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@" || status=$?
+if [ "$status" -eq 0 ]; then rm -rf "$TMPDIR"; else echo "scripts/test.sh: the run's temporary files are kept in $TMPDIR"; fi
 echo "scripts/test.sh: set up, linted and tested in $((SECONDS / 60)) min $((SECONDS % 60)) s (exit $status)"
 exit "$status"

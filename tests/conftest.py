@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,10 +44,11 @@ from tests import jvm_archive, pg_server, s3_server
 # cluster, the Connect server) compiles with C1 alone, collects with the serial collector and maps
 # the classes Spark loads from a class-data-sharing archive when ``python -m tests.jvm_archive``
 # (scripts/test.sh) wrote one (``tests/jvm_archive.py``: a fresh session's CPU 16-17 -> 10 s). A
-# user's JVMs are not touched; ICESTATE_TEST_JDK_OPTIONS="" keeps the JVM's defaults.
-os.environ.setdefault("JDK_JAVA_OPTIONS", os.environ.get("ICESTATE_TEST_JDK_OPTIONS", jvm_archive.jvm_options()))
-if not os.environ["JDK_JAVA_OPTIONS"]:
-    del os.environ["JDK_JAVA_OPTIONS"]
+# user's JVMs are not touched; ICESTATE_TEST_JDK_OPTIONS="" keeps the JVM's defaults. Their temporary
+# files go where the tests' own do ($TMPDIR: scripts/test.sh gives each run its own directory).
+os.environ.setdefault("JDK_JAVA_OPTIONS", " ".join((
+    os.environ.get("ICESTATE_TEST_JDK_OPTIONS", jvm_archive.jvm_options()),
+    f"-Djava.io.tmpdir={tempfile.gettempdir()}")).strip())
 
 # What the whole suite may take on the reference machine (2 cores), README's test command.
 SUITE_BUDGET_S = 15 * 60
