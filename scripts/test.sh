@@ -35,7 +35,8 @@ status=0
 # set up once). xdist's "load" hands each process a quarter of its share of consecutive tests at
 # once: the first process got all the longest tests and ran them one after another.
 # --no-loadscope-reorder keeps the order tests/conftest.py gives.
-.venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@" || status=$?
+# --basetemp: the tests' folders directly in it (paths no longer than pytest's own default gives).
+.venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder --basetemp "$TMPDIR/t" "$@" || status=$?
 if [ "$status" -eq 0 ]; then rm -rf "$TMPDIR"; else echo "scripts/test.sh: the run's temporary files are kept in $TMPDIR"; fi
 echo "scripts/test.sh: set up, linted and tested in $((SECONDS / 60)) min $((SECONDS % 60)) s (exit $status)"
 exit "$status"
