@@ -6,9 +6,11 @@ Python workers (which do not see the tests directory) can unpickle them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,8 +24,30 @@ from spark_integration import StateLocation, runner_of, start_stateful_query
 INPUT_SCHEMA = "key string, v long"
 ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 PROVIDER_CONF = "spark.sql.streaming.stateStore.providerClass"
+SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@contextlib.contextmanager
+def spark_own_operator(spark: SparkSession, **conf: str) -> Iterator[None]:
+    """Spark's own stateful operator for the queries started inside: RocksDB, one shuffle
+    partition (Spark's operator runs a Python worker and a RocksDB store per shuffle partition
+    and batch; the number is fixed in a query's checkpoint) and ``conf`` (dotted keys as they are
+    spelled, given through ``**{...}``); the session's settings are restored after."""
+    from tests.integration.conftest import SPARK_CONF
+
+    spark.conf.set(PROVIDER_CONF, ROCKSDB)
+    spark.conf.set(SHUFFLE_PARTITIONS, "1")
+    for key, value in conf.items():
+        spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        spark.conf.unset(PROVIDER_CONF)
+        for key in conf:
+            spark.conf.unset(key)
+        spark.conf.set(SHUFFLE_PARTITIONS, SPARK_CONF[SHUFFLE_PARTITIONS])
 
 
 def write_batches(directory: Path, batches: list[pa.Table]) -> str:

@@ -5,6 +5,7 @@ switch maps. What it cannot map fails with what to do, before anything runs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -17,10 +18,7 @@ from pyspark.sql import functions as F
 from spark_integration import runner_of
 from spark_integration.dropin import DropInError, StatefulFrame, disable, enable, state_table_name
 from tests.integration import tws_processors as P
-from tests.integration.conftest import SPARK_CONF
-from tests.integration.streaming_helpers import PROVIDER_CONF, ROCKSDB, stream, write_batches
-
-SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
+from tests.integration.streaming_helpers import spark_own_operator, stream, write_batches
 
 
 def count_batches(n: int, start: int = 0) -> list[pa.Table]:
@@ -34,21 +32,17 @@ def engines(spark, tmp_path):
     session is left as it was."""
 
     def run(job, engine: str, **enable_args):
-        if engine == "spark":
-            spark.conf.set(PROVIDER_CONF, ROCKSDB)
-            spark.conf.set(SHUFFLE_PARTITIONS, "1")
-        else:
+        if engine != "spark":
             enable(spark, **({"warehouse": str(tmp_path / "wh")} | enable_args))
         try:
-            query = job()
-            query.awaitTermination(240)
-            if query.exception() is not None:
-                raise query.exception()
-            return query
+            with spark_own_operator(spark) if engine == "spark" else contextlib.nullcontext():
+                query = job()
+                query.awaitTermination(240)
+                if query.exception() is not None:
+                    raise query.exception()
+                return query
         finally:
             disable(spark)
-            spark.conf.unset(PROVIDER_CONF)
-            spark.conf.set(SHUFFLE_PARTITIONS, SPARK_CONF[SHUFFLE_PARTITIONS])
 
     yield run
     disable(spark)

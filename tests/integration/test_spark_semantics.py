@@ -22,8 +22,7 @@ import pytest
 from catalog import IcebergStateTable, connect
 from spark_integration import StateLocation, runner_of, start_stateful_query
 from tests.integration import tws_processors as P
-from tests.integration.conftest import SPARK_CONF
-from tests.integration.streaming_helpers import PROVIDER_CONF, ROCKSDB, stream, write_batches
+from tests.integration.streaming_helpers import spark_own_operator, stream, write_batches
 
 SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 EVENTS = pa.schema([("key", pa.string()), ("v", pa.int64()), ("ts", pa.timestamp("us", tz="UTC"))])
@@ -57,11 +56,7 @@ def run_spark(spark, df, processor, output_schema: str, checkpoint: str, *, time
     """Spark's own operator over ``df`` grouped by ``key``, into a foreachBatch that records
     each batch; ``until`` stops a query that would not end by itself."""
     run = Run()
-    spark.conf.set(PROVIDER_CONF, ROCKSDB)
-    # Spark's operator runs a Python worker and a RocksDB store per shuffle partition and batch:
-    # one partition keeps its runs short (the number is fixed in the query's checkpoint).
-    spark.conf.set(SHUFFLE_PARTITIONS, "1")
-    try:
+    with spark_own_operator(spark):
         grouped = df.groupBy("key")
         seed = None if initial is None else initial.groupBy("key")
         op = grouped.transformWithStateInPandas if api == "pandas" else grouped.transformWithState
@@ -69,9 +64,6 @@ def run_spark(spark, df, processor, output_schema: str, checkpoint: str, *, time
         query = (out.writeStream.foreachBatch(run.collect).option("checkpointLocation", checkpoint)
                  .trigger(**(trigger or {"availableNow": True})).start())
         _wait(query, run, until, timeout_s)
-    finally:
-        spark.conf.unset(PROVIDER_CONF)
-        spark.conf.set(SHUFFLE_PARTITIONS, SPARK_CONF[SHUFFLE_PARTITIONS])
     return run
 
 

@@ -38,11 +38,8 @@ from statestore.errors import (
     UnsupportedKeyTypeError,
 )
 from tests.hostile import forged_envelopes
-from tests.integration.conftest import SPARK_CONF
 from tests.integration.streaming_helpers import (
     PROFILE_OUTPUT,
-    PROVIDER_CONF,
-    ROCKSDB,
     AsyncProfileProcessor,
     BadOutputProcessor,
     CountProcessor,
@@ -53,11 +50,10 @@ from tests.integration.streaming_helpers import (
     counts,
     key_batches,
     run_to_end,
+    spark_own_operator,
     stream,
     write_batches,
 )
-
-SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 
 
 @pytest.fixture
@@ -102,18 +98,13 @@ def collector():
 def test_same_processor_same_output_as_spark_transform_with_state(spark, tmp_path, where):
     input_dir = write_batches(tmp_path / "in", key_batches(3, 60, 23))
     spark_rows: list[tuple] = []
-    spark.conf.set(PROVIDER_CONF, ROCKSDB)
-    spark.conf.set(SHUFFLE_PARTITIONS, "1")  # one Python runner and RocksDB store per batch, not four
-    try:
+    with spark_own_operator(spark):
         out = stream(spark, input_dir).groupBy("key").transformWithState(ProfileProcessor(), PROFILE_OUTPUT,
                                                                           "Update", "None")
         q = (out.writeStream.foreachBatch(lambda df, b: spark_rows.extend((b, *r) for r in df.collect()))
              .option("checkpointLocation", str(tmp_path / "cp-spark")).trigger(availableNow=True).start())
         q.awaitTermination(300)
         assert q.exception() is None
-    finally:
-        spark.conf.unset(PROVIDER_CONF)
-        spark.conf.set(SHUFFLE_PARTITIONS, SPARK_CONF[SHUFFLE_PARTITIONS])
     ours, collect = collector()
     run_to_end(spark, input_dir, ProfileProcessor(), PROFILE_OUTPUT, location=where(),
                checkpoint=str(tmp_path / "cp-ours"), foreach_batch=collect)
@@ -127,10 +118,7 @@ def test_the_change_feed_per_batch_equals_spark_state_readers(spark, tmp_path, w
     transformWithState on the same input (its rows are all updates: a count never deletes)."""
     input_dir = write_batches(tmp_path / "in", key_batches(4, 50, 17))
     changelog = "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"
-    spark.conf.set(PROVIDER_CONF, ROCKSDB)
-    spark.conf.set(changelog, "true")
-    spark.conf.set(SHUFFLE_PARTITIONS, "1")
-    try:
+    with spark_own_operator(spark, **{changelog: "true"}):
         out = stream(spark, input_dir).groupBy("key").transformWithState(CountProcessor(), "key string, count long",
                                                                           "Update", "None")
         q = (out.writeStream.format("noop").option("checkpointLocation", str(tmp_path / "cp-spark"))
@@ -141,10 +129,6 @@ def test_the_change_feed_per_batch_equals_spark_state_readers(spark, tmp_path, w
                   .option("stateVarName", "count").option("readChangeFeed", "true").option("changeStartBatchId", 1)
                   .option("changeEndBatchId", 3).load()
                   .selectExpr("batch_id", "change_type", "key.key AS key", "value.n AS n").collect())
-    finally:
-        spark.conf.unset(PROVIDER_CONF)
-        spark.conf.unset(changelog)
-        spark.conf.set(SHUFFLE_PARTITIONS, SPARK_CONF[SHUFFLE_PARTITIONS])
     loc = where()
     run_to_end(spark, input_dir, CountProcessor(), "key string, count long", location=loc,
                checkpoint=str(tmp_path / "cp-ours"))
