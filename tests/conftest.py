@@ -44,7 +44,7 @@ from tests import jvm_archive, pg_server, s3_server
 # cluster, the Connect server) compiles with C1 alone, collects with the serial collector and maps
 # the classes Spark loads from a class-data-sharing archive when ``python -m tests.jvm_archive``
 # (scripts/test.sh) wrote one (``tests/jvm_archive.py``: a fresh session's CPU 16-17 -> 10 s). A
-# user's JVMs are not touched; ICESTATE_TEST_JDK_OPTIONS="" keeps the JVM's defaults. Their temporary
+# user's JVMs are not touched; ICESTATE_TEST_JDK_OPTIONS="" keeps the JVM's defaults but for this: their temporary
 # files go where the tests' own do ($TMPDIR: scripts/test.sh gives each run its own directory).
 os.environ.setdefault("JDK_JAVA_OPTIONS", " ".join((
     os.environ.get("ICESTATE_TEST_JDK_OPTIONS", jvm_archive.jvm_options()),
