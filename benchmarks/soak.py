@@ -381,7 +381,8 @@ def jvm_heap(pid: int) -> dict[str, float]:
 
 def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float, sample_seconds: float,
         warmup_minutes: float, root: Path, diagnose_dir: Path | None = None,
-        on_sample: Callable[[dict], None] | None = None, retain_checkpoints: int = 10) -> dict:
+        on_sample: Callable[[dict], None] | None = None, retain_checkpoints: int = 10,
+        long_running_env: bool = True) -> dict:
     """Run the query for ``minutes`` in a driver process of its own (``drive``), sampling it from
     here: the measured driver holds the Spark session and the runner as a user's job does, and
     nothing of this harness (its table reader, its samples, its console). ``on_sample`` sees the
@@ -399,7 +400,7 @@ def run(minutes: float, rows_per_second: int, keys: int, trigger_seconds: float,
     reports.unlink(missing_ok=True)
     stop.unlink(missing_ok=True)
     config = {"minutes": minutes, "rows_per_second": rows_per_second, "keys": keys, "trigger_seconds": trigger_seconds,
-              "retain_checkpoints": retain_checkpoints, "root": str(root)}
+              "retain_checkpoints": retain_checkpoints, "root": str(root), "long_running_env": long_running_env}
     (root / "driver.json").write_text(json.dumps(config))
     warehouse = root / "warehouse"
     log = root / "driver.log"
@@ -495,6 +496,13 @@ def drive(config_path: Path) -> None:
         "spark.driver.extraJavaOptions", f"-Xms{JVM_HEAP} -XX:+AlwaysPreTouch")
     for key, value in SPARK_HISTORY.items():
         builder = builder.config(key, value)
+    if config.get("long_running_env", True):
+        # The Python workers' allocators as a long-running deployment sets them
+        # (``statestore.memory.LONG_RUNNING_ENV``): what a batch freed goes back to the system.
+        from statestore import memory
+
+        for key, value in memory.spark_conf().items():
+            builder = builder.config(key, value)
     spark = (builder.config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.sql.shuffle.partitions", "2")
              .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
@@ -664,6 +672,9 @@ def main(
         "--diagnose", help="Record the caches' sizes and object counts of the driver and the workers in this "
                            "folder (with PYTHONTRACEMALLOC set, tracemalloc's growths too; slows the query).")] = None,
     retain_checkpoints: Annotated[int, typer.Option(help="Checkpoints retention keeps.")] = 10,
+    long_running_env: Annotated[bool, typer.Option(
+        help="Start the Python workers with statestore.memory.LONG_RUNNING_ENV (glibc's allocator for "
+             "Python's objects and Arrow's buffers), as a long-running deployment does.")] = True,
     results_dir: Annotated[Path | None, typer.Option(
         help=f"Where soak.json and soak.png go (default: ${harness.RESULTS_DIR_ENV}, else "
              f"{RESULTS.relative_to(harness.REPO)}).")] = None,
@@ -685,7 +696,7 @@ def main(
     root.mkdir(parents=True, exist_ok=True)
     config = {"minutes": minutes, "rows_per_second": rows_per_second, "keys": keys, "trigger_seconds": trigger_seconds,
               "sample_seconds": sample_seconds, "warmup_minutes": warmup_minutes, "ttl_ms": TTL_MS,
-              "retain_checkpoints": retain_checkpoints,
+              "retain_checkpoints": retain_checkpoints, "long_running_env": long_running_env,
               "started": time.time(), "machine": harness.machine_info(), "spark": SPARK_HISTORY}
     written = [time.monotonic()]
 
@@ -696,7 +707,7 @@ def main(
 
     try:
         result = run(minutes, rows_per_second, keys, trigger_seconds, sample_seconds, warmup_minutes, root,
-                     diagnose_dir, partial, retain_checkpoints)
+                     diagnose_dir, partial, retain_checkpoints, long_running_env)
     finally:
         if workdir is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -41,6 +41,7 @@ import time
 from catalog.compaction import CompactionPolicy, CompactionResult, compact, needs_compaction
 from catalog.iceberg_table import IcebergStateTable
 from catalog.table_ref import TableRef
+from statestore import memory
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,9 @@ class CompactorProcess:
         self._process = subprocess.Popen(
             [sys.executable, "-P", "-m", "catalog.compactor"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_project_root(),
+            # Allocators that hand back what a compaction freed (``statestore.memory``), unless
+            # the writer's environment names its own.
+            env={**memory.LONG_RUNNING_ENV, **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_project_root(),
                                                                               os.environ.get("PYTHONPATH")]))},
         )
         self._process.stdin.write(header(self.ref, self.policy) + "\n")
@@ -185,6 +188,7 @@ def serve(ref: TableRef, policy: CompactionPolicy, lines, report=None) -> list[C
 
     threading.Thread(target=read, name="icestate-compactor-input", daemon=True).start()
     results = []
+    memory.pin_mmap_threshold()
     table = ref.open()
     try:
         ended = False
@@ -196,11 +200,15 @@ def serve(ref: TableRef, policy: CompactionPolicy, lines, report=None) -> list[C
             ended = None in batch
             if not any(n is not None for n in batch):
                 continue
+            compacted = False
             for result in _settle(ref, table, policy):
+                compacted = True
                 results.append(result)
                 log.info("compacted %s: %s", ref.identifier, result.summary())
                 if report is not None and not _report(report, result):
                     return results  # the writer is gone (its end of the pipe closed): so is its input
+            if compacted:  # a compaction's buffers are freed: their pages go back to the system
+                memory.return_freed_memory()
         return results
     finally:
         table.close()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import json
 import os
@@ -41,6 +40,7 @@ from pyspark.accumulators import AccumulatorParam
 from catalog.task_view import CheckpointView, TaskStateTable, locations_of
 from spark_integration.errors import ErrorKey, processor_error
 from spark_integration.timers import TimerService
+from statestore import memory
 from statestore.config import StoreConfig
 from statestore.faults import fail_if_first_attempt
 from statestore.layout import StateLayout
@@ -406,68 +406,26 @@ TRIM_EVERY_S = 60.0
 _trimmed_at = time.monotonic()
 
 
-@functools.cache
-def _malloc_trim() -> Any:
-    """glibc's ``malloc_trim``, or None where the C library has none."""
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
-        return None
-
-
 def _return_freed_memory() -> float | None:
-    """Once a minute, after a task, hand the pages glibc's allocator and Arrow's hold free back
-    to the system (``malloc_trim``, ``MemoryPool.release_unused``) and return the megabytes the
-    worker's RSS fell by. A reused
-    worker allocates and frees per task (Arrow buffers, decoded pages, per-row Python
-    objects) from several threads' arenas, and glibc gives back only the top of each heap:
-    over a 90-minute run the task workers' RSS grew 0.2-0.3 MB a minute while their Python
-    objects, caches and Arrow pool stayed flat. A trim costs 5-15 ms, so it runs at most once a
-    minute. None where it did not run (not due yet, or not glibc)."""
+    """Once a minute, after a task, hand the memory the worker's allocators hold free back to
+    the system (``statestore.memory.return_freed_memory``) and return the megabytes the worker's
+    RSS fell by. A reused worker allocates and frees per task (Arrow buffers, decoded pages,
+    per-row Python objects) from several threads' arenas, and glibc gives back only the top of
+    each heap: over a 90-minute run the task workers' RSS grew 0.2-0.3 MB a minute while their
+    Python objects, caches and Arrow pool stayed flat. None where it did not run (not due yet,
+    or not glibc)."""
     global _trimmed_at
-    if time.monotonic() - _trimmed_at < TRIM_EVERY_S or (trim := _malloc_trim()) is None:
+    if time.monotonic() - _trimmed_at < TRIM_EVERY_S:
         return None
-    before = _rss_pages()
-    trim(0)
-    # Arrow's allocator (mimalloc) keeps freed pages of its threads' heaps until asked: a worker's
-    # mimalloc region held 33-48 MB while Arrow counted 0.1 MB allocated.
-    pa.default_memory_pool().release_unused()
+    freed = memory.return_freed_memory()
     _trimmed_at = time.monotonic()
-    return round((before - _rss_pages()) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    return freed
 
 
-# glibc's mallopt parameter, and the threshold it is pinned at (glibc's default start).
-_M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 128 * 1024
-
-
-@functools.cache
 def _pin_mmap_threshold() -> bool:
-    """Once per worker: fix glibc's mmap threshold at its default start, 128 KiB, which also
-    fixes its trim threshold and turns off their dynamic growth. By default glibc raises the
-    mmap threshold to the size of each mmapped block freed (up to 32 MiB), and the trim
-    threshold to twice that: from then on such blocks come from the arenas' heaps, where a
-    freed block's pages can stay pinned by small allocations beside them. In three 90-minute
-    runs the task workers' RSS stepped up by 10-15 MB once, 20-35 minutes in, and stayed there,
-    in anonymous memory, with Python's objects, modules, caches and Arrow's and polars' pools
-    flat: the thresholds' growth is the suspect this removes (the soak says whether it did).
-    False where the C library has no mallopt."""
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
-    except (AttributeError, OSError):
-        return False
-
-
-def _rss_pages() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1])
-    except OSError:
-        return 0
+    """At a worker's first task: glibc's mmap threshold stays at its start
+    (``statestore.memory.pin_mmap_threshold``)."""
+    return memory.pin_mmap_threshold()
 
 
 def _freeze_imports_once() -> None:

@@ -174,11 +174,7 @@ def test_the_compactor_command_line_holds_no_catalog_property(tmp_path):
     store = StateStore(table)
     compactor = CompactorProcess(ref, CompactionPolicy(min_segments=2, size_ratio=1e12))
     try:
-        for b in range(3):
-            store.get_state("v").update_batch(ks([b]), [b])
-            store.checkpoint(batch_id=b)
-            compactor.checkpoint_committed(table)
-        assert compactor.pid is not None
+        _checkpoint_three_times(store, table, compactor)
         argv = Path(f"/proc/{compactor.pid}/cmdline").read_bytes().decode().split("\0")
         for value in ref.catalog_properties.values():
             assert not any(value in arg for arg in argv), (value, argv)
@@ -189,6 +185,15 @@ def test_the_compactor_command_line_holds_no_catalog_property(tmp_path):
     assert len(compactions(table)) >= 1
     store.close()
     table.close()
+
+
+def _checkpoint_three_times(store: StateStore, table: IcebergStateTable, compactor: CompactorProcess) -> None:
+    """Three checkpoints of one key each, the compactor told of each: it has started."""
+    for b in range(3):
+        store.get_state("v").update_batch(ks([b]), [b])
+        store.checkpoint(batch_id=b)
+        compactor.checkpoint_committed(table)
+    assert compactor.pid is not None
 
 
 def _alive(pid: int) -> bool:
@@ -361,5 +366,30 @@ def test_a_reported_compaction_spares_the_writer_s_next_commit_a_lost_race(tmp_p
     assert state_of(other)[0] == {0: 0, 1: 1, 2: 2, 7: 70}
     compactor.close()
     other.close()
+    store.close()
+    table.close()
+
+
+def test_the_compactor_runs_on_allocators_that_give_back_what_a_compaction_freed(tmp_path, monkeypatch):
+    """The compactor process starts with ``statestore.memory.LONG_RUNNING_ENV`` (glibc's
+    allocator for Python's objects and Arrow's buffers, trimmed after each compaction); a
+    writer whose environment names its own allocator keeps it."""
+    from statestore import memory
+
+    monkeypatch.setenv("ARROW_DEFAULT_MEMORY_POOL", "jemalloc")
+    monkeypatch.delenv("PYTHONMALLOC", raising=False)
+    wh = str(tmp_path / "wh")
+    table = IcebergStateTable.open(LAYOUT, warehouse=wh, table_name="op")
+    store = StateStore(table)
+    compactor = CompactorProcess(TableRef("op", warehouse=wh), CompactionPolicy(min_segments=2, size_ratio=1e12))
+    try:
+        _checkpoint_three_times(store, table, compactor)
+        environ = dict(line.split("=", 1) for line in
+                       Path(f"/proc/{compactor.pid}/environ").read_bytes().decode().split("\0") if "=" in line)
+    finally:
+        compactor.close()
+    assert compactor.results
+    assert environ["PYTHONMALLOC"] == memory.LONG_RUNNING_ENV["PYTHONMALLOC"]
+    assert environ["ARROW_DEFAULT_MEMORY_POOL"] == "jemalloc"  # the writer's own choice
     store.close()
     table.close()
