@@ -16,12 +16,12 @@ writer's settings; ``start()`` maps them onto ``start_stateful_query`` and appli
 operators and the sink to each batch's output. What cannot be mapped fails at the call or at
 ``start()`` with what and why, never runs differently: a stateful operator after the processor
 (an aggregation, a join, deduplication, a watermark, a limit: the error names the way that
-works, a second query over a file sink's output), a sink of another format, a file sink on a
-Spark Connect session, ``complete`` output mode, a continuous trigger, an option the console,
-memory or callback sinks do not know. Sinks: ``foreachBatch``, ``foreach`` (a function or a
-writer object), ``console``, ``memory``, ``noop``, the file sinks (``parquet``, ``json``,
-``csv``, ``orc``, ``text``: exactly once with Spark's ``_spark_metadata`` log, ``FileSink``) and
-``toTable`` (an Iceberg table of the state catalog, exactly once with the state).
+works, a second query over a file sink's output), a sink of another format, ``complete``
+output mode, a continuous trigger, an option the console, memory or callback sinks do not know.
+Sinks: ``foreachBatch``, ``foreach`` (a function or a writer object), ``console``, ``memory``,
+``noop``, the file sinks (``parquet``, ``json``, ``csv``, ``orc``, ``text``: exactly once with
+Spark's ``_spark_metadata`` log, ``FileSink``) and ``toTable`` (an Iceberg table of the state
+catalog, exactly once with the state), in classic and Spark Connect sessions.
 
 Settings (an argument of ``enable`` wins over the conf key):
 
@@ -475,9 +475,6 @@ def _start(plan: _Plan, w: _Writer) -> StreamingQuery:
                               "Spark)")
         if path is None:
             raise DropInError(f"the {sink} file sink needs a path: start(path) or option('path', ...) (as Spark)")
-        if getattr(spark, "session_id", None) is not None:
-            raise DropInError(f"the {sink} file sink on a Spark Connect session is not mapped onto icestate yet: "
-                              "use .toTable(...) (exactly once) or .foreachBatch(...)")
     else:
         unknown = sorted(set(options) - _SINK_OPTIONS[sink])
         if unknown:
@@ -657,9 +654,35 @@ class _MemorySink:
     notebooks, as Spark's)."""
 
     def __init__(self, spark: SparkSession, name: str, ops, schema: StructType):
-        self._spark, self._name, self._ops = spark, name, ops
+        self._name, self._ops = name, ops
         self._batches: dict[int, Any] = {}
+        # Under Spark Connect the callback runs in a Python process of the server, on a clone of
+        # the client's session: the view goes to the client's own session (its id) instead.
+        self._session_id: str | None = getattr(spark, "session_id", None)
+        # A classic session's callback runs in this process, on the stream's clone of the
+        # session: the views go to the starter's session itself.
+        self._session: Any = spark if self._session_id is None else None
         spark.createDataFrame([], schema).createOrReplaceTempView(name)  # queryable at once, as Spark's
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_session": None}
+
+    def _views(self, df: DataFrame) -> Any:
+        """The session whose temporary views the query's starter sees."""
+        if self._session is not None:
+            return self._session
+        if getattr(df.sparkSession, "session_id", None) == self._session_id:
+            return df.sparkSession
+        import os
+
+        from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+        url = os.environ.get("SPARK_CONNECT_LOCAL_URL")  # set by Spark for its foreachBatch process
+        if url is None:
+            raise DropInError("the memory sink under Spark Connect found no SPARK_CONNECT_LOCAL_URL in the "
+                              "server's Python process: use foreachBatch or toTable with this Spark version")
+        self._session = ConnectSession.builder.remote(f"{url};session_id={self._session_id}").create()
+        return self._session
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         import pyarrow as pa
@@ -668,7 +691,7 @@ class _MemorySink:
         table = rows.toArrow()
         self._batches[batch_id] = table  # a batch run again replaces its rows
         whole = pa.concat_tables([self._batches[b] for b in sorted(self._batches)])
-        self._spark.createDataFrame(whole, schema=rows.schema).createOrReplaceTempView(self._name)
+        self._views(df).createDataFrame(whole, schema=rows.schema).createOrReplaceTempView(self._name)
 
 
 class FileSink:
@@ -680,22 +703,26 @@ class FileSink:
     ``spark.readStream`` of the directory, a second query) read only the files the log lists,
     so files of an attempt that died before its entry are never read. Every
     ``spark.sql.streaming.fileSink.log.compactInterval``-th entry is a compaction of the log
-    (``<id>.compact``: every entry so far), as Spark writes and reads it. Through the
-    driver's Hadoop filesystem: classic sessions."""
+    (``<id>.compact``: every entry so far), as Spark writes and reads it.
+
+    The files are moved and the log written through the driver's Hadoop filesystem in a
+    classic session (``_HadoopFiles``: every scheme the session's Hadoop configuration knows),
+    and through pyarrow's filesystems in a Spark Connect session (``_ArrowFiles``: the callback
+    runs in a Python process of the Connect server, which has no JVM to call; local paths and
+    the object stores pyarrow opens, with the server's own credentials)."""
 
     def __init__(self, spark: SparkSession, path: str, fmt: str, options: Mapping[str, str],
-                 partition_by: tuple[str, ...], ops):
-        self._spark, self._fmt, self._options, self._partition_by, self._ops = \
-            spark, fmt, dict(options), partition_by, ops
-        jvm = spark.sparkContext._jvm
-        self._jvm = jvm
-        self._root = jvm.org.apache.hadoop.fs.Path(path)
-        self._fs = self._root.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-        self._root = self._fs.makeQualified(self._root)
-        self._log = jvm.org.apache.hadoop.fs.Path(self._root, "_spark_metadata")
+                 partition_by: tuple[str, ...], ops, connect: bool | None = None):
+        self._fmt, self._options, self._partition_by, self._ops = fmt, dict(options), partition_by, ops
+        if connect is None:  # the session decides: its callbacks run where it runs them
+            connect = getattr(spark, "session_id", None) is not None
+        self._files: _HadoopFiles | _ArrowFiles = _ArrowFiles(path) if connect else _HadoopFiles(spark, path)
+        self._root = self._files.root
+        self._log = self._files.join(self._root, "_spark_metadata")
         self._interval = int(spark.conf.get("spark.sql.streaming.fileSink.log.compactInterval", "10"))
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
+        files = self._files
         latest, compacted = self._latest()
         if latest is not None and batch_id <= latest:
             return  # this batch's files are in the log already (Spark's FileStreamSink.addBatch)
@@ -703,48 +730,35 @@ class FileSink:
             raise DropInError(f"the sink log {self._log} was compacted at batch {compacted}, which does not fit "
                               f"spark.sql.streaming.fileSink.log.compactInterval={self._interval}: set it to the "
                               "interval the log was written with")
-        staging = self._jvm.org.apache.hadoop.fs.Path(self._root, f"_icestate_staging/{batch_id}-{uuid.uuid4().hex}")
-        writer = _apply(df, self._ops).write.format(self._fmt).options(**self._options).mode("errorifexists")
+        staging = files.join(self._root, f"_icestate_staging/{batch_id}-{uuid.uuid4().hex}")
+        writer = _apply(df, self._ops).write.format(self._fmt).options(**self._options).mode("error")
         if self._partition_by:
             writer = writer.partitionBy(*self._partition_by)
-        writer.save(staging.toString())
-        entries = []
-        prefix = staging.toUri().getPath().rstrip("/") + "/"
-        files = self._fs.listFiles(staging, True)
+        writer.save(staging)
         moves = []
-        while files.hasNext():
-            status = files.next()
-            relative = status.getPath().toUri().getPath().removeprefix(prefix)
+        for source, relative in files.walk(staging):
             if any(part.startswith(".") or (part.startswith("_") and "=" not in part)
                    for part in relative.split("/")):
                 continue  # _SUCCESS, checksums (Spark's rule for hidden files: a partition's "_k=v" is not)
-            moves.append((status, self._jvm.org.apache.hadoop.fs.Path(self._root, relative)))
-        for status, target in moves:
-            if self._fs.exists(target):
+            moves.append((source, files.join(self._root, relative)))
+        entries = []
+        for source, target in moves:
+            if files.exists(target):
                 raise OSError(f"the file sink's file {target} exists already: another query writes this sink")
-            self._fs.mkdirs(target.getParent())
-            if not self._fs.rename(status.getPath(), target):
-                raise OSError(f"the file sink could not move {status.getPath()} to {target}")
-            moved = self._fs.getFileStatus(target)
-            entries.append({"path": moved.getPath().toUri().toString(), "size": moved.getLen(), "isDir": False,
-                            "modificationTime": moved.getModificationTime(),
-                            "blockReplication": moved.getReplication(), "blockSize": moved.getBlockSize(),
-                            "action": "add"})
+            files.move(source, target)
+            entries.append({**files.status(target), "isDir": False, "action": "add"})
         if (batch_id + 1) % self._interval == 0:
             entries = self._all_entries(batch_id, compacted) + entries
             name = f"{batch_id}.compact"
         else:
             name = str(batch_id)
         self._write_entry(name, entries)
-        self._fs.delete(staging, True)
+        files.delete(staging)
 
     def _latest(self) -> tuple[int | None, int | None]:
         """The newest batch id of the log and its newest compaction's."""
-        if not self._fs.exists(self._log):
-            return None, None
         ids, compacts = [], []
-        for status in self._fs.listStatus(self._log):
-            name = status.getPath().getName()
+        for name in self._files.names(self._log):
             stem = name.removesuffix(".compact")
             if stem.isdigit():
                 ids.append(int(stem))
@@ -761,12 +775,7 @@ class FileSink:
         return entries
 
     def _read_entry(self, name: str) -> list[dict]:
-        stream = self._fs.open(self._jvm.org.apache.hadoop.fs.Path(self._log, name))
-        try:
-            text = self._jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
-        finally:
-            stream.close()
-        lines = text.splitlines()
+        lines = self._files.read_text(self._files.join(self._log, name)).splitlines()
         if not lines or lines[0] != "v1":
             raise DropInError(f"the sink log entry {self._log}/{name} is not of Spark's version 1 (it starts with "
                               f"{lines[:1]}): this sink's directory was written by another Spark version")
@@ -775,15 +784,173 @@ class FileSink:
     def _write_entry(self, name: str, entries: list[dict]) -> None:
         """Write the entry under a temporary name, then rename it: a reader sees it whole or not at all;
         a rename onto an existing entry fails (another writer)."""
-        self._fs.mkdirs(self._log)
-        temporary = self._jvm.org.apache.hadoop.fs.Path(self._log, f".{name}.{uuid.uuid4().hex}.tmp")
-        out = self._fs.create(temporary, False)
+        files = self._files
+        temporary = files.join(self._log, f".{name}.{uuid.uuid4().hex}.tmp")
+        files.write_text(temporary, "v1" + "".join("\n" + json.dumps(e, separators=(",", ":")) for e in entries))
+        entry = files.join(self._log, name)
+        if files.exists(entry) or not files.move(temporary, entry):
+            files.delete(temporary)
+            raise OSError(f"the sink log entry {self._log}/{name} exists already: another query writes this sink")
+
+
+class _HadoopFiles:
+    """``FileSink``'s files through the driver's Hadoop filesystem (classic sessions). Paths are
+    qualified URIs as text."""
+
+    def __init__(self, spark: SparkSession, path: str):
+        self._jvm = spark.sparkContext._jvm
+        root = self._jvm.org.apache.hadoop.fs.Path(path)
+        self._fs = root.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+        self.root = self._fs.makeQualified(root).toString()
+
+    def _path(self, path: str):
+        return self._jvm.org.apache.hadoop.fs.Path(path)
+
+    def join(self, parent: str, child: str) -> str:
+        return self._jvm.org.apache.hadoop.fs.Path(self._path(parent), child).toString()
+
+    def exists(self, path: str) -> bool:
+        return bool(self._fs.exists(self._path(path)))
+
+    def names(self, directory: str) -> list[str]:
+        if not self.exists(directory):
+            return []
+        return [status.getPath().getName() for status in self._fs.listStatus(self._path(directory))]
+
+    def walk(self, directory: str) -> list[tuple[str, str]]:
+        """(path, path relative to ``directory``) of every file under it."""
+        prefix = self._path(directory).toUri().getPath().rstrip("/") + "/"
+        found, files = [], self._fs.listFiles(self._path(directory), True)
+        while files.hasNext():
+            path = files.next().getPath()
+            found.append((path.toString(), path.toUri().getPath().removeprefix(prefix)))
+        return found
+
+    def move(self, source: str, target: str) -> bool:
+        self._fs.mkdirs(self._path(target).getParent())
+        if not self._fs.rename(self._path(source), self._path(target)):
+            raise OSError(f"the file sink could not move {source} to {target}")
+        return True
+
+    def status(self, path: str) -> dict:
+        """The fields of a file's entry in Spark's sink log."""
+        moved = self._fs.getFileStatus(self._path(path))
+        return {"path": moved.getPath().toUri().toString(), "size": moved.getLen(),
+                "modificationTime": moved.getModificationTime(), "blockReplication": moved.getReplication(),
+                "blockSize": moved.getBlockSize()}
+
+    def read_text(self, path: str) -> str:
+        stream = self._fs.open(self._path(path))
         try:
-            text = "v1" + "".join("\n" + json.dumps(e, separators=(",", ":")) for e in entries)
+            return str(self._jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8"))
+        finally:
+            stream.close()
+
+    def write_text(self, path: str, text: str) -> None:
+        self._fs.mkdirs(self._path(path).getParent())
+        out = self._fs.create(self._path(path), False)
+        try:
             out.write(bytearray(text.encode()))
         finally:
             out.close()
-        entry = self._jvm.org.apache.hadoop.fs.Path(self._log, name)
-        if self._fs.exists(entry) or not self._fs.rename(temporary, entry):
-            self._fs.delete(temporary, False)
-            raise OSError(f"the sink log entry {self._log}/{name} exists already: another query writes this sink")
+
+    def delete(self, path: str) -> None:
+        self._fs.delete(self._path(path), True)
+
+
+# What Hadoop's local and object-store filesystems report for a file's block size and replication.
+HADOOP_BLOCK_SIZE = 32 * 1024 * 1024
+# The characters a URI's path holds unencoded (RFC 3986's pchar and "/").
+URI_PATH_SAFE = "/:@!$&'()*+,;=~"
+
+
+class _ArrowFiles:
+    """``FileSink``'s files through pyarrow's filesystems (Spark Connect sessions: the callback
+    runs in the server's Python process, without a JVM). Paths are URIs as text (``file:/...``
+    for local paths, as Hadoop writes them into the log); the filesystem is opened where it is used, from the
+    URI and that process's environment, and never travels with the callback."""
+
+    def __init__(self, path: str):
+        import os
+
+        if path.startswith("file://"):
+            path = path.removeprefix("file://")
+        if ":" not in path.split("/", 1)[0]:  # a local path: as Hadoop writes it into the log
+            path = "file:" + os.path.abspath(path.removeprefix("file:"))
+        self.root = path.rstrip("/")
+        self._filesystem: Any = None
+
+    def __getstate__(self) -> dict:
+        return {"root": self.root, "_filesystem": None}
+
+    def _fs(self):
+        if self._filesystem is None:
+            from pyarrow import fs
+
+            self._filesystem = fs.FileSystem.from_uri(self.root)[0]
+        return self._filesystem
+
+    def _local(self, path: str) -> str:
+        """The filesystem's own path of ``path``: the text without its scheme (and for an object
+        store, with its bucket). Paths are plain text, as Hadoop's ``Path(String)`` takes them:
+        a ``%`` is a character of the name (Spark writes partition values escaped that way)."""
+        scheme, rest = path.split(":", 1)
+        return rest if scheme == "file" else rest.removeprefix("//")
+
+    def join(self, parent: str, child: str) -> str:
+        return parent.rstrip("/") + "/" + child
+
+    def _info(self, path: str):
+        return self._fs().get_file_info(self._local(path))
+
+    def exists(self, path: str) -> bool:
+        from pyarrow import fs
+
+        return self._info(path).type != fs.FileType.NotFound
+
+    def names(self, directory: str) -> list[str]:
+        from pyarrow import fs
+
+        if not self.exists(directory):
+            return []
+        return [i.base_name for i in self._fs().get_file_info(fs.FileSelector(self._local(directory)))]
+
+    def walk(self, directory: str) -> list[tuple[str, str]]:
+        from pyarrow import fs
+
+        base = self._local(directory).rstrip("/") + "/"
+        infos = self._fs().get_file_info(fs.FileSelector(self._local(directory), recursive=True))
+        return [(self.join(directory, i.path.removeprefix(base)), i.path.removeprefix(base))
+                for i in infos if i.type == fs.FileType.File]
+
+    def move(self, source: str, target: str) -> bool:
+        self._fs().create_dir(self._local(target).rsplit("/", 1)[0], recursive=True)
+        self._fs().move(self._local(source), self._local(target))
+        return True
+
+    def status(self, path: str) -> dict:
+        from urllib.parse import quote
+
+        info = self._info(path)
+        scheme, rest = path.split(":", 1)  # the log holds URIs: each name encoded, as Hadoop's toUri()
+        return {"path": f"{scheme}:{quote(rest, safe=URI_PATH_SAFE)}", "size": info.size,
+                "modificationTime": info.mtime_ns // 1_000_000,
+                "blockReplication": 1, "blockSize": HADOOP_BLOCK_SIZE}
+
+    def read_text(self, path: str) -> str:
+        with self._fs().open_input_stream(self._local(path)) as f:
+            return f.read().decode()
+
+    def write_text(self, path: str, text: str) -> None:
+        self._fs().create_dir(self._local(path).rsplit("/", 1)[0], recursive=True)
+        with self._fs().open_output_stream(self._local(path)) as f:
+            f.write(text.encode())
+
+    def delete(self, path: str) -> None:
+        from pyarrow import fs
+
+        info = self._info(path)
+        if info.type == fs.FileType.Directory:
+            self._fs().delete_dir(self._local(path))
+        elif info.type == fs.FileType.File:
+            self._fs().delete_file(self._local(path))

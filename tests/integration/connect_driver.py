@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -113,9 +114,40 @@ def main(work: str, url: str) -> None:
     query.awaitTermination(240)
     out["dropin_error"] = repr(query.exception())
     out["dropin_table"] = runner_of(query).location.warehouse == f"{work}/wh-dropin"
-    disable(spark)
     with open(seen_dropin) as f:
         out["dropin"] = [json.loads(line) for line in f]
+    # The same job into Spark's other sinks: memory (a table of the client's session), a
+    # parquet file sink (exactly once with its _spark_metadata log), foreach (a function per row,
+    # in the server's workers), console (printed by the server).
+    seen_rows = f"{work}/foreach.jsonl"
+
+    def record_row(row):
+        with open(seen_rows, "a") as f:
+            f.write(json.dumps(list(row)) + "\n")
+
+    sinks = {"memory": lambda w: w.format("memory").queryName("dropin_memory").outputMode("update"),
+             "parquet": lambda w: w.format("parquet").option("path", f"{work}/files-d"),
+             "foreach": lambda w: w.foreach(record_row),
+             "console": lambda w: w.format("console").outputMode("update")}
+    out["sinks_error"] = {}
+    for name, sink in sinks.items():
+        query = sink(stream(f"{work}/in-d").groupBy("key")
+                     .transformWithState(P.CountsProcessor(), P.COUNTS_OUTPUT, "Update", "None")
+                     .select("key", "count").writeStream.option("checkpointLocation", f"{work}/cp-d-{name}")
+                     .trigger(availableNow=True)).start()
+        try:  # a failed query raises here under Connect
+            ended = query.awaitTermination(120)
+            out["sinks_error"][name] = "None" if ended else "did not end in 120 s"
+        except Exception as e:
+            ended, out["sinks_error"][name] = True, repr(e)[:2000]
+        if not ended:
+            query.stop()
+    disable(spark)
+    out["sink_memory"] = sorted(list(r) for r in spark.table("dropin_memory").collect())
+    out["sink_parquet"] = sorted(list(r) for r in spark.read.parquet(f"{work}/files-d").collect())
+    out["sink_parquet_log"] = sorted(n for n in os.listdir(f"{work}/files-d/_spark_metadata") if n[0] != ".")
+    with open(seen_rows) as f:
+        out["sink_foreach"] = sorted(json.loads(line) for line in f)
 
     # A processor's exception, as itself, when its message quotes an input value shaped like the
     # exception envelope (each forged form; loading any would create ``marker``).
@@ -140,4 +172,9 @@ def main(work: str, url: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    try:
+        main(sys.argv[1], sys.argv[2])
+    except BaseException:  # the Connect client's threads would keep a failed driver alive
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)

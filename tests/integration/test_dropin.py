@@ -267,14 +267,21 @@ def test_a_file_sink_as_spark_read_by_a_second_stateful_query(spark, tmp_path, e
         spark.conf.unset(COMPACT_INTERVAL)
 
 
-def test_a_file_sink_batch_run_again_is_skipped_and_a_dead_attempts_files_are_never_read(spark, tmp_path):
+@pytest.mark.parametrize("connect", [False, True], ids=["hadoop", "pyarrow"])
+def test_a_file_sink_batch_run_again_is_skipped_and_a_dead_attempts_files_are_never_read(spark, tmp_path, connect):
     """A batch whose state commit failed runs again with the same id: its files are listed in
     the sink's log already, so nothing is written twice. An attempt that died before its log
-    entry leaves files that Spark's readers never see."""
+    entry leaves files that Spark's readers never see. The same through the driver's Hadoop
+    filesystem (classic sessions) and through pyarrow's (Spark Connect sessions: the callback
+    runs without a JVM, and travels pickled without its filesystem)."""
+    import pickle
+
     from spark_integration.dropin import FileSink
 
     path = tmp_path / "files"
-    sink = FileSink(spark, str(path), "parquet", {}, (), ())
+    sink = FileSink(spark, str(path), "parquet", {}, (), (), connect=connect)
+    if connect:
+        sink = pickle.loads(pickle.dumps(sink))
     batch = spark.createDataFrame([("a", 1), ("b", 2)], "key string, n long")
     sink(batch, 0)
     sink(batch, 0)  # run again after a failed commit
@@ -285,6 +292,13 @@ def test_a_file_sink_batch_run_again_is_skipped_and_a_dead_attempts_files_are_ne
     assert sorted(tuple(r) for r in spark.read.parquet(str(path)).collect()) == [("a", 1), ("b", 2), ("c", 3)]
     assert sorted(p.name for p in (path / "_spark_metadata").iterdir() if p.name[0] != ".") == ["0", "1"]
     assert (path / "_spark_metadata" / "0").read_text().startswith("v1\n{\"path\":\"file:")
+    # Partition directories whose values Spark escapes ("key=x%20y%25z"): the log names them as
+    # URIs, and Spark's reader finds every file.
+    parted = tmp_path / "parted"
+    sink = FileSink(spark, str(parted), "parquet", {}, ("key",), (), connect=connect)
+    sink(spark.createDataFrame([("x y%z", 1), ("a", 2)], "key string, n long"), 0)
+    assert sorted(tuple(r) for r in spark.read.parquet(str(parted)).select("key", "n").collect()) == [
+        ("a", 2), ("x y%z", 1)]
 
 
 def test_settings_precedence_option_case_and_columns_as_spark(spark, tmp_path):

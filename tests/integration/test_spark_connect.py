@@ -70,6 +70,12 @@ def test_stateful_queries_under_spark_connect(tmp_path: Path):
     # An existing job's own code, switched by enable(spark, ...): on icestate, as Spark would emit.
     assert got["dropin_error"] == "None" and got["dropin_table"] is True
     assert got["dropin"] == [[0, [["a", 2], ["b", 1]]], [1, [["a", 3], ["b", 2], ["c", 1]]]]
+    # The same job into the memory, parquet, foreach and console sinks: Spark's rows, each once.
+    assert got["sinks_error"] == dict.fromkeys(("memory", "parquet", "foreach", "console"), "None")
+    every = [["a", 2], ["b", 1], ["a", 3], ["b", 2], ["c", 1]]  # both batches' updates
+    assert got["sink_memory"] == got["sink_parquet"] == got["sink_foreach"] == sorted(every)
+    assert got["sink_parquet_log"] == ["0", "1"]
+    assert "Batch: 1" in server_log.read_text(errors="replace")  # the console sink prints on the server
     # A hostile input value in the processor's message ran no code (in the server's Python
     # process or the client), and the processor's exception came out as itself.
     assert got["marker_made"] is False
