@@ -9,7 +9,10 @@ state (the key's count) and a map state of per-minute counts with a 2-minute TTL
 state is bounded while every batch writes, expires and tombstones entries. Trigger every
 ``--trigger-seconds``; each batch is one checkpoint; retention keeps the default 10 checkpoints;
 the compactor process runs the default policy. The batch output goes to a ``foreach_batch``
-that counts it. Spark's own history is bounded as in production (``SPARK_HISTORY``).
+that counts it. Spark's own history is bounded as in production (``SPARK_HISTORY``), and the
+Python workers run on glibc's allocator as a long-running deployment sets them
+(``statestore.memory.LONG_RUNNING_ENV`` through ``spark.executorEnv.*``; ``--no-long-running-env``:
+Python's and Arrow's own allocators).
 
 Sampled every ``--sample-seconds``: resident memory and open file descriptors of the driver's
 Python, its JVM, the Python workers (together and each) and the compactor (from ``/proc``); every
