@@ -667,7 +667,9 @@ def main(
     rows_per_second: Annotated[int, typer.Option(help="Rows of the rate source per second.")] = 2000,
     keys: Annotated[int, typer.Option(help="Distinct keys (value % keys).")] = 20_000,
     trigger_seconds: Annotated[float, typer.Option(help="Seconds between micro-batches (checkpoints).")] = 3.0,
-    sample_seconds: Annotated[float, typer.Option(help="Seconds between samples.")] = 15.0,
+    sample_seconds: Annotated[float, typer.Option(
+        help="Seconds between samples: best not a multiple of the trigger's, or the samples lock onto one "
+             "phase of the compactions' cycle and a window's mean of the table's files moves with that phase.")] = 14.0,
     warmup_minutes: Annotated[float, typer.Option(help="Minutes left out of the drift figures.")] = 15.0,
     workdir: Annotated[Path | None, typer.Option(
         help="Where the warehouse goes (default: a temporary folder).")] = None,
