@@ -54,6 +54,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pyarrow import fs as pafs
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import StructType
@@ -885,9 +886,7 @@ class _ArrowFiles:
 
     def _fs(self):
         if self._filesystem is None:
-            from pyarrow import fs
-
-            self._filesystem = fs.FileSystem.from_uri(self.root)[0]
+            self._filesystem = pafs.FileSystem.from_uri(self.root)[0]
         return self._filesystem
 
     def _local(self, path: str) -> str:
@@ -904,24 +903,18 @@ class _ArrowFiles:
         return self._fs().get_file_info(self._local(path))
 
     def exists(self, path: str) -> bool:
-        from pyarrow import fs
-
-        return self._info(path).type != fs.FileType.NotFound
+        return self._info(path).type != pafs.FileType.NotFound
 
     def names(self, directory: str) -> list[str]:
-        from pyarrow import fs
-
         if not self.exists(directory):
             return []
-        return [i.base_name for i in self._fs().get_file_info(fs.FileSelector(self._local(directory)))]
+        return [i.base_name for i in self._fs().get_file_info(pafs.FileSelector(self._local(directory)))]
 
     def walk(self, directory: str) -> list[tuple[str, str]]:
-        from pyarrow import fs
-
         base = self._local(directory).rstrip("/") + "/"
-        infos = self._fs().get_file_info(fs.FileSelector(self._local(directory), recursive=True))
+        infos = self._fs().get_file_info(pafs.FileSelector(self._local(directory), recursive=True))
         return [(self.join(directory, i.path.removeprefix(base)), i.path.removeprefix(base))
-                for i in infos if i.type == fs.FileType.File]
+                for i in infos if i.type == pafs.FileType.File]
 
     def move(self, source: str, target: str) -> bool:
         self._fs().create_dir(self._local(target).rsplit("/", 1)[0], recursive=True)
@@ -947,10 +940,8 @@ class _ArrowFiles:
             f.write(text.encode())
 
     def delete(self, path: str) -> None:
-        from pyarrow import fs
-
         info = self._info(path)
-        if info.type == fs.FileType.Directory:
+        if info.type == pafs.FileType.Directory:
             self._fs().delete_dir(self._local(path))
-        elif info.type == fs.FileType.File:
+        elif info.type == pafs.FileType.File:
             self._fs().delete_file(self._local(path))
