@@ -121,11 +121,11 @@ def _tuples(frame: pl.DataFrame, columns: Sequence[str]) -> Iterator[tuple]:
     return zip(*[frame.get_column(c).to_list() for c in columns], strict=True)
 
 
-def _index_one(keys: Iterable[tuple], rows: Iterable[tuple]) -> dict:
+def _index_one(keys: Iterable[tuple], rows: Iterable[tuple], view: pl.DataFrame) -> dict:
     return dict(zip(keys, rows, strict=True))
 
 
-def _index_rows(keys: Iterable[tuple], rows: Iterable[tuple]) -> dict:
+def _index_rows(keys: Iterable[tuple], rows: Iterable[tuple], view: pl.DataFrame) -> dict:
     by_key: dict[tuple, list[tuple]] = {}
     for k, row in zip(keys, rows, strict=True):
         found = by_key.get(k)
@@ -136,13 +136,14 @@ def _index_rows(keys: Iterable[tuple], rows: Iterable[tuple]) -> dict:
     return by_key
 
 
-def _index_map(keys: Iterable[tuple], rows: Iterable[tuple], hash_key: Callable[[Any], Any]) -> dict:
+def _index_map(keys: Iterable[tuple], rows: Iterable[tuple], hashed: Iterable[Any]) -> dict:
+    """{key: {hashed user key: row}}; ``hashed``: each row's user key made hashable."""
     by_key: dict[tuple, dict] = {}
-    for k, row in zip(keys, rows, strict=True):
+    for k, row, h in zip(keys, rows, hashed, strict=True):
         m = by_key.get(k)
         if m is None:
             m = by_key[k] = {}
-        m[hash_key(row[0])] = row
+        m[h] = row
     return by_key
 
 
@@ -460,7 +461,7 @@ class StateReader:
         for (name, kind), index in self._batch_index.items():
             columns, build = self._batch_builds[(name, kind)]
             view = self._keyed_rows(self.layout.descriptor(name), kgs, keys, key_groups)
-            index.update(build(_tuples(view, self.key_names), _tuples(view, columns)))
+            index.update(build(_tuples(view, self.key_names), _tuples(view, columns), view))
         pre.keys = pl.concat([pre.keys, keys], how="vertical", rechunk=False)
         pre.key_groups = np.concatenate([pre.key_groups, key_groups])
         pre.kgs = sorted({*pre.kgs, *kgs})
@@ -655,16 +656,19 @@ class StateReader:
         rows = self._point(name, key, key_group, "rows", columns, _index_rows)
         return [] if rows is None else rows
 
-    def key_map(self, name: str, key: tuple, key_group: int, hash_key: Callable[[Any], Any]) -> dict:
+    def key_map(self, name: str, key: tuple, key_group: int, hash_key: Callable[[Any], Any],
+                hash_column: Callable[[pl.Series], list]) -> dict:
         """The stored map of ``key`` in map state ``name``: {hash_key(user key): (user key,
         value, expire_at_ms)} (TTL not applied; overlays not sealed), so one map entry is
-        found in O(1)."""
+        found in O(1). ``hash_column``: ``hash_key`` of each value of a user key column, in a
+        list (an index hashes every user key of a view)."""
         known = self._map_reads.get(name)
         if known is None or known[0] is not hash_key:
             desc = self.layout.descriptor(name)
+            user_key = desc.user_key_column
 
-            def build(keys: Iterable, rows: Iterable) -> dict:
-                return _index_map(keys, rows, hash_key)
+            def build(keys: Iterable, rows: Iterable, view: pl.DataFrame) -> dict:
+                return _index_map(keys, rows, hash_column(view.get_column(user_key)))
             # Made once per variable: a map's per-key loop calls this for every entry it reads.
             known = self._map_reads[name] = (hash_key, (desc.user_key_column, desc.value_column, EXPIRE_AT_MS), build)
         _, columns, build = known
@@ -674,7 +678,7 @@ class StateReader:
         return _NO_ENTRIES if found is None else found
 
     def _point(self, name: str, key: tuple, key_group: int, kind: str, columns: Sequence[str],
-               build: Callable[[Iterable, Iterable], dict]) -> Any:
+               build: Callable[[Iterable, Iterable, pl.DataFrame], dict]) -> Any:
         """What ``build``'s index holds for ``key`` (None: no row): from the prefetched keys'
         index when ``key`` is one of them, else from the index over its key group's view."""
         found = self._batch_point(name, key, kind, columns, build)
@@ -686,7 +690,7 @@ class StateReader:
         return found
 
     def _batch_point(self, name: str, key: tuple, kind: str, columns: Sequence[str],
-                     build: Callable[[Iterable, Iterable], dict]) -> Any:
+                     build: Callable[[Iterable, Iterable, pl.DataFrame], dict]) -> Any:
         """``key``'s entry in an index over the rows of the last prefetch's keys only, built at
         the first per-key read of (``name``, ``kind``) after it; ``_NOT_PREFETCHED`` when
         ``key`` was not prefetched. An index over a whole view is built from every row of its
@@ -709,7 +713,7 @@ class StateReader:
                 self._prefetched = None
                 return _NOT_PREFETCHED
             view = self._keyed_rows(self.layout.descriptor(name), pre.kgs, pre.keys, pre.key_groups)
-            index = self._batch_index[(name, kind)] = build(_tuples(view, self.key_names), _tuples(view, columns))
+            index = self._batch_index[(name, kind)] = build(_tuples(view, self.key_names), _tuples(view, columns), view)
             self._batch_builds[(name, kind)] = (columns, build)
         return index.get(key)
 
@@ -737,7 +741,7 @@ class StateReader:
         return True
 
     def _view_index(self, name: str, key_group: int, kind: str, columns: Sequence[str],
-                    build: Callable[[Iterable, Iterable], dict]) -> dict:
+                    build: Callable[[Iterable, Iterable, pl.DataFrame], dict]) -> dict:
         """A dict over the current view of ``name`` in ``key_group``, from its key tuples and
         ``columns`` rows; built on first use and again whenever the view object changes. Only
         for key columns whose plain Python values compare equal to what polars returns
@@ -754,7 +758,7 @@ class StateReader:
         slot = f"{name}\0{kind}" if kind else name
         index = group.indexes.get(slot)
         if index is None or index[0] is not view:
-            index = group.indexes[slot] = (view, build(_tuples(view, self.key_names), _tuples(view, columns)))
+            index = group.indexes[slot] = (view, build(_tuples(view, self.key_names), _tuples(view, columns), view))
             self._cache.resized(key_group)
         self._point_index[(name, kind, key_group)] = index[1]
         return index[1]

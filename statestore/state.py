@@ -21,6 +21,7 @@ import functools
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -55,6 +56,22 @@ def _hashable(value: Any) -> Any:
     if t is list:
         return tuple(_hashable(v) for v in value)
     return value
+
+
+def _hashable_column(values: pl.Series) -> list:
+    """``[_hashable(v) for v in values.to_list()]``, made per column where it can be: a struct
+    of fields that are not nested gives each value's (name, value) pairs in name order straight
+    from its fields' columns, with no dict per value to build and sort (an index over a map
+    state's view hashes every user key of it: most of its cost with struct user keys)."""
+    dtype = values.dtype
+    if not dtype.is_nested():
+        return values.to_list()
+    if (isinstance(dtype, pl.Struct) and dtype.fields and values.null_count() == 0
+            and not any(f.dtype.is_nested() for f in dtype.fields)):
+        names = sorted(f.name for f in dtype.fields)
+        fields = values.struct.unnest()
+        return list(zip(*[zip(repeat(n), fields.get_column(n).to_list()) for n in names], strict=True))
+    return [_hashable(v) for v in values.to_list()]
 
 
 def _arrow(values: Any, dtype: pa.DataType, what: str) -> pa.Array:
@@ -573,7 +590,7 @@ class MapState(KeyedState):
         p = self._overlay.get(key)
         result: dict = {}
         if p is None or not p.cleared:
-            stored = self._reader.key_map(self.name, key, kg, _hashable)
+            stored = self._reader.key_map(self.name, key, kg, _hashable, _hashable_column)
             for h, (uk, v, e) in stored.items():
                 if self._live(e):
                     result[h] = (uk, v)
@@ -602,7 +619,7 @@ class MapState(KeyedState):
                 return (uk, value) if present and self._live(expire) else None
             if p.cleared:
                 return None
-        stored = self._reader.key_map(self.name, key, kg, _hashable).get(h)
+        stored = self._reader.key_map(self.name, key, kg, _hashable, _hashable_column).get(h)
         if stored is None or not self._live(stored[2]):
             return None
         return stored[0], stored[1]
