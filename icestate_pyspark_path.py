@@ -10,7 +10,7 @@ whole directory again for each zip importer. Spark also puts its ``spark-core`` 
 (no Python module in it; 6k entries, 50 ms to read its directory in each process). Importing
 ``pyspark.worker`` costs 0.7-0.9 s of CPU from the zip against 0.12-0.14 s installed (measured
 on this machine); a query's start runs about eight such processes on two cores
-(docs/decisions.md, "Issue 16, sixth steps").
+(docs/decisions.md, "Spark's Python processes import the installed pyspark").
 
 ``icestate_pyspark_path.pth`` (installed at the root of site-packages) calls ``prefer_installed``
 at every interpreter's start: it drops from ``sys.path`` the zips and jars that lie inside an

@@ -84,8 +84,8 @@ _NO_ENTRIES: dict = {}
 _REPLACE_RATIO = 10
 # The same for views of ``StoreConfig.view_index_rows_min`` rows a key group and more (indexed,
 # or indexed at this change): in place down to 2 view rows per new entry. Measured with one
-# task's 5M-key share after a batch of new keys (`docs/decisions.md`, "Issue 16, eleventh
-# steps"): 1.25M new entries against 3.75M view rows, the next two batches 0.95 s in place
+# task's 5M-key share after a batch of new keys (`docs/decisions.md`, "Large views take a
+# large batch in place"): 1.25M new entries against 3.75M view rows, the next two batches 0.95 s in place
 # against 1.75-2.1 s resolved; 1.65M against 3.35M, 1.4 against 2.2 s; 2.5M against 2.5M, 2.3
 # against 1.7 s.
 _REPLACE_RATIO_INDEXED = 2
