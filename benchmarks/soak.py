@@ -10,9 +10,9 @@ state is bounded while every batch writes, expires and tombstones entries. Trigg
 ``--trigger-seconds``; each batch is one checkpoint; retention keeps the default 10 checkpoints;
 the compactor process runs the default policy. The batch output goes to a ``foreach_batch``
 that counts it. Spark's own history is bounded as in production (``SPARK_HISTORY``), and the
-Python workers run on glibc's allocator as a long-running deployment sets them
-(``statestore.memory.LONG_RUNNING_ENV`` through ``spark.executorEnv.*``; ``--no-long-running-env``:
-Python's and Arrow's own allocators).
+Python workers run as a long-running deployment sets them: Arrow's buffers on glibc's
+allocator (``statestore.memory.spark_conf()``, ``spark.executorEnv.*``; ``--no-long-running-env``:
+Arrow's own allocator).
 
 Sampled every ``--sample-seconds``: resident memory and open file descriptors of the driver's
 Python, its JVM, the Python workers (together and each) and the compactor (from ``/proc``); every
@@ -501,7 +501,7 @@ def drive(config_path: Path) -> None:
         builder = builder.config(key, value)
     if config.get("long_running_env", True):
         # The Python workers' allocators as a long-running deployment sets them
-        # (``statestore.memory.LONG_RUNNING_ENV``): what a batch freed goes back to the system.
+        # (``statestore.memory.WORKER_ENV``): what a batch freed goes back to the system.
         from statestore import memory
 
         for key, value in memory.spark_conf().items():
@@ -678,8 +678,8 @@ def main(
                            "folder (with PYTHONTRACEMALLOC set, tracemalloc's growths too; slows the query).")] = None,
     retain_checkpoints: Annotated[int, typer.Option(help="Checkpoints retention keeps.")] = 10,
     long_running_env: Annotated[bool, typer.Option(
-        help="Start the Python workers with statestore.memory.LONG_RUNNING_ENV (glibc's allocator for "
-             "Python's objects and Arrow's buffers), as a long-running deployment does.")] = True,
+        help="Start the Python workers with statestore.memory.spark_conf() (Arrow's buffers on glibc's "
+             "allocator), as a long-running deployment does.")] = True,
     results_dir: Annotated[Path | None, typer.Option(
         help=f"Where soak.json and soak.png go (default: ${harness.RESULTS_DIR_ENV}, else "
              f"{RESULTS.relative_to(harness.REPO)}).")] = None,

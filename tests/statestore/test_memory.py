@@ -59,6 +59,6 @@ def test_the_long_running_environment_returns_pages_that_survivors_would_pin():
     assert long_running["freed_mb"] > 0.7 * long_running["grown_mb"], long_running
 
 
-def test_the_executor_settings_carry_the_long_running_environment():
-    assert memory.spark_conf() == {f"spark.executorEnv.{k}": v for k, v in memory.LONG_RUNNING_ENV.items()}
+def test_the_executor_settings_carry_the_workers_environment():
+    assert memory.spark_conf() == {"spark.executorEnv.ARROW_DEFAULT_MEMORY_POOL": "system"}
     assert memory.LONG_RUNNING_ENV == {"PYTHONMALLOC": "malloc", "ARROW_DEFAULT_MEMORY_POOL": "system"}
