@@ -52,6 +52,10 @@ class StoreConfig:
         rows is indexed by key hash at its first keyed read or change (``views.KeyedView``):
         a batch then finds and replaces its keys' rows at the cost of its keys, not of the
         view; smaller views are joined whole (cheaper there). 0: index every view.
+    count_live_rows: count how each checkpoint changes the live rows, in Spark's units
+        (``live_rows.LiveRowCounter``; ``StateStore.live_row_change``): each key's state is
+        read before its first write since the last flush, and at the flush. None: the runner
+        decides (the Spark runner counts, for ``numRowsTotal``; the store alone does not).
     """
 
     cache_size_bytes_max: int = 512 * 1024 * 1024
@@ -67,6 +71,7 @@ class StoreConfig:
     view_partial_rows_min: int = 4096
     view_partial_share_max: float = 0.5
     view_index_rows_min: int = 16384
+    count_live_rows: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("cache_size_bytes_max", "row_group_rows_min", "row_group_rows_max", "footer_cache_entries_max",

@@ -544,6 +544,22 @@ class StateReader:
         hi = np.searchsorted(sorted_kgs, wanted, side="right")
         return {kg: distinct_sorted(hashes[order[a:b]]) for kg, a, b in zip(kgs, lo.tolist(), hi.tolist(), strict=True)}
 
+    def rows_of(self, name: str, keys: pl.DataFrame, key_groups: np.ndarray) -> pl.DataFrame:
+        """The view rows of ``name`` live now of exactly ``keys`` (key columns, distinct;
+        ``key_groups``: each key's), reading what the views lack, without sealing the handles'
+        writes: for a write about to be added, asking what its keys hold (``live_rows``)."""
+        desc = self.layout.descriptor(name)
+        if not keys.height:
+            return self._empty_view(desc)
+        key_groups = np.asarray(key_groups, dtype=np.int64)
+        kgs = _distinct(key_groups)
+        self._cover(keys.to_arrow().cast(self.layout.key_schema), key_groups, kgs)
+        view = self._keyed_rows(desc, kgs, keys, key_groups)
+        if not view.height:
+            return view
+        view = live_rows(view, self._now_ms())
+        return view.join(keys.cast(dict(view.select(self.key_names).schema)), on=self.key_names, how="semi")
+
     def scan(self, name: str) -> pl.DataFrame:
         """The live view rows of ``name`` over the task's whole key-group range, read from the
         segments (only the variable's columns) and the memtable, without filling the cache:

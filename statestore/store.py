@@ -37,6 +37,7 @@ from statestore.errors import (
 from statestore.faults import crash_point
 from statestore.keygroups import assign_key_group, assign_key_groups, compute_key_group_range_for_task
 from statestore.layout import CHECKPOINT_ID, KEY_GROUP, OP, OP_DELETE, SEQ, STATE
+from statestore.live_rows import Histogram, LiveRowCounter
 from statestore.memtable import KG, MEMTABLE_CHECKPOINT_ID, Memtable
 from statestore.read_path import StateReader
 from statestore.resolve import ORD, entry_columns
@@ -67,6 +68,8 @@ class StateStore:
         self.reader = StateReader(table, self._memtable, self.key_group_range, self.config, self.seal,
                                   self._owned_key_groups)
         self._handles: dict[str, KeyedState] = {}
+        self._counter = (LiveRowCounter(self.reader, self.layout.descriptors, self.key_names)
+                         if self.config.count_live_rows else None)
         # checkpoint id -> memtable watermark of a flush whose commit is not settled yet
         self._outstanding: dict[int, int] = {}
         # The committed checkpoint the store's content is, with its segments of the task's key
@@ -204,6 +207,11 @@ class StateStore:
     def write(self, name: str, key_groups: np.ndarray, entries: pl.DataFrame) -> None:
         """Append entries of state ``name`` (entry columns but ``ord``) to the memtable."""
         self.seal()
+        self._add(name, key_groups, entries)
+
+    def _add(self, name: str, key_groups: np.ndarray, entries: pl.DataFrame) -> None:
+        if self._counter is not None and entries.height:
+            self._counter.before_write(name, key_groups, entries)
         self._memtable.add(name, key_groups, entries)
         self.reader.memtable_changed()
 
@@ -237,8 +245,7 @@ class StateStore:
         for handle in self._handles.values():
             sealed = handle.seal_overlay()
             if sealed is not None:
-                self._memtable.add(handle.name, *sealed)
-                self.reader.memtable_changed()
+                self._add(handle.name, *sealed)
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -262,6 +269,8 @@ class StateStore:
         crash_point(faults.FLUSH_STARTED)
         entries = self._memtable_as_entries(checkpoint_id)
         self._count_flushed(entries)
+        if self._counter is not None:
+            self._counter.flushed(checkpoint_id)
         # Writes after this flush get ords at or above the watermark and stay in the memtable
         # when the checkpoint completes.
         self._outstanding[checkpoint_id] = self._memtable.watermark()
@@ -295,6 +304,8 @@ class StateStore:
         if checkpoint_id not in self._outstanding:
             raise ValueError(f"checkpoint {checkpoint_id} was not flushed by this store (or already completed)")
         dropped = self._memtable.drop_before(self._outstanding.pop(checkpoint_id))
+        if self._counter is not None:
+            self._counter.completed(checkpoint_id)
         flushed = self._flushing.pop(checkpoint_id, None)
         self._exact = None if flushed is None else (checkpoint_id, flushed)
         current = self._table.current_checkpoint()
@@ -311,6 +322,8 @@ class StateStore:
         self._outstanding.pop(checkpoint_id, None)
         self._flushing.pop(checkpoint_id, None)
         self.reader.aborted(checkpoint_id)
+        if self._counter is not None:
+            self._counter.aborted(checkpoint_id)
 
     def checkpoint(self, batch_id: int | None = None, properties: dict[str, str] | None = None) -> CheckpointInfo:
         """Flush and commit a checkpoint of this store alone (single-task use)."""
@@ -379,6 +392,12 @@ class StateStore:
 
     # ---------------------------------------------------------------- statistics
 
+    def live_row_change(self, checkpoint_id: int) -> dict[str, Histogram] | None:
+        """How ``flush(checkpoint_id)`` changes each written variable's live rows, in Spark's
+        units and by expiry (``live_rows``), until the checkpoint settles; None when the store
+        does not count (``StoreConfig.count_live_rows``) or lost count (a failed flush)."""
+        return None if self._counter is None else self._counter.change(checkpoint_id)
+
     def stats(self) -> dict[str, int]:
         figures = self.reader.stats()
         figures["memtable_entries"] = self._memtable.entry_count()
@@ -399,6 +418,8 @@ class StateStore:
 
     def _reset(self) -> None:
         self._prepared = None
+        if self._counter is not None:
+            self._counter.reset()
         self.reader.reset()
         self._memtable.reset()
         self._outstanding.clear()
