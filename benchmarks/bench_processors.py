@@ -22,7 +22,10 @@ the median batch (processing and flush) per kind and size and its growth against
 size (1.0: a batch costs its keys only; from 1M keys on, a batch of 200k events touches
 nearly as many distinct keys at every size, so the growth is the state's). Prints a table,
 writes ``bench_processors.json`` and ``bench_processors.png`` to the results folder.
-Run: ``.venv/bin/python -m benchmarks.bench_processors`` (``--sizes``, ``--events``, ``--batches``).
+``--live-rows both`` measures each kind and size also with the live-row count the Spark runner
+keeps (``statestore.live_rows``, Spark's ``numRowsTotal``) and reports its cost as a ratio.
+Run: ``.venv/bin/python -m benchmarks.bench_processors`` (``--sizes``, ``--events``, ``--batches``,
+``--live-rows``).
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def _build(store: StateStore, kind: str, name: str, keys: pa.Array) -> None:
     store.views(name, range(r.start, r.end + 1))
 
 
-def _measure(kind: str, total: int, events: int, batches: int, seed: int) -> dict:
+def _measure(kind: str, total: int, events: int, batches: int, seed: int, count_live_rows: bool = False) -> dict:
     processor = PROCESSORS[kind]()
     if kind == "vectorized":
         descriptors = processor.state_variables(pa.schema([("key", pa.string()), ("value", pa.int64())]), ["key"])
@@ -102,7 +105,8 @@ def _measure(kind: str, total: int, events: int, batches: int, seed: int) -> dic
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory() as tmp:
         table = DirectoryStateTable(Path(tmp), layout)
-        store = StateStore(table, task_index=TASK, parallelism=TASKS, config=StoreConfig())
+        store = StateStore(table, task_index=TASK, parallelism=TASKS,
+                           config=StoreConfig(count_live_rows=count_live_rows))
         _build(store, kind, descriptors[0].name, keys)
         process_ms, flush_ms, distinct = [], [], []
         for _ in range(batches + 1):  # the first batch is not counted (the runner's first use)
@@ -130,7 +134,8 @@ def _measure(kind: str, total: int, events: int, batches: int, seed: int) -> dic
         store.close()
     batch = [p + f for p, f in zip(process_ms[1:], flush_ms[1:], strict=True)]
     keys_per_batch = statistics.median(distinct[1:])
-    return {"kind": kind, "state_keys": total, "task_keys": len(keys), "task_events": max(1, events // TASKS),
+    return {"kind": kind, "count_live_rows": count_live_rows,
+            "state_keys": total, "task_keys": len(keys), "task_events": max(1, events // TASKS),
             "batch_keys_median": keys_per_batch,
             "us_per_batch_key": statistics.median(batch) * 1e3 / keys_per_batch,
             "process_ms": process_ms[1:], "flush_ms": flush_ms[1:], "batch_ms_median": statistics.median(batch),
@@ -160,29 +165,43 @@ def main(
     batches: int = typer.Option(5, help="measured micro-batches per kind and size"),
     kinds: str = typer.Option(",".join(PROCESSORS), help="processors: value, list, map"),
     seed: int = typer.Option(1),
+    live_rows: str = typer.Option("off", help="count live rows as the Spark runner does (numRowsTotal): off, on, "
+                                             "or both (each kind and size twice, the cost of counting as a ratio)"),
 ) -> None:
     chosen = [k.strip() for k in kinds.split(",") if k.strip()]
     unknown = sorted(set(chosen) - set(PROCESSORS))
     if unknown:
         raise typer.BadParameter(f"unknown kinds {unknown}; known: {list(PROCESSORS)}")
+    if live_rows not in ("off", "on", "both"):
+        raise typer.BadParameter(f"--live-rows must be off, on or both, got {live_rows!r}")
+    counting = {"off": [False], "on": [True], "both": [False, True]}[live_rows]
     state_sizes = sorted(int(s) for s in sizes.split(","))
-    runs = [_measure(kind, total, events, batches, seed)
-            for kind, total in progress([(k, s) for k in chosen for s in state_sizes], "kinds x state sizes")]
+    measured = [_measure(kind, total, events, batches, seed, count)
+                for kind, total, count in progress([(k, s, c) for k in chosen for s in state_sizes for c in counting],
+                                                   "kinds x state sizes")]
+    runs = [r for r in measured if r["count_live_rows"] == counting[0]]
     smallest = {k: next(r["batch_ms_median"] for r in runs if r["kind"] == k) for k in chosen}
     for r in runs:
         r["growth_vs_smallest"] = r["batch_ms_median"] / smallest[r["kind"]]
+    if live_rows == "both":
+        for r, c in zip(runs, [r for r in measured if r["count_live_rows"]], strict=True):
+            r["with_live_rows_ms_median"] = c["batch_ms_median"]
+            r["live_rows_cost"] = c["batch_ms_median"] / r["batch_ms_median"]
     t = Table(title=f"one task's micro-batch of {events:,} events / {TASKS} tasks, whole-cached state")
     for col in ("state", "state keys", "task keys", "batch keys", "batch ms (median)", "us per batch key", "events/s",
-                "growth vs smallest"):
+                "growth vs smallest", *(["counting live rows ms", "counting's cost"] if live_rows == "both" else [])):
         t.add_column(col, justify="right")
     for r in runs:
+        extra = ([fmt(r["with_live_rows_ms_median"]), fmt(r["live_rows_cost"], ".2f", "x")]
+                 if live_rows == "both" else [])
         t.add_row(r["kind"], f"{r['state_keys']:,}", f"{r['task_keys']:,}", fmt(r["batch_keys_median"]),
                   fmt(r["batch_ms_median"]), fmt(r["us_per_batch_key"], ".1f"),
-                  fmt(r["events_per_s"]), fmt(r["growth_vs_smallest"], ".2f", "x"))
+                  fmt(r["events_per_s"]), fmt(r["growth_vs_smallest"], ".2f", "x"), *extra)
     console.print(t)
     _plot(runs, results_path("bench_processors.png"))
     path = write_results("bench_processors.json", {
-        "machine": machine_info(), "events": events, "batches": batches, "sizes": state_sizes, "runs": runs,
+        "machine": machine_info(), "events": events, "batches": batches, "sizes": state_sizes, "live_rows": live_rows,
+        "runs": runs,
         "growth_largest": {k: max(r["growth_vs_smallest"] for r in runs if r["kind"] == k) for k in chosen}})
     console.print(f"results: {path}")
 

@@ -47,10 +47,11 @@ from statestore.entries import variable_entry_schema
 from statestore.errors import CorruptSegmentError, StateNotDeclaredError
 from statestore.keygroups import assign_key_groups
 from statestore.layout import KEY_GROUP
+from statestore.live_rows import Ledger
 from statestore.paths import parse_compaction_name
 from statestore.resolve import BATCH_ID, shown
 from statestore.segment import SegmentReader
-from statestore.stored_keys import QUERY_ID
+from statestore.stored_keys import QUERY_ID, QUERY_LIVE_ROWS
 from statestore.table import CheckpointInfo, SegmentFile
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ CHECKPOINTS_SCHEMA = pa.schema([
     ("bytes", pa.int64()), ("files", pa.int64()), ("savepoints", pa.list_(pa.string())),
     ("on_line", pa.bool_()), ("repair_by", pa.string()), ("repair_reason", pa.string()),
     ("operator", pa.string()), ("query_id", pa.string()), ("operator_state_files", pa.int32()),
+    ("live_rows", pa.int64()),
 ])
 SEGMENTS_SCHEMA = pa.schema([
     ("file", pa.string()), ("checkpoint_id", pa.int64()), ("unit", pa.int32()), ("key_group_min", pa.int32()),
@@ -99,7 +101,9 @@ def checkpoints(table: IcebergStateTable) -> pa.Table:
     checkpoint's Iceberg snapshot summary: ``rows_added``/``bytes_added`` what it wrote,
     ``rows``/``bytes``/``files`` the whole table at it; ``operator`` is the stateful operator
     (the state table), ``query_id`` the streaming query that wrote it (none for a checkpoint
-    written outside a query), ``operator_state_files`` its non-keyed operator state files."""
+    written outside a query), ``operator_state_files`` its non-keyed operator state files,
+    ``live_rows`` the live state rows after it as Spark counts them (``numRowsTotal``;
+    ``statestore.live_rows``), none where not counted."""
     metadata = table.iceberg_table.metadata
     on_line = {checkpoint_id_of(s): s for s in line(metadata, table.branch) if checkpoint_id_of(s) is not None}
     named: dict[int, list[str]] = {}
@@ -128,8 +132,16 @@ def checkpoints(table: IcebergStateTable) -> pa.Table:
             "repair_reason": info.properties.get(SUMMARY_REPAIR_REASON),
             "operator": table.identifier, "query_id": info.properties.get(QUERY_ID),
             "operator_state_files": len(operator_files_of(snapshot)) if snapshot is not None else 0,
+            "live_rows": _live_rows(info.properties.get(QUERY_LIVE_ROWS)),
         })
     return pa.Table.from_pylist(rows, schema=CHECKPOINTS_SCHEMA)
+
+
+def _live_rows(text: str | None) -> int | None:
+    if text is None:
+        return None
+    ledger = Ledger.decode(text)
+    return ledger.total(ledger.rows)
 
 
 def _int(value: str | None) -> int | None:

@@ -45,6 +45,7 @@ from statestore.descriptors import StateDescriptor, StateKind, column_stem
 from statestore.errors import CommitConflictError, SchemaMismatchError
 from statestore.keygroups import assign_key_groups
 from statestore.layout import EXPIRE_AT_MS, OP, OP_APPEND, OP_DELETE, OP_PUT
+from statestore.live_rows import Ledger
 from statestore.store import StateStore, StoreConfig
 from statestore.table import CheckpointInfo
 
@@ -89,7 +90,8 @@ class Repair:
         self.reason = reason
         self.by = by if by is not None else _user()
         self.now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-        self._store = StateStore(table, config=StoreConfig(clock_ms=lambda: self.now_ms))
+        # Counting live rows (``statestore.live_rows``): the stream's count goes on after the repair.
+        self._store = StateStore(table, config=StoreConfig(clock_ms=lambda: self.now_ms, count_live_rows=True))
         self._rows: dict[str, dict[str, int]] = {}
 
     # --- changes ------------------------------------------------------------------------------
@@ -163,6 +165,17 @@ class Repair:
             for segment in written:
                 self.table.filesystem.delete_file(segment.path)
 
+    def _live_rows(self, base: CheckpointInfo | None, checkpoint_id: int) -> dict[str, str]:
+        """The base's live row count (``statestore.live_rows``) with the repair's change, for the
+        stream to go on counting from; none when the base has none."""
+        text = None if base is None else base.properties.get(stored_keys.QUERY_LIVE_ROWS)
+        change = self._store.live_row_change(checkpoint_id)
+        if (base is not None and text is None) or change is None:
+            return {}
+        ledger = Ledger() if text is None else Ledger.decode(text)
+        ledger.add(change)
+        return {stored_keys.QUERY_LIVE_ROWS: ledger.encode()}
+
     def commit(self) -> CheckpointInfo:
         """Commit the repair as the table's next checkpoint (module docstring).
 
@@ -179,6 +192,8 @@ class Repair:
                       inspection.SUMMARY_REPAIR_BY: self.by, inspection.SUMMARY_REPAIR_REASON: self.reason,
                       inspection.SUMMARY_REPAIR_ROWS: json.dumps(self._rows, sort_keys=True),
                       SUMMARY_REPAIR_BASE: "none" if base is None else str(base.checkpoint_id)}
+        properties.pop(stored_keys.QUERY_LIVE_ROWS, None)  # the base's: the repair changed the rows
+        properties.update(self._live_rows(base, cp))
         try:
             info = self.table.commit_checkpoint(
                 cp, segments, parallelism=1 if base is None else base.parallelism,

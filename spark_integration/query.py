@@ -90,6 +90,7 @@ from statestore.errors import (
 from statestore.faults import kill_if_asked
 from statestore.keygroups import check_key_type
 from statestore.layout import StateLayout
+from statestore.live_rows import Ledger
 from statestore.paths import SCRATCH_OUTPUTS_DIR
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ RECENT_PROGRESS_CONF = "spark.sql.streaming.numRecentProgressUpdates"
 # Spark's state encoding (unsaferow by default): with avro, state schemas must be nullable.
 ENCODING_CONF = "spark.sql.streaming.stateStore.encodingFormat"
 NO_DATA_CONF = "spark.sql.streaming.noDataMicroBatches.enabled"
+# Spark's switch of its state store's row count (numRowsTotal); off, ours counts no live rows either.
+TRACK_ROWS_CONF = "spark.sql.streaming.stateStore.rocksdb.trackTotalNumberOfRows"
 REPORTS_KEPT = 100
 
 
@@ -250,6 +253,9 @@ class StatefulRunner:
         self.time_mode = time_mode
         self.event_time_column = event_time_column
         self.initial_state = initial_state
+        if store_config.count_live_rows is None and (
+                spark.conf.get(TRACK_ROWS_CONF, None) or "true").strip().lower() == "false":
+            store_config = dataclasses.replace(store_config, count_live_rows=False)
         self.store_config = store_config
         self.api = api
         self.async_options = async_options
@@ -413,14 +419,18 @@ class StatefulRunner:
             self.foreach_batch(self._output_frame(uris), batch_id)
             report.callback_ms = (time.perf_counter() - called) * 1000
         beacon = self._beacon(plan, report)  # what the new state needs next: summary and beacon file
+        ledger, expired = self._ledger(plan, report)
+        properties = self._properties(plan, report, beacon)
+        if ledger is not None:
+            properties[stored_keys.QUERY_LIVE_ROWS] = ledger.encode()
         state_commit = time.perf_counter()
         self.table.commit_checkpoint(plan.checkpoint_id, segments, parallelism=self.location.parallelism,
-                                     batch_id=batch_id, properties=self._properties(plan, report, beacon))
+                                     batch_id=batch_id, properties=properties)
         state_commit_ms = (time.perf_counter() - state_commit) * 1000
         for task, stats in report.tasks.items():
             self.task_tokens[task] = token = (plan.checkpoint_id, stats["token"])
             self.task_history[task] = (*self.task_history.get(task, ())[1 - TOKENS_KEPT:], token)
-        report.state = self.state_figures(plan, report, state_commit_ms)
+        report.state = self.state_figures(plan, report, state_commit_ms, ledger, expired)
         if self.beacon is not None:
             write_beacon(self.beacon, dataclasses.replace(beacon, state=report.state))
         kill_if_asked("state_committed", batch_id)
@@ -619,18 +629,42 @@ class StatefulRunner:
                 props[stored_keys.QUERY_NEXT_WATERMARK_MS] = str(beacon.next_watermark_ms)
         return props
 
-    def state_figures(self, plan: BatchPlan, report: BatchReport, commit_ms: float) -> dict:
+    def _ledger(self, plan: BatchPlan, report: BatchReport) -> tuple[Ledger | None, int]:
+        """The live rows after the batch (``statestore.live_rows``): the base checkpoint's ledger
+        plus every task's change, without the rows expired at the batch's time; and how many
+        expired. None when unknown: a base checkpoint without a ledger (state written outside a
+        query, or by an older version), or a task that did not count."""
+        base = self.table.current_checkpoint()  # the batch's base: only this driver commits checkpoints
+        if base is None:
+            ledger = Ledger()
+        else:
+            text = base.properties.get(stored_keys.QUERY_LIVE_ROWS)
+            if text is None:
+                return None, 0
+            ledger = Ledger.decode(text)
+        for task in report.tasks.values():
+            change = task.get("live_rows", None)
+            if change is None:
+                return None, 0
+            ledger.add({name: {e: n for e, n in pairs} for name, pairs in change.items()})
+        return ledger, ledger.expire(plan.processing_time_ms)
+
+    def state_figures(self, plan: BatchPlan, report: BatchReport, commit_ms: float, ledger: Ledger | None = None,
+                      expired: int = 0) -> dict:
         """The batch's state figures, named as Spark's state operator progress where there is
-        one: what the ticks source shows in the query's progress, and ``BatchReport.state``."""
+        one: what the ticks source shows in the query's progress, and ``BatchReport.state``.
+        ``ledger``: the live rows after the batch (``_ledger``), whose total is ``numRowsTotal``
+        (absent when unknown); ``expired``: the rows its TTL removed, in ``numRowsRemoved`` as on Spark."""
         tasks = report.tasks.values()
 
         def total(name: str) -> int:
             return int(sum(t.get(name) or 0 for t in tasks))
 
         segments = self.table.checkpoint_view().segments  # the committed checkpoint's, in memory
+        live = {} if ledger is None else {"numRowsTotal": ledger.total(ledger.rows)}  # timers are not in it
         return {
-            "batchId": plan.batch_id, "checkpointId": plan.checkpoint_id, "numTasks": len(report.tasks),
-            "numRowsUpdated": total("state_rows_updated"), "numRowsRemoved": total("state_rows_removed"),
+            "batchId": plan.batch_id, "checkpointId": plan.checkpoint_id, "numTasks": len(report.tasks), **live,
+            "numRowsUpdated": total("state_rows_updated"), "numRowsRemoved": total("state_rows_removed") + expired,
             "numEntriesTotal": int(sum(s.record_count for s in segments)),
             "stateBytes": int(sum(s.size_bytes for s in segments)), "numSegmentsTotal": len(segments),
             "segmentsWritten": report.segments, "segmentBytesWritten": total("segment_bytes"),

@@ -39,7 +39,7 @@ from pyspark.accumulators import AccumulatorParam
 
 from catalog.task_view import CheckpointView, TaskStateTable, locations_of
 from spark_integration.errors import ErrorKey, processor_error
-from spark_integration.timers import TimerService
+from spark_integration.timers import TIMERS_STATE, TimerService
 from statestore import memory
 from statestore.config import StoreConfig
 from statestore.faults import fail_if_first_attempt
@@ -160,6 +160,8 @@ _STORES: dict[tuple[str, int], _TaskStore] = {}
 def _open(plan: BatchPlan, task: int) -> _TaskStore:
     clock = _Clock()
     config = dataclasses.replace(plan.store_config, clock_ms=clock)
+    if config.count_live_rows is None:  # Spark's numRowsTotal (``statestore.live_rows``)
+        config = dataclasses.replace(config, count_live_rows=True)
     table = TaskStateTable(plan.view, plan.layout)
     store = StateStore(table, task_index=task, parallelism=plan.parallelism, config=config)
     timers = TimerService(store) if plan.time_mode != "none" else None
@@ -342,6 +344,7 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
         "state_rows_updated": after["entries_flushed_updated"] - before["entries_flushed_updated"],
         "state_rows_removed": after["entries_flushed_removed"] - before["entries_flushed_removed"],
         "next_timer_ms": ts.timers.next_expiry() if ts.timers is not None else None,
+        "live_rows": _live_rows(store.live_row_change(plan.checkpoint_id)),
         "elapsed_ms": _ms(started), "open_ms": _ms(started, opened), "process_ms": _ms(opened, processed),
         "flush_ms": _ms(processed, flushed), "output_ms": _ms(flushed),
         "cpu_ms": round((time.process_time() - cpu_started) * 1000, 1),  # the worker's, all its threads
@@ -353,6 +356,14 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
     report += [(task, "segment", json.dumps(dataclasses.asdict(s))) for s in segments]
     report += [(task, "output", json.dumps(o)) for o in outputs]
     return report, output
+
+
+def _live_rows(change: dict | None) -> dict | None:
+    """A store's live row change as JSON: {variable: [[expiry or None, rows], ...]}, timers left
+    out (Spark's ``numRowsTotal`` does not count them)."""
+    if change is None:
+        return None
+    return {name: [[e, n] for e, n in h.items()] for name, h in change.items() if name != TIMERS_STATE}
 
 
 def _ms(start: float, end: float | None = None) -> float:

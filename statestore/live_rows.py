@@ -32,8 +32,9 @@ import numpy as np
 import polars as pl
 
 from statestore.descriptors import StateDescriptor, StateKind
-from statestore.layout import EXPIRE_AT_MS
-from statestore.memtable import KG
+from statestore.layout import EXPIRE_AT_MS, OP, OP_PUT
+from statestore.memtable import KG, Memtable
+from statestore.resolve import ORD, live_rows
 
 if TYPE_CHECKING:
     from statestore.read_path import StateReader
@@ -56,6 +57,15 @@ def histogram(desc: StateDescriptor, rows: pl.DataFrame, key_names: list[str]) -
     return dict(zip(counted.get_column(EXPIRE_AT_MS).to_list(), counted.get_column(_N).to_list(), strict=True))
 
 
+def _newest_puts(parts: list[pl.DataFrame], key_names: list[str], now_ms: int) -> pl.DataFrame:
+    """The live values that memtable ``parts`` of a value-like variable leave their keys with."""
+    if not parts:
+        return pl.DataFrame(schema={EXPIRE_AT_MS: pl.Int64})
+    entries = pl.concat([p.select(*key_names, OP, ORD, EXPIRE_AT_MS) for p in parts], how="vertical")
+    newest = entries.filter(pl.col(ORD) == pl.col(ORD).max().over(key_names))
+    return live_rows(newest.filter(pl.col(OP) == OP_PUT), now_ms)
+
+
 def _add(into: Histogram, more: Mapping[int | None, int], sign: int = 1) -> None:
     for e, n in more.items():
         total = into.get(e, 0) + sign * n
@@ -70,8 +80,10 @@ class LiveRowCounter:
     docstring). Driven by the store: ``before_write`` ahead of every memtable addition,
     ``flushed`` / ``completed`` / ``aborted`` / ``reset`` with its lifecycle."""
 
-    def __init__(self, reader: StateReader, descriptors: Iterable[StateDescriptor], key_names: list[str]):
+    def __init__(self, reader: StateReader, descriptors: Iterable[StateDescriptor], key_names: list[str],
+                 memtable: Memtable):
         self._reader = reader
+        self._memtable = memtable
         self._descs = {d.name: d for d in descriptors}
         self._keys = list(key_names)
         self._touched: dict[str, list[pl.DataFrame]] = {}  # keys written since the flush, with KG
@@ -84,8 +96,8 @@ class LiveRowCounter:
 
     def before_write(self, name: str, key_groups: np.ndarray, entries: pl.DataFrame) -> None:
         """Count what the keys of ``entries`` hold now, for those not written since the flush."""
-        keys = entries.select(self._keys).with_columns(pl.Series(KG, key_groups, dtype=pl.Int32)).unique(
-            subset=self._keys, maintain_order=True)
+        # Repeated keys are kept (finding them costs more than it saves): the reads join on keys.
+        keys = entries.select(self._keys).with_columns(pl.Series(KG, key_groups, dtype=pl.Int32))
         seen = self._seen_keys(name)
         if seen is not None:
             keys = keys.join(seen, on=self._keys, how="anti")
@@ -115,9 +127,14 @@ class LiveRowCounter:
             self._touched, self._seen, self._before = {}, {}, {}
             return None
         changes: dict[str, Histogram] = {}
+        by_state = self._memtable.parts_by_state()
         for name in list(self._touched):
-            keys = self._seen_keys(name)
-            rows = self._reader.rows_of(name, keys, self._touched[name][0].get_column(KG).to_numpy())
+            desc = self._descs[name]
+            if desc.kind in (StateKind.LIST, StateKind.MAP):
+                keys = self._seen_keys(name)
+                rows = self._reader.rows_of(name, keys, self._touched[name][0].get_column(KG).to_numpy())
+            else:  # a value's state is its newest entry: the memtable's, of every key written since the flush
+                rows = _newest_puts(by_state.get(name, []), self._keys, self._reader.now_ms())
             change = dict(self._before.get(name, {}))
             for e in change:
                 change[e] = -change[e]

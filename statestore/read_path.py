@@ -545,7 +545,7 @@ class StateReader:
         return {kg: distinct_sorted(hashes[order[a:b]]) for kg, a, b in zip(kgs, lo.tolist(), hi.tolist(), strict=True)}
 
     def rows_of(self, name: str, keys: pl.DataFrame, key_groups: np.ndarray) -> pl.DataFrame:
-        """The view rows of ``name`` live now of exactly ``keys`` (key columns, distinct;
+        """The view rows of ``name`` live now of exactly ``keys`` (key columns, repeats allowed;
         ``key_groups``: each key's), reading what the views lack, without sealing the handles'
         writes: for a write about to be added, asking what its keys hold (``live_rows``)."""
         desc = self.layout.descriptor(name)
@@ -553,7 +553,8 @@ class StateReader:
             return self._empty_view(desc)
         key_groups = np.asarray(key_groups, dtype=np.int64)
         kgs = _distinct(key_groups)
-        self._cover(keys.to_arrow().cast(self.layout.key_schema), key_groups, kgs)
+        if not all(self._is_whole(kg) for kg in kgs):
+            self._cover(keys.to_arrow().cast(self.layout.key_schema), key_groups, kgs)
         view = self._keyed_rows(desc, kgs, keys, key_groups)
         if not view.height:
             return view
@@ -804,6 +805,8 @@ class StateReader:
 
     def _now_ms(self) -> int:
         return int(self._config.clock_ms())
+
+    now_ms = _now_ms
 
     def _empty_view(self, desc: StateDescriptor) -> pl.DataFrame:
         schema = self._entry_schemas[desc.name]

@@ -68,7 +68,7 @@ class StateStore:
         self.reader = StateReader(table, self._memtable, self.key_group_range, self.config, self.seal,
                                   self._owned_key_groups)
         self._handles: dict[str, KeyedState] = {}
-        self._counter = (LiveRowCounter(self.reader, self.layout.descriptors, self.key_names)
+        self._counter = (LiveRowCounter(self.reader, self.layout.descriptors, self.key_names, self._memtable)
                          if self.config.count_live_rows else None)
         # checkpoint id -> memtable watermark of a flush whose commit is not settled yet
         self._outstanding: dict[int, int] = {}

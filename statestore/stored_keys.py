@@ -87,6 +87,9 @@ QUERY_MAX_EVENT_TIME_MS = "icestate.max-event-time-ms"
 QUERY_NEXT_TIMER_MS = "icestate.next-timer-ms"
 QUERY_NEXT_WATERMARK_MS = "icestate.next-watermark-ms"
 QUERY_RUN_ID = "icestate.run-id"
+# The live state rows after the batch, by variable and expiry (statestore.live_rows.Ledger),
+# from which the next batch's count goes on.
+QUERY_LIVE_ROWS = "icestate.live-rows"
 QUERY_ID = "icestate.query-id"
 
 # --- snapshot summary of an output table's batch (spark_integration.outputs) -------------

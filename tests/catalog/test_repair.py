@@ -28,6 +28,7 @@ from statestore import (
     ValueStateDescriptor,
 )
 from statestore.errors import SchemaMismatchError, StateNotDeclaredError, StateTableMismatchError
+from statestore.live_rows import Ledger
 from tests.catalog.catalog_helpers import referenced_files
 
 N = 8
@@ -98,6 +99,7 @@ def test_a_repair_commits_puts_and_deletes_as_one_recorded_checkpoint(table):
     assert info.properties["icestate.repair.by"] == "ops"
     assert info.properties["icestate.repair.reason"] == "fix u1, drop poisoned u2"
     assert info.properties["icestate.repair.base"] == "2"
+    assert "icestate.live-rows" not in info.properties  # the base had no live row count to go on from
     assert json.loads(info.properties["icestate.repair.rows"]) == {
         "count": {"put": 1, "delete": 1}, "point": {"put": 1, "delete": 1}, "pages": {"put": 2, "delete": 1},
         "seen": {"put": 1, "delete": 2}, "session": {"put": 0, "delete": 1}}
@@ -199,6 +201,37 @@ def test_a_bulk_load_into_an_empty_table(place):
         info = repair.commit()
     assert (info.checkpoint_id, info.batch_id) == (1, None)
     assert sum(live(empty, "count").values()) == sum(range(1000))
+    assert Ledger.decode(info.properties["icestate.live-rows"]).rows == {"count": {None: 1000}}
+
+
+def test_a_repair_goes_on_with_the_streams_live_row_count(place):
+    """A base that carries the stream's live row count (``statestore.live_rows``): the repair's
+    checkpoint carries it on with the repair's change, equal to the rows it leaves."""
+    written = place.open(LAYOUT, table_name="counted", retain_checkpoints=10)
+    store = StateStore(written, config=StoreConfig(clock_ms=lambda: NOW, count_live_rows=True))
+    ledger = Ledger()
+    everyone = pa.table({"user": USERS})
+    store.get_state("count").update_batch(everyone, list(range(6)))
+    store.get_state("pages").add_batch(everyone, ["/a"] * 6)
+    store.get_state("seen").put_batch(everyone, ["m0"] * 6, [1] * 6)
+    store.get_state("session").update_batch(everyone, [1] * 6)
+    cp = written.next_checkpoint_id()
+    segments = store.flush(cp)
+    ledger.add(store.live_row_change(cp))
+    written.commit_checkpoint(cp, segments, parallelism=1, batch_id=0,
+                              properties={"icestate.live-rows": ledger.encode()})
+    store.checkpoint_complete(cp)
+    store.close()
+    with Repair(written, reason="drop u2, two pages for u9", now_ms=NOW + 1) as repair:
+        repair.delete_keys(users("u2"))
+        repair.put("pages", pa.table({"user": ["u9"], "v_pages": [["/x", "/y"]]}))
+        repair.put("seen", pa.table({"user": ["u0"], "mk_seen": ["m1"], "v_seen": [3]}))
+        info = repair.commit()
+    counted = Ledger.decode(info.properties["icestate.live-rows"])
+    assert {d.name: counted.of(d.name) for d in DESCRIPTORS} == {
+        "count": len(live(written, "count")), "point": 0, "pages": len(live(written, "pages")),
+        "seen": len(live(written, "seen")), "session": len(live(written, "session"))} == {
+        "count": 5, "point": 0, "pages": 6, "seen": 6, "session": 5}
 
 
 def test_migration_adds_a_struct_field_and_widens_types(table, place):

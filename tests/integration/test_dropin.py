@@ -327,3 +327,38 @@ def test_settings_precedence_option_case_and_columns_as_spark(spark, tmp_path):
     finally:
         disable(spark)
         spark.conf.unset("spark.icestate.catalog")
+
+
+def test_live_state_rows_are_counted_as_spark_counts_them_across_a_restart(spark, tmp_path, engines):
+    """``numRowsTotal`` after each batch, Spark's in its progress, ours in the batch figures:
+    values, non-empty lists and map entries written and removed in every way, timers that are
+    not counted, and a restart in the middle (the count goes on from the checkpoint)."""
+    # batches of writes (ops 0-4), of removals (5-8) and of both, on 7 keys
+    kinds = [range(5), range(10), range(5, 9), range(5), range(5, 9), range(10)]
+    batches = []
+    for b, ops in enumerate(kinds):
+        rows = [(f"k{(b * 5 + i * 3) % 7}", 100 * b + 10 * i + list(ops)[(i * 7 + b) % len(ops)]) for i in range(9)]
+        batches.append(pa.table({"key": [k for k, _ in rows], "v": pa.array([v for _, v in rows], pa.int64())}))
+    input_dir = tmp_path / "in"
+
+    def job(checkpoint: str):
+        out = stream(spark, str(input_dir)).groupBy("key").transformWithState(
+            P.LiveRowsProcessor(), P.LIVE_ROWS_OUTPUT, "Update", "ProcessingTime")
+        return (out.writeStream.format("noop").option("checkpointLocation", checkpoint)
+                .trigger(availableNow=True).start())
+
+    theirs, ours = {}, {}
+    # Spark's availableNow in processing time would run batches without input for ever
+    spark.conf.set("spark.sql.streaming.noDataMicroBatches.enabled", "false")
+    try:
+        for n in (3, 6):
+            write_batches(input_dir, batches[:n])
+            query = engines(lambda: job(str(tmp_path / "cp-spark")), "spark")
+            theirs.update({p.batchId: p.stateOperators[0].numRowsTotal for p in query.recentProgress
+                           if p.stateOperators})
+            query = engines(lambda: job(str(tmp_path / "cp-ours")), "icestate")
+            ours.update({r.batch_id: r.state["numRowsTotal"] for r in runner_of(query).reports if not r.skipped})
+    finally:
+        spark.conf.unset("spark.sql.streaming.noDataMicroBatches.enabled")
+    assert sorted(theirs) == list(range(6)) and any(theirs[b] < theirs[b - 1] for b in (2, 4))  # up and down
+    assert ours == theirs, (ours, theirs)

@@ -42,6 +42,11 @@ class Run:
 
     def __init__(self) -> None:
         self.batches: dict[int, list[tuple]] = {}
+        self.rows_total: dict[int, int | None] = {}  # numRowsTotal after each batch
+
+    def rows_total_with_input(self) -> dict[int, int | None]:
+        """numRowsTotal after each batch that emitted (Spark runs batches without input too)."""
+        return {b: n for b, n in self.rows_total.items() if self.batches.get(b)}
 
     def collect(self, df, batch_id: int) -> None:
         self.batches[batch_id] = sorted(tuple(r) for r in df.collect())
@@ -64,6 +69,7 @@ def run_spark(spark, df, processor, output_schema: str, checkpoint: str, *, time
         query = (out.writeStream.foreachBatch(run.collect).option("checkpointLocation", checkpoint)
                  .trigger(**(trigger or {"availableNow": True})).start())
         _wait(query, run, until, timeout_s)
+    run.rows_total = {p.batchId: p.stateOperators[0].numRowsTotal for p in query.recentProgress if p.stateOperators}
     return run
 
 
@@ -78,6 +84,7 @@ def run_ours(spark, df, processor, output_schema: str, checkpoint: str, location
                                  compaction=None)
     _wait(query, run, until, timeout_s)
     reports = [r for r in runner_of(query).reports if not r.skipped]
+    run.rows_total = {r.batch_id: r.state.get("numRowsTotal") for r in reports}
     no_input = {r.batch_id for r in reports if sum(t["rows_in"] for t in r.tasks.values()) == 0}
     return run, no_input
 
@@ -437,3 +444,6 @@ def test_ttl_as_spark(spark, tmp_path, location, ttl_ms):
                 3_600_000: [[("a", 2), ("b", 1)], [("a", 3), ("b", 2)], [("b", 3), ("c", 1)]]}
     assert theirs.emitted() == expected[ttl_ms]
     compare(theirs, ours)
+    # the live rows after each batch: a 1 ms TTL leaves only the batch's own keys
+    assert theirs.rows_total_with_input() == {1: {0: 2, 1: 2, 2: 2}, 3_600_000: {0: 2, 1: 2, 2: 3}}[ttl_ms]
+    assert ours.rows_total_with_input() == theirs.rows_total_with_input()

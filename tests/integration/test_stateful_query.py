@@ -788,3 +788,12 @@ def test_state_figures_reach_a_streaming_query_listener(spark, tmp_path, where):
     assert first["numEntriesTotal"] == first["numRowsUpdated"] and first["stateBytes"] > 0
     assert first["segmentsWritten"] >= 1 and first["commitTimeMs"] >= 0 and first["numTasks"] == 2
     assert states[3]["numEntriesTotal"] == sum(s["numRowsUpdated"] for s in states.values())
+    # Spark's live rows: one per key of the value state, however many entries it took
+    keys = [len(set(pa.concat_tables(batches[:b + 1])["key"].to_pylist())) for b in range(4)]
+    assert [states[b]["numRowsTotal"] for b in range(4)] == keys
+    assert states[3]["numEntriesTotal"] > keys[3]  # entries: every batch's put of a key, until compaction
+    table = IcebergStateTable.open_existing(warehouse=where().warehouse, table_name=where().table)
+    try:
+        assert inspection.checkpoints(table).column("live_rows").to_pylist()[-1] == keys[3]
+    finally:
+        table.close()

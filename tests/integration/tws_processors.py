@@ -492,3 +492,39 @@ class OddNamesProcessor(StatefulProcessor):
 
     def close(self) -> None:
         pass
+
+
+# ---------------------------------------------------------------------------- live rows
+
+LIVE_ROWS_OUTPUT = "key string, rows long"
+
+
+class LiveRowsProcessor(StatefulProcessor):
+    """Writes and removes value, list and map state (the map and list with a TTL no batch
+    reaches) by each row's ``v`` mod 10, and registers timers that never fire: Spark's
+    ``numRowsTotal`` after each batch counts a value per key, a non-empty list per key, a map
+    entry each, and no timer."""
+
+    def init(self, handle) -> None:
+        self.handle = handle
+        self.value = handle.getValueState("value", "n long")
+        self.items = handle.getListState("items", "n long", 3_600_000)
+        self.entries = handle.getMapState("entries", "slot int", "n long", 3_600_000)
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        for r in sorted(rows, key=lambda r: r.v):
+            op = r.v % 10
+            if op <= 4:
+                self.value.update((r.v,))
+                self.items.appendValue((r.v,))
+                self.entries.updateValue((r.v % 3,), (r.v,))
+                self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + 86_400_000 + op)
+            elif op == 5:
+                self.value.clear()
+            elif op == 6:
+                self.items.clear()
+            elif op == 7:
+                self.entries.removeKey((r.v % 3,))
+            elif op == 8:
+                self.entries.clear()
+        yield Row(key=key[0], rows=len(list(self.entries.keys())))
