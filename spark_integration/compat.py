@@ -484,6 +484,7 @@ class ValueState:
         batch = self._batch
         if batch is None:
             self._state.update(self._struct.to_store(newValue, self._what))
+            self._store.api_rows_updated += 1
             return
         # The errors a per-key write would raise, at the user's call.
         if batch.simple:
@@ -496,8 +497,10 @@ class ValueState:
         key, kg = self._store.current_key()
         batch.values[key] = value
         batch.written[key] = kg
+        self._store.api_rows_updated += 1
 
     def clear(self) -> None:
+        self._store.api_rows_removed += 1
         batch = self._batch
         if batch is None:
             self._state.clear()
@@ -511,6 +514,7 @@ class ListState:
     """Spark's ``ListState`` over the store's list state of the current key."""
 
     def __init__(self, store: StateStore, desc: StateDescriptor):
+        self._store = store
         self._state = store.get_state(desc.name)
         self._struct = _Struct(desc.value_type)
         self._what = f"list state {desc.name!r}"
@@ -522,15 +526,21 @@ class ListState:
         return iter([self._struct.from_store(v) for v in self._state.get()])
 
     def put(self, newState: list[tuple]) -> None:
-        self._state.update([self._struct.to_store(v, self._what) for v in newState])
+        values = [self._struct.to_store(v, self._what) for v in newState]
+        self._state.update(values)
+        self._store.api_rows_updated += len(values)
 
     def appendValue(self, newState: tuple) -> None:
         self._state.add(self._struct.to_store(newState, self._what))
+        self._store.api_rows_updated += 1
 
     def appendList(self, newState: list[tuple]) -> None:
-        self._state.add_all([self._struct.to_store(v, self._what) for v in newState])
+        values = [self._struct.to_store(v, self._what) for v in newState]
+        self._state.add_all(values)
+        self._store.api_rows_updated += len(values)
 
     def clear(self) -> None:
+        self._store.api_rows_removed += self._state.size()  # Spark counts each element removed
         self._state.clear()
 
 
@@ -538,6 +548,7 @@ class MapState:
     """Spark's ``MapState`` over the store's map state of the current key."""
 
     def __init__(self, store: StateStore, desc: StateDescriptor):
+        self._store = store
         self._state = store.get_state(desc.name)
         self._keys = _Struct(desc.user_key_type)
         self._values = _Struct(desc.value_type)
@@ -556,6 +567,7 @@ class MapState:
     def updateValue(self, key: tuple, value: tuple) -> None:
         self._state.put(self._keys.to_store(key, self._what + " user key"),
                         self._values.to_store(value, self._what + " value"))
+        self._store.api_rows_updated += 1
 
     def iterator(self) -> Iterator[tuple[tuple, tuple]]:
         return iter([(self._keys.from_store(k), self._values.from_store(v)) for k, v in self._state.items()])
@@ -568,8 +580,10 @@ class MapState:
 
     def removeKey(self, key: tuple) -> None:
         self._state.remove(self._keys.to_store(key, self._what + " user key"))
+        self._store.api_rows_removed += 1
 
     def clear(self) -> None:
+        self._store.api_rows_removed += self._state.size()  # Spark counts each entry removed
         self._state.clear()
 
 
@@ -592,17 +606,19 @@ class DeletedStateVariableError(StateVariableDeletedError, PySparkRuntimeError):
 # What Spark's Python client says when a call reaches a deleted variable, by the kind of state
 # and the store method the handle calls ("<the client's text>: <Kind> state <name> is not
 # initialized."); None: Spark's iterators read nothing (the client ends them on any error).
+# ``size``: read by a list or map clear first (Spark counts the rows it removes).
 _DELETED_TEXT: dict[StateKind, dict[str, str | None]] = {
     StateKind.VALUE: {"exists": "Error checking value state exists", "get": "Error getting value state",
                       "update": "Error updating value state", "check": "Error updating value state",
                       "clear": "Error clearing value state"},
     StateKind.LIST: {"exists": "Error checking value state exists", "get": None,
                      "update": "Error updating value state", "add": "Error updating value state",
-                     "add_all": "Error updating value state", "clear": "Error clearing value state"},
+                     "add_all": "Error updating value state", "clear": "Error clearing value state",
+                     "size": "Error clearing value state"},
     StateKind.MAP: {"exists": "Error checking map state exists", "get": "Error getting value",
                     "contains": "Error checking if map state contains key", "put": "Error updating map state value",
                     "items": None, "keys": None, "values": None, "remove": "Error removing key from map state",
-                    "clear": "Error clearing map state"},
+                    "clear": "Error clearing map state", "size": "Error clearing map state"},
 }
 
 

@@ -329,6 +329,8 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
     outputs = _write_output(plan, task, token, output)
     after = store.stats()
     ts.dirty = False
+    updated, removed = (("api_rows_updated", "api_rows_removed") if plan.compat else
+                        ("entries_flushed_updated", "entries_flushed_removed"))
     stats = {
         "token": token, "checkpoint_id": plan.checkpoint_id, "rows_in": rows_in,
         "rows_late": rows_in - rows.num_rows, "rows_out": 0 if output is None else output.num_rows,
@@ -341,8 +343,9 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
         "segments": len(segments), "segment_bytes": sum(s.size_bytes for s in segments),
         "timers": ts.timers.count() if ts.timers is not None else 0,
         "timers_fired": ts.timers.fired - fired_before if ts.timers is not None else 0,
-        "state_rows_updated": after["entries_flushed_updated"] - before["entries_flushed_updated"],
-        "state_rows_removed": after["entries_flushed_removed"] - before["entries_flushed_removed"],
+        # Spark-API processors: rows as Spark's state API counts them; vectorized ones: entries written
+        "state_rows_updated": after[updated] - before[updated],
+        "state_rows_removed": after[removed] - before[removed],
         "next_timer_ms": ts.timers.next_expiry() if ts.timers is not None else None,
         "live_rows": _live_rows(store.live_row_change(plan.checkpoint_id)),
         "elapsed_ms": _ms(started), "open_ms": _ms(started, opened), "process_ms": _ms(opened, processed),

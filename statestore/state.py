@@ -500,6 +500,16 @@ class ListState(KeyedState):
     def exists(self) -> bool:
         return bool(self.get())
 
+    def size(self) -> int:
+        """How many live elements the current key's list holds (a read that refreshes no TTL)."""
+        key, kg = self._store.current_key()
+        p = self._overlay.get(key)
+        n = 0
+        if p is None or not p.cleared:
+            n = sum(1 for _, e, _ in self._reader.key_rows(self.name, key, kg, (self._v, EXPIRE_AT_MS, ORD))
+                    if self._live(e))
+        return n + (sum(1 for _, e in p.appended if self._live(e)) if p is not None else 0)
+
     def add(self, value: Any) -> None:
         if value is None:
             raise ValueError(f"state {self.name!r}: list elements must not be null")
@@ -666,6 +676,10 @@ class MapState(KeyedState):
 
     def is_empty(self) -> bool:
         return not self._entries()
+
+    def size(self) -> int:
+        """How many live entries the current key's map holds (a read that refreshes no TTL)."""
+        return len(self._entries())
 
     def exists(self) -> bool:
         return not self.is_empty()

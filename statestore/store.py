@@ -64,6 +64,12 @@ class StateStore:
         self.config = config or StoreConfig()
         self._memtable = Memtable()
         self._flushed = {"entries_flushed_updated": 0, "entries_flushed_removed": 0}
+        # Spark's numRowsUpdated / numRowsRemoved as its state API counts them (a row per call
+        # of update, appendValue and updateValue, per element put or appended; a row per clear of
+        # a value, per element or entry a list or map clear removes, per removeKey): counted by
+        # the Spark-API handles (``spark_integration.compat``), which the store only keeps.
+        self.api_rows_updated = 0
+        self.api_rows_removed = 0
         # The read path; the handles hold it and call it directly.
         self.reader = StateReader(table, self._memtable, self.key_group_range, self.config, self.seal,
                                   self._owned_key_groups)
@@ -402,6 +408,7 @@ class StateStore:
         figures = self.reader.stats()
         figures["memtable_entries"] = self._memtable.entry_count()
         figures.update(self._flushed)
+        figures["api_rows_updated"], figures["api_rows_removed"] = self.api_rows_updated, self.api_rows_removed
         return figures
 
     def _count_flushed(self, entries: pa.Table | None) -> None:

@@ -503,7 +503,8 @@ class LiveRowsProcessor(StatefulProcessor):
     """Writes and removes value, list and map state (the map and list with a TTL no batch
     reaches) by each row's ``v`` mod 10, and registers timers that never fire: Spark's
     ``numRowsTotal`` after each batch counts a value per key, a non-empty list per key, a map
-    entry each, and no timer."""
+    entry each, and no timer; ``numRowsUpdated`` and ``numRowsRemoved`` count calls, elements
+    and entries."""
 
     def init(self, handle) -> None:
         self.handle = handle
@@ -527,4 +528,7 @@ class LiveRowsProcessor(StatefulProcessor):
                 self.entries.removeKey((r.v % 3,))
             elif op == 8:
                 self.entries.clear()
+            else:
+                self.items.put([(r.v,), (r.v + 1,)])
+                self.items.appendList([(r.v + 2,)])
         yield Row(key=key[0], rows=len(list(self.entries.keys())))
