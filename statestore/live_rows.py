@@ -83,7 +83,11 @@ class LiveRowCounter:
     def __init__(self, reader: StateReader, descriptors: Iterable[StateDescriptor], key_names: list[str],
                  memtable: Memtable):
         self._reader = reader
+        reader.record_lookups = True
         self._memtable = memtable
+        # A value-like variable written once since the flush, with distinct keys: its entries
+        # are its keys' state (no newest entry to find at the flush); None once written again.
+        self._sole: dict[str, pl.DataFrame | None] = {}
         self._descs = {d.name: d for d in descriptors}
         self._keys = list(key_names)
         self._touched: dict[str, list[pl.DataFrame]] = {}  # keys written since the flush, with KG
@@ -96,15 +100,27 @@ class LiveRowCounter:
 
     def before_write(self, name: str, key_groups: np.ndarray, entries: pl.DataFrame) -> None:
         """Count what the keys of ``entries`` hold now, for those not written since the flush."""
+        desc = self._descs[name]
+        key_columns = entries.select(self._keys)
         # Repeated keys are kept (finding them costs more than it saves): the reads join on keys.
-        keys = entries.select(self._keys).with_columns(pl.Series(KG, key_groups, dtype=pl.Int32))
+        keys = key_columns.with_columns(pl.Series(KG, key_groups, dtype=pl.Int32))
         seen = self._seen_keys(name)
+        rows = None
+        if seen is None and desc.kind not in (StateKind.LIST, StateKind.MAP):
+            # the keys a vectorized processor just looked up, then writes: what it read is their state
+            found = self._reader.recorded(name, key_columns)
+            if found is not None and not key_columns.is_duplicated().any():
+                rows = found
+                self._sole[name] = entries.select(OP, EXPIRE_AT_MS)
+        if name in self._sole and rows is None:
+            self._sole[name] = None
         if seen is not None:
             keys = keys.join(seen, on=self._keys, how="anti")
         if not keys.height:
             return
-        rows = self._reader.rows_of(name, keys.select(self._keys), keys.get_column(KG).to_numpy())
-        _add(self._before.setdefault(name, {}), histogram(self._descs[name], rows, self._keys))
+        if rows is None:
+            rows = self._reader.rows_of(name, keys.select(self._keys), keys.get_column(KG).to_numpy())
+        _add(self._before.setdefault(name, {}), histogram(desc, rows, self._keys))
         self._touched.setdefault(name, []).append(keys)
         self._seen.pop(name, None)
 
@@ -124,7 +140,7 @@ class LiveRowCounter:
         holds the flush's entries still), None when ``lost``; the counting starts again for
         what comes after."""
         if self.lost:
-            self._touched, self._seen, self._before = {}, {}, {}
+            self._touched, self._seen, self._before, self._sole = {}, {}, {}, {}
             return None
         changes: dict[str, Histogram] = {}
         by_state = self._memtable.parts_by_state()
@@ -133,6 +149,8 @@ class LiveRowCounter:
             if desc.kind in (StateKind.LIST, StateKind.MAP):
                 keys = self._seen_keys(name)
                 rows = self._reader.rows_of(name, keys, self._touched[name][0].get_column(KG).to_numpy())
+            elif (sole := self._sole.get(name)) is not None:  # one write of distinct keys: its entries
+                rows = live_rows(sole.filter(pl.col(OP) == OP_PUT), self._reader.now_ms())
             else:  # a value's state is its newest entry: the memtable's, of every key written since the flush
                 rows = _newest_puts(by_state.get(name, []), self._keys, self._reader.now_ms())
             change = dict(self._before.get(name, {}))
@@ -142,7 +160,7 @@ class LiveRowCounter:
             if change:
                 changes[name] = change
         self._flushing[checkpoint_id] = (self._touched, self._before)
-        self._touched, self._seen, self._before = {}, {}, {}
+        self._touched, self._seen, self._before, self._sole = {}, {}, {}, {}
         self._changes[checkpoint_id] = changes
         return changes
 
@@ -166,11 +184,11 @@ class LiveRowCounter:
         if self._touched:
             self.lost = True
         self._touched, self._before = old
-        self._seen = {}
+        self._seen, self._sole = {}, {name: None for name in old[0]}
 
     def reset(self) -> None:
         self.lost = False
-        self._touched, self._seen, self._before = {}, {}, {}
+        self._touched, self._seen, self._before, self._sole = {}, {}, {}, {}
         self._flushing.clear()
         self._changes.clear()
 

@@ -247,6 +247,10 @@ class StateReader:
         self.partial_reads = 0
         # Checkpoints flushed but not settled: their entries are still in the memtable.
         self._unsettled: set[int] = set()
+        # ``lookup`` keeps what it found of a value-like variable's keys while nothing changed
+        # since (``recorded``): the live row count then needs no second read of keys just read.
+        self.record_lookups = False
+        self._last_lookup: tuple[str, pl.DataFrame, pl.DataFrame] | None = None
 
     # ---------------------------------------------------------------- lifecycle events
 
@@ -611,7 +615,9 @@ class StateReader:
         else:
             kgs = _distinct(key_groups)
             cached = [kg for kg in kgs if kg in self._cache]
-        out = self._join_views(desc, left, on, cached, key_groups)
+        record = self.record_lookups and on_extra is None and desc.kind not in (StateKind.LIST, StateKind.MAP)
+        self._last_lookup = None
+        out = self._join_views(desc, left, on, cached, key_groups, with_expiry=record)
         # A null value reads as absent whether or not a row matched: a miss either way.
         missed = out.get_column(desc.value_column).is_null()
         if (kgs is None or any(not self._is_whole(kg) for kg in kgs)) and missed.any():
@@ -621,7 +627,7 @@ class StateReader:
             miss_kg_list = _distinct(miss_kgs)
             if self._cover(miss_keys, miss_kgs, miss_kg_list):
                 again = self._join_views(desc, left[rows].with_columns(pl.Series(_ROW, rows, dtype=pl.UInt32)),
-                                         on, miss_kg_list, miss_kgs)
+                                         on, miss_kg_list, miss_kgs, with_expiry=record)
                 out = pl.concat([out.filter(~missed), again.select(out.columns)], how="vertical").sort(
                     _ROW, maintain_order=True)
         kind = desc.kind
@@ -634,11 +640,26 @@ class StateReader:
                         "written by two stores for one task; each key's last one is read", name)
             if kgs is None:
                 kgs = _distinct(self._key_groups_of(keys))
-            out = self._join_views(desc, left, on, kgs, None, last_per_key=True)
+            out = self._join_views(desc, left, on, kgs, None, last_per_key=True, with_expiry=record)
+            record = False
+        if record:
+            found = out.filter(pl.col(desc.value_column).is_not_null()).select(EXPIRE_AT_MS)
+            self._last_lookup = (name, left.select(self.key_names), found)
+            out = out.drop(EXPIRE_AT_MS)
         return out.drop(_ROW)
 
+    def recorded(self, name: str, keys: pl.DataFrame) -> pl.DataFrame | None:
+        """The live rows (``EXPIRE_AT_MS`` only) of ``keys`` of value-like ``name`` as the last
+        ``lookup`` found them, when it looked up exactly ``keys`` and nothing changed since
+        (``record_lookups``); else None."""
+        last = self._last_lookup
+        if last is None or last[0] != name or not last[1].equals(keys):
+            return None
+        return last[2]
+
     def _join_views(self, desc: StateDescriptor, left: pl.DataFrame, on: list[str], kgs: list[int],
-                    key_groups: np.ndarray | None, last_per_key: bool = False) -> pl.DataFrame:
+                    key_groups: np.ndarray | None, last_per_key: bool = False,
+                    with_expiry: bool = False) -> pl.DataFrame:
         """``left`` (numbered in ``_ROW`` unless it already is) left-joined with the live view
         rows of ``desc`` in the cached ``kgs`` (brought up to date): the value column, null
         where no row matched; with ``last_per_key`` only the last view row of each join key, in
@@ -648,7 +669,7 @@ class StateReader:
             left = left.with_row_index(_ROW)
         # Only the columns the join returns: gathering less is faster.
         view = self._keyed_rows(desc, kgs, left.select(self.key_names), key_groups)
-        view = live_rows(view, self._now_ms()).select(*on, desc.value_column)
+        view = live_rows(view, self._now_ms()).select(*on, desc.value_column, *([EXPIRE_AT_MS] if with_expiry else []))
         if last_per_key:
             view = view.unique(subset=on, keep="last", maintain_order=True)
         return left.join(view, on=on, how="left", maintain_order="left")
@@ -739,6 +760,7 @@ class StateReader:
         new segments, a reset)."""
         self._point_index.clear()
         self._batch_index.clear()
+        self._last_lookup = None
 
     def _forget_view_indexes(self) -> None:
         """Forget the indexes over views (``_view_index``): views were replaced, filled or

@@ -67,10 +67,10 @@ def _checkpoint(store: StateStore, table: DirectoryStateTable) -> dict | None:
 
 
 OPS = st.sampled_from(["put", "append", "map_put", "map_remove", "clear_v", "clear_l", "clear_m", "get_all",
-                       "batch_put", "batch_clear"])
+                       "batch_put", "batch_clear", "read_then_put", "read_then_put_twice"])
 
 
-@fuzz_settings(60)
+@fuzz_settings(80)
 @given(ttl=st.sampled_from([None, 30, 100]), on_read=st.booleans(),
        batches=st.lists(st.tuples(st.integers(0, 60), st.lists(st.tuples(OPS, st.sampled_from(KEYS), st.integers(0, 3)),
                                                                   max_size=12)), min_size=1, max_size=6),
@@ -90,6 +90,11 @@ def test_the_ledger_of_changes_equals_a_scan_at_every_checkpoint(tmp_path_factor
         for op, key, n in ops:
             if op == "batch_put":
                 v.update_batch(pa.table({"k": [key]}), [n])
+                continue
+            if op in ("read_then_put", "read_then_put_twice"):  # a vectorized processor's read, then write
+                ks = pa.table({"k": [key, KEYS[n]] if op == "read_then_put" else [key, key]})
+                v.get_batch(ks)
+                v.update_batch(ks, [n, n + 1])
                 continue
             if op == "batch_clear":
                 m.clear_batch(pa.table({"k": [key]}))
