@@ -27,7 +27,8 @@ variants have no proxy: their request counts are empty. The catalog (SQLite) is 
 every variant: only the object store is remote.
 
 Prints tables, writes ``benchmarks/results/remote_storage.json`` and a plot
-(``docs/remote_storage.png``; with ``--quick``, ``remote_storage_quick.*`` under the results).
+(``docs/remote_storage.png``; with ``--quick``, ``remote_storage_quick.*`` under the results; with
+``ICESTATE_BENCH_RESULTS_DIR`` set, the plot goes there too).
 Run: ``.venv/bin/python -m benchmarks.remote_storage`` (``--quick`` for the smoke test).
 
 Adding a variant (say, S3 with a warm local file cache): one more ``Variant`` in
@@ -38,6 +39,7 @@ warm what it needs before the measurements.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shutil
 import statistics
@@ -61,6 +63,7 @@ from benchmarks.harness import (
     COUNT,
     MAX_PARALLELISM,
     REPO,
+    RESULTS_DIR_ENV,
     build_count_state,
     console,
     count_layout,
@@ -492,7 +495,7 @@ def main(
     repeat: int = typer.Option(5, help="repetitions of the commit and cold measurements (median)"),
     latencies: str = typer.Option("0,10,20", help="proxy latencies of the S3 variants, ms per request"),
     plot: Path | None = typer.Option(None, help="where the plot goes (default docs/remote_storage.png; "
-                                                "with --quick beside the results)"),
+                                                "with --quick or a results folder set, beside the results)"),
 ) -> None:
     if quick:
         keys, checkpoints, tasks, delta, lookup, batch, batches, repeat = 4_000, 2, 2, 500, 100, 500, 2, 1
@@ -512,7 +515,8 @@ def main(
     results = {"machine": machine_info(), "params": params, "total_s": total, "variants": measured}
     stem = "remote_storage_quick" if quick else "remote_storage"
     path = write_results(f"{stem}.json", results)
-    plot_path = plot or (results_path(f"{stem}.png") if quick else DOCS_PLOT)
+    # A run into another results folder (the suite's, a probe's) keeps its plot there too.
+    plot_path = plot or (results_path(f"{stem}.png") if quick or os.environ.get(RESULTS_DIR_ENV) else DOCS_PLOT)
     _plot(results, plot_path)
     _report(results)
     console.log(f"total {total:.0f} s; results in {path}, plot in {plot_path}")

@@ -593,8 +593,8 @@ def steady_from(samples: list[dict], warmup_minutes: float) -> float:
 def drift(samples: list[dict], batches: list[dict], warmup_minutes: float) -> dict[str, dict]:
     """Per figure: its mean over the window after the warm-up (``steady_from``) and over the
     last window of the same length, and their ratio (1.0: flat); per batch figure, the medians
-    of the batches of each window. ``worker_rss_mb_each``: the Python worker that grew most of
-    those alive in both windows."""
+    of the batches of each window. ``worker_rss_mb_each``: the task worker (``TASK_WORKER_MIN_BYTES``
+    and more) that grew most of those alive in both windows."""
     (a0, a1), (b0, b1) = windows(samples, steady_from(samples, warmup_minutes))
     early = [s for s in samples if a0 <= s["minute"] < a1]
     late = [s for s in samples if b0 <= s["minute"] < b1]
@@ -604,7 +604,9 @@ def drift(samples: list[dict], batches: list[dict], warmup_minutes: float) -> di
                             [s[name] for s in late if s.get(name) is not None])
         if compared:
             out[name] = compared
-    each = [c for pid in {p for s in late for p in s.get("worker_rss_mb", {})}
+    task_workers = {p for s in late for p, mb in s.get("worker_rss_mb", {}).items()
+                    if mb * 2**20 >= TASK_WORKER_MIN_BYTES}  # the idle daemon and its forks say nothing
+    each = [c for pid in task_workers
             if (c := _compare([s["worker_rss_mb"][pid] for s in early if pid in s.get("worker_rss_mb", {})],
                               [s["worker_rss_mb"][pid] for s in late if pid in s.get("worker_rss_mb", {})]))]
     if each:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,10 +52,15 @@ def spark_own_operator(spark: SparkSession, **conf: str) -> Iterator[None]:
 
 
 def write_batches(directory: Path, batches: list[pa.Table]) -> str:
-    """One Parquet file per micro-batch (read with maxFilesPerTrigger=1, in name order)."""
+    """One Parquet file per micro-batch (read with maxFilesPerTrigger=1, in name order). Spark's
+    file source takes files in order of modification time, in milliseconds, ties in listing
+    order: files written within one millisecond would swap, so each gets its own, 10 ms apart."""
     os.makedirs(directory, exist_ok=True)
+    start = time.time_ns() - len(batches) * 10_000_000
     for i, t in enumerate(batches):
-        pq.write_table(t, directory / f"part-{i:04d}.parquet")
+        path = directory / f"part-{i:04d}.parquet"
+        pq.write_table(t, path)
+        os.utime(path, ns=(start + i * 10_000_000,) * 2)
     return str(directory)
 
 
