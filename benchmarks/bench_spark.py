@@ -14,7 +14,9 @@ own SparkSession so that sessions and configurations cannot leak:
 - ``ours-compat``, ``ours-pandas`` and ``ours-vectorized``: ``spark_integration.start_stateful_query``
   with the row processor above run unchanged, with the pandas processor above run unchanged
   (``api="pandas"``), and with ``RunningAggregate("count")``; reported as not available while
-  ``spark_integration.start_stateful_query`` cannot be imported.
+  ``spark_integration.start_stateful_query`` cannot be imported;
+- ``ours-vectorized-uncounted``: the vectorized one without the live-row count behind
+  ``numRowsTotal`` (``StoreConfig(count_live_rows=False)``), to measure what counting costs.
 
 The transformWithState peers make one JVM round trip per key and state call, so they run on a
 smaller data set with the same events per key per batch (``--tws-main`` also runs the row-based
