@@ -97,6 +97,12 @@ def _wait(query, run: Run, until: Callable[[Run], bool] | None, timeout_s: float
             deadline = time.monotonic() + timeout_s
             while not until(run) and query.isActive and time.monotonic() < deadline:
                 time.sleep(0.2)
+            # the callback of the last batch ran; its progress (state figures) is posted after it
+            last = max(run.batches, default=-1)
+            settle = time.monotonic() + 30
+            while query.isActive and time.monotonic() < settle and (
+                    query.lastProgress is None or query.lastProgress.batchId < last):
+                time.sleep(0.1)
         if query.exception() is not None:
             raise query.exception()
         assert until is None or until(run), f"the query did not reach its expected state in {timeout_s} s"
