@@ -140,8 +140,7 @@ def checkpoints(table: IcebergStateTable) -> pa.Table:
 def _live_rows(text: str | None) -> int | None:
     if text is None:
         return None
-    ledger = Ledger.decode(text)
-    return ledger.total(ledger.rows)
+    return Ledger.decode(text).total()
 
 
 def _int(value: str | None) -> int | None:

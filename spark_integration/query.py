@@ -646,7 +646,7 @@ class StatefulRunner:
             change = task.get("live_rows", None)
             if change is None:
                 return None, 0
-            ledger.add({name: {e: n for e, n in pairs} for name, pairs in change.items()})
+            ledger.add({name: dict(pairs) for name, pairs in change.items()})
         return ledger, ledger.expire(plan.processing_time_ms)
 
     def state_figures(self, plan: BatchPlan, report: BatchReport, commit_ms: float, ledger: Ledger | None = None,
@@ -661,7 +661,7 @@ class StatefulRunner:
             return int(sum(t.get(name) or 0 for t in tasks))
 
         segments = self.table.checkpoint_view().segments  # the committed checkpoint's, in memory
-        live = {} if ledger is None else {"numRowsTotal": ledger.total(ledger.rows)}  # timers are not in it
+        live = {} if ledger is None else {"numRowsTotal": ledger.total()}  # timers are not in it
         return {
             "batchId": plan.batch_id, "checkpointId": plan.checkpoint_id, "numTasks": len(report.tasks), **live,
             "numRowsUpdated": total("state_rows_updated"), "numRowsRemoved": total("state_rows_removed") + expired,

@@ -91,7 +91,6 @@ class LiveRowCounter:
         self._descs = {d.name: d for d in descriptors}
         self._keys = list(key_names)
         self._touched: dict[str, list[pl.DataFrame]] = {}  # keys written since the flush, with KG
-        self._seen: dict[str, pl.DataFrame] = {}  # the same, deduplicated (made when asked)
         self._before: dict[str, Histogram] = {}
         # checkpoint id -> (touched, before) of a flush whose commit is not settled
         self._flushing: dict[int, tuple[dict, dict]] = {}
@@ -122,28 +121,24 @@ class LiveRowCounter:
             rows = self._reader.rows_of(name, keys.select(self._keys), keys.get_column(KG).to_numpy())
         _add(self._before.setdefault(name, {}), histogram(desc, rows, self._keys))
         self._touched.setdefault(name, []).append(keys)
-        self._seen.pop(name, None)
 
     def _seen_keys(self, name: str) -> pl.DataFrame | None:
+        """The keys written since the flush (key columns), the parts made one first."""
         parts = self._touched.get(name)
         if not parts:
             return None
-        seen = self._seen.get(name)
-        if seen is None:
-            seen = parts[0] if len(parts) == 1 else pl.concat(parts, how="vertical")
-            self._touched[name] = [seen]
-            self._seen[name] = seen
-        return seen.select(self._keys)
+        if len(parts) > 1:
+            parts[:] = [pl.concat(parts, how="vertical")]
+        return parts[0].select(self._keys)
 
     def flushed(self, checkpoint_id: int) -> dict[str, Histogram] | None:
         """The change of every written variable's live rows since the last flush (the store
         holds the flush's entries still), None when ``lost``; the counting starts again for
         what comes after."""
         if self.lost:
-            self._touched, self._seen, self._before, self._sole = {}, {}, {}, {}
+            self._touched, self._before, self._sole = {}, {}, {}
             return None
         changes: dict[str, Histogram] = {}
-        by_state = self._memtable.parts_by_state()
         for name in list(self._touched):
             desc = self._descs[name]
             if desc.kind in (StateKind.LIST, StateKind.MAP):
@@ -152,15 +147,14 @@ class LiveRowCounter:
             elif (sole := self._sole.get(name)) is not None:  # one write of distinct keys: its entries
                 rows = live_rows(sole.filter(pl.col(OP) == OP_PUT), self._reader.now_ms())
             else:  # a value's state is its newest entry: the memtable's, of every key written since the flush
-                rows = _newest_puts(by_state.get(name, []), self._keys, self._reader.now_ms())
-            change = dict(self._before.get(name, {}))
-            for e in change:
-                change[e] = -change[e]
-            _add(change, histogram(self._descs[name], rows, self._keys))
+                rows = _newest_puts(self._memtable.parts_by_state().get(name, []), self._keys,
+                                    self._reader.now_ms())
+            change = histogram(desc, rows, self._keys)
+            _add(change, self._before.get(name, {}), -1)
             if change:
                 changes[name] = change
         self._flushing[checkpoint_id] = (self._touched, self._before)
-        self._touched, self._seen, self._before, self._sole = {}, {}, {}, {}
+        self._touched, self._before, self._sole = {}, {}, {}
         self._changes[checkpoint_id] = changes
         return changes
 
@@ -184,11 +178,11 @@ class LiveRowCounter:
         if self._touched:
             self.lost = True
         self._touched, self._before = old
-        self._seen, self._sole = {}, {name: None for name in old[0]}
+        self._sole = {name: None for name in old[0]}
 
     def reset(self) -> None:
         self.lost = False
-        self._touched, self._seen, self._before, self._sole = {}, {}, {}, {}
+        self._touched, self._before, self._sole = {}, {}, {}
         self._flushing.clear()
         self._changes.clear()
 
@@ -237,8 +231,8 @@ class Ledger:
                 expiring = sorted(e for e in h if e is not None)
         return dropped
 
-    def total(self, names: Iterable[str]) -> int:
-        return sum(sum(self.rows.get(name, {}).values()) for name in names)
+    def total(self) -> int:
+        return sum(sum(h.values()) for h in self.rows.values())
 
     def of(self, name: str) -> int:
         return sum(self.rows.get(name, {}).values())
