@@ -3,10 +3,12 @@ change as a new checkpoint that the stream resumes from.
 
 A repair (``Repair``) builds on the newest checkpoint of the table's line, its *base*. It takes
 rows (an Arrow table or a Polars frame, or the rows of a SQL query over the base's views): puts
-that set a key's value (a list's whole list, a map's entries), deletes of keys or of map entries,
-deletes of keys in every variable. ``dry_run`` shows the change feed the repair would produce
-(``catalog.inspection.changes`` over its own uncommitted segments); ``commit`` writes it as one
-checkpoint:
+that set a key's value (a list's whole list, a map's entries), appends of list elements, deletes
+of keys or of map entries, deletes of keys in every variable. On a table without checkpoints it
+is a bulk load, whose checkpoint may carry a stream position (``commit``): how state imported
+from Spark's own store continues (``spark_integration.spark_import``). ``dry_run`` shows the
+change feed the repair would produce (``catalog.inspection.changes`` over its own uncommitted
+segments); ``commit`` writes it as one checkpoint:
 
 * with the base's stream batch and checkpoint properties (the query's watermark and timers), so
   the stream's next batch builds on it as it would have on the base (``spark_integration.query``
@@ -46,6 +48,7 @@ from statestore.errors import CommitConflictError, SchemaMismatchError
 from statestore.keygroups import assign_key_groups
 from statestore.layout import EXPIRE_AT_MS, OP, OP_APPEND, OP_DELETE, OP_PUT
 from statestore.live_rows import Ledger
+from statestore.names import TIMERS_STATE
 from statestore.store import StateStore, StoreConfig
 from statestore.table import CheckpointInfo
 
@@ -53,7 +56,7 @@ if TYPE_CHECKING:
     from catalog.iceberg_table import IcebergStateTable
 
 SUMMARY_REPAIR_BASE = "icestate.repair.base"
-PUT, DELETE = "put", "delete"
+PUT, APPEND, DELETE = "put", "append", "delete"
 
 
 class RepairConflictError(CommitConflictError):
@@ -118,6 +121,20 @@ class Repair:
             self._write(desc, kgs, keys, OP_PUT, frame.get_column(desc.value_column).to_arrow(), user_keys, expire)
         self._count(variable, PUT, frame.height)
 
+    def append(self, variable: str, rows: pa.Table | pl.DataFrame) -> None:
+        """Append to list state: ``rows`` hold the key columns, ``v_<variable>`` (one element per
+        row) and optionally ``expire_at_ms`` (each element's own); a key's elements go after its
+        list, in the rows' order."""
+        desc = inspection.descriptor(self.table, variable)
+        if desc.kind is not StateKind.LIST:
+            raise ValueError(f"state {variable!r} is a {desc.kind.value} state: append takes a list state's elements; "
+                             "put sets the others")
+        frame = self._frame(rows, desc, with_value=True, element=True)
+        keys, kgs = self._keys(frame)
+        self._write(desc, kgs, keys, OP_APPEND, frame.get_column(desc.value_column).to_arrow(), None,
+                    self._expire(frame, desc))
+        self._count(variable, APPEND, frame.height)
+
     def delete(self, variable: str, rows: pa.Table | pl.DataFrame) -> None:
         """Delete state: ``rows`` hold the key columns (the key's whole state in ``variable``) and,
         for a map, optionally ``mk_<variable>`` (only that entry where it is not null)."""
@@ -173,22 +190,30 @@ class Repair:
         if (base is not None and text is None) or change is None:
             return {}
         ledger = Ledger() if text is None else Ledger.decode(text)
-        ledger.add(change)
+        ledger.add({name: rows for name, rows in change.items() if name != TIMERS_STATE})  # Spark counts no timer
         return {stored_keys.QUERY_LIVE_ROWS: ledger.encode()}
 
-    def commit(self) -> CheckpointInfo:
+    def commit(self, *, batch_id: int | None = None, stream: dict[str, str] | None = None) -> CheckpointInfo:
         """Commit the repair as the table's next checkpoint (module docstring).
+
+        Args:
+            batch_id, stream: only for a table's first checkpoint (a bulk load, such as state
+                imported from elsewhere): the stream batch it holds and the stream's checkpoint
+                properties (``stored_keys.QUERY_*``), which a repair otherwise keeps from its base.
 
         Raises:
             RepairConflictError: a checkpoint was committed after the base; nothing was committed.
-            ValueError: the repair changes nothing.
+            ValueError: the repair changes nothing, or gives a stream position on top of a base.
         """
-        if not self._rows:
-            raise ValueError("the repair changes nothing: put or delete rows first")
         base = self.base
+        if not self._rows and (base is not None or batch_id is None):  # a first stream position is a change
+            raise ValueError("the repair changes nothing: put or delete rows first")
+        if base is not None and (batch_id is not None or stream):
+            raise ValueError("only a table's first checkpoint takes a stream batch and properties: a repair keeps "
+                             f"those of its base (checkpoint {base.checkpoint_id})")
         cp = self.table.next_checkpoint_id()
         segments = self._store.flush(cp)
-        properties = {**({} if base is None else base.properties),
+        properties = {**(dict(stream or {}) if base is None else base.properties),
                       inspection.SUMMARY_REPAIR_BY: self.by, inspection.SUMMARY_REPAIR_REASON: self.reason,
                       inspection.SUMMARY_REPAIR_ROWS: json.dumps(self._rows, sort_keys=True),
                       SUMMARY_REPAIR_BASE: "none" if base is None else str(base.checkpoint_id)}
@@ -197,7 +222,7 @@ class Repair:
         try:
             info = self.table.commit_checkpoint(
                 cp, segments, parallelism=1 if base is None else base.parallelism,
-                batch_id=None if base is None else base.batch_id, properties=properties)
+                batch_id=batch_id if base is None else base.batch_id, properties=properties)
         except CommitConflictError as e:
             self._store.checkpoint_aborted(cp)
             raise RepairConflictError(
@@ -224,9 +249,12 @@ class Repair:
 
     # --- plumbing -------------------------------------------------------------------------------
 
-    def _frame(self, rows: pa.Table | pl.DataFrame, desc: StateDescriptor, with_value: bool) -> pl.DataFrame:
-        """``rows`` with the stored column names, checked and cast to the variable's types."""
+    def _frame(self, rows: pa.Table | pl.DataFrame, desc: StateDescriptor, with_value: bool,
+               element: bool = False) -> pl.DataFrame:
+        """``rows`` with the stored column names, checked and cast to the variable's types (a
+        list's element type for ``element``, else its whole list's)."""
         frame = _polars(rows)
+        value_type = desc.value_type if element else _value_type(desc)
         shown = desc.display_columns()  # stored -> shown (v_<name>, mk_<name>)
         frame = frame.rename({name: stored for stored, name in shown.items() if name in frame.columns})
         layout = self.table.layout
@@ -240,14 +268,14 @@ class Repair:
             raise SchemaMismatchError(
                 f"rows for state {desc.name!r} lack column(s) {named}: give the key columns {layout.key_names}"
                 + (f", {shown.get(mk, mk)}" if mk and with_value else "")
-                + (f" and {shown[desc.value_column]} ({_value_type(desc)})" if with_value else ""))
+                + (f" and {shown[desc.value_column]} ({value_type})" if with_value else ""))
         if with_value and mk and frame.get_column(mk).null_count():
             raise ValueError(f"rows for state {desc.name!r} have null map keys in {shown[mk]}: a map entry needs "
                              "its user key")
         if with_value and frame.get_column(desc.value_column).null_count():
             raise ValueError(f"rows for state {desc.name!r} have null values in {shown[desc.value_column]}: "
                              "delete those keys instead")
-        types = {desc.value_column: _value_type(desc)}
+        types = {desc.value_column: value_type}
         if mk:
             types[mk] = desc.user_key_type
         casts = {}
@@ -292,7 +320,7 @@ class Repair:
 
     def _count(self, variable: str, what: str, rows: int) -> None:
         counts = self._rows.setdefault(variable, {PUT: 0, DELETE: 0})
-        counts[what] += rows
+        counts[what] = counts.get(what, 0) + rows
 
 
 def _polars(rows: pa.Table | pl.DataFrame) -> pl.DataFrame:

@@ -576,6 +576,19 @@ def _location(spark: SparkSession, enabled: _Enabled, query_name: str | None, ch
                          catalog_properties=_catalog_properties(spark, enabled) if catalog else {})
 
 
+def state_location(spark: SparkSession, query_name: str | None, checkpoint: str) -> StateLocation:
+    """Where an enabled session keeps the state of a query started with ``query_name`` on
+    ``checkpoint``: the table its ``start()`` opens.
+
+    Raises:
+        DropInError: the session is not enabled, or says nowhere where state tables live.
+    """
+    enabled = _ENABLED.get(_session_key(spark))
+    if enabled is None:
+        raise DropInError("the session is not enabled for icestate: call spark_integration.enable(spark, ...) first")
+    return _location(spark, enabled, query_name, checkpoint)
+
+
 def state_table_name(query_name: str | None, checkpoint: str) -> str:
     """The state table of a query: its name (else its checkpoint directory's name) and a digest
     of its checkpoint's path. The checkpoint decides, as it decides for Spark's state: a restart
@@ -707,7 +720,7 @@ class FileSink:
     (``<id>.compact``: every entry so far), as Spark writes and reads it.
 
     The files are moved and the log written through the driver's Hadoop filesystem in a
-    classic session (``_HadoopFiles``: every scheme the session's Hadoop configuration knows),
+    classic session (``HadoopFiles``: every scheme the session's Hadoop configuration knows),
     and through pyarrow's filesystems in a Spark Connect session (``_ArrowFiles``: the callback
     runs in a Python process of the Connect server, which has no JVM to call; local paths and
     the object stores pyarrow opens, with the server's own credentials)."""
@@ -717,7 +730,7 @@ class FileSink:
         self._fmt, self._options, self._partition_by, self._ops = fmt, dict(options), partition_by, ops
         if connect is None:  # the session decides: its callbacks run where it runs them
             connect = getattr(spark, "session_id", None) is not None
-        self._files: _HadoopFiles | _ArrowFiles = _ArrowFiles(path) if connect else _HadoopFiles(spark, path)
+        self._files: HadoopFiles | _ArrowFiles = _ArrowFiles(path) if connect else HadoopFiles(spark, path)
         self._root = self._files.root
         self._log = self._files.join(self._root, "_spark_metadata")
         self._interval = int(spark.conf.get("spark.sql.streaming.fileSink.log.compactInterval", "10"))
@@ -794,7 +807,7 @@ class FileSink:
             raise OSError(f"the sink log entry {self._log}/{name} exists already: another query writes this sink")
 
 
-class _HadoopFiles:
+class HadoopFiles:
     """``FileSink``'s files through the driver's Hadoop filesystem (classic sessions). Paths are
     qualified URIs as text."""
 
@@ -847,13 +860,19 @@ class _HadoopFiles:
         finally:
             stream.close()
 
-    def write_text(self, path: str, text: str) -> None:
+    def write_text(self, path: str, text: str, overwrite: bool = False) -> None:
         self._fs.mkdirs(self._path(path).getParent())
-        out = self._fs.create(self._path(path), False)
+        out = self._fs.create(self._path(path), overwrite)
         try:
             out.write(bytearray(text.encode()))
         finally:
             out.close()
+
+    def copy(self, source: str, into: HadoopFiles, target: str) -> None:
+        """Copy file ``source`` to ``target`` of ``into``'s filesystem, replacing it."""
+        if not self._jvm.org.apache.hadoop.fs.FileUtil.copy(self._fs, self._path(source), into._fs,
+                                                             self._path(target), False, True, self._fs.getConf()):
+            raise OSError(f"could not copy {source} to {target}")
 
     def delete(self, path: str) -> None:
         self._fs.delete(self._path(path), True)

@@ -68,6 +68,7 @@ from spark_integration.ticks import (
     Beacon,
     beacon_path,
     is_ticks_offset,
+    read_beacon,
     restamp_beacon,
     sweep_beacons,
     ticks_frame,
@@ -993,6 +994,7 @@ def start_stateful_query(
         # Batches without input when a timer is due, as Spark's, and the state figures in the
         # query's progress.
         sweep_beacons(keep=runner.beacon)
+        _recover_beacon(runner)
         restamp_beacon(runner.beacon, runner.no_data_batches)
         source = ticks_frame(df, runner.beacon)
         if warm_workers:
@@ -1040,6 +1042,24 @@ def _with_ticks(checkpoint_location: str, offsets: list[str] | None, needed: boo
             "checkpointLocation (and a new state table, or a fork of this one: IcebergStateTable.fork), or keep "
             "the query as it was started")
     return existing
+
+
+def _recover_beacon(runner: StatefulRunner) -> None:
+    """Where the last run's beacon is missing (the query restarted on another driver host, or its
+    state was imported from Spark's store), write the one its newest checkpoint's properties
+    describe, so a timer already due fires without waiting for input."""
+    info = runner.table.current_checkpoint()
+    if info is None or runner.time_mode == "none" or read_beacon(runner.beacon) is not None:
+        return
+    props = info.properties
+
+    def ms(key: str, missing: int | None = -1) -> int | None:
+        return int(props[key]) if key in props else missing
+
+    write_beacon(runner.beacon, Beacon(
+        checkpoint_id=info.checkpoint_id, time_mode=runner.time_mode,
+        next_timer_ms=ms(stored_keys.QUERY_NEXT_TIMER_MS, None), watermark_ms=ms(stored_keys.QUERY_WATERMARK_MS),
+        next_watermark_ms=ms(stored_keys.QUERY_NEXT_WATERMARK_MS), no_data_batches=runner.no_data_batches))
 
 
 def _checkpoint_offsets(spark: SparkSession, checkpoint_location: str, info: Any) -> list[str] | None:

@@ -26,9 +26,10 @@ source.
 The runner tells the source what is due through a *beacon*: a small JSON file on the driver
 host (both run there, under a classic or a Connect session), rewritten after every committed
 batch, named by the query's checkpoint location and state table, so a restarted query finds
-the last run's. The same figures are stored in the checkpoint's snapshot summary. Without a
-beacon (a query restarted on another host, or after a week: a query's start deletes the
-beacons untouched for ``BEACON_MAX_AGE_S``) nothing ticks until the first batch with input.
+the last run's. The same figures are stored in the checkpoint's snapshot summary: a query
+restarted without its beacon (on another host, after a week: a query's start deletes the beacons
+untouched for ``BEACON_MAX_AGE_S``, or on state imported from Spark's store) starts from the one
+they describe.
 
 This module stays light: the source runs in a Python process that Spark starts on the driver
 for the query's lifetime, and imports nothing of the store.

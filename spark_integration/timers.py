@@ -15,10 +15,10 @@ import heapq
 import pyarrow as pa
 
 from statestore.descriptors import MapStateDescriptor
+from statestore.names import TIMERS_STATE
 from statestore.store import StateStore
 
-#: Reserved state variable name of the timers.
-TIMERS_STATE = "icestate_timers"
+__all__ = ["TIMERS_STATE", "TIME_MODES", "TimerService", "normalize_time_mode", "timers_descriptor"]
 
 TIME_MODES = ("none", "processingtime", "eventtime")
 

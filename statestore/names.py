@@ -27,6 +27,9 @@ _REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 # Operator state variables: a column-safe identifier.
 _OPERATOR_STATE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}")
 MAIN_BRANCH = "main"
+#: The state variable of a stream's timers (``spark_integration.timers``): reserved, and never
+#: counted among the live rows (Spark's ``numRowsTotal`` has no timers).
+TIMERS_STATE = "icestate_timers"
 
 
 class InvalidNameError(StateStoreError, ValueError):

@@ -1,0 +1,446 @@
+"""Bring a stopped Spark query's state over from Spark's own state store: ``import_spark_state``.
+
+A query that ran ``transformWithState`` (or ``transformWithStateInPandas``) on Spark's state
+store keeps its state in its checkpoint directory, which Spark's state data source reads
+(``format("statestore")``: one state variable at a time, at a committed batch). The import:
+
+1. reads the checkpoint (``read_spark_checkpoint``): the query's id (``metadata``), its last
+   committed batch n (``commits``), its stateful operator (``format("state-metadata")``) with its
+   time mode and state variables, and the watermarks of batch n;
+2. copies the checkpoint's progress, everything but its ``state`` directory (the query id, the
+   offset and commit logs, the sources' own logs), to a new checkpoint location: the same stream
+   started there continues at batch n + 1 from Spark's offsets, so no input row is lost or read
+   twice. With timers, each offset-log entry gets the ticks source's starting offset
+   (``spark_integration.ticks``), the source a query with timers has here. Spark's checkpoint is
+   only read: the query can go back to Spark's store;
+3. loads every state variable into a new state table as its first checkpoint, the bulk load of
+   ``catalog.repair``: values, lists (elements in order, each with its own TTL expiry), map
+   entries and registered timers, as of batch n, with the query's id and what is due next (the
+   watermark, the earliest timer), so the stream's next batch plans on it as on the checkpoint
+   its own batch n would have written. The live row count starts from the imported rows.
+
+Running it again after a failure goes on where it stopped: the copy is repeated into a location
+that holds the same query, and a table that holds this import and nothing after it is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from catalog.repair import Repair
+from spark_integration.compat import arrow_type, declare
+from spark_integration.dropin import HadoopFiles, state_location
+from spark_integration.query import is_connect
+from spark_integration.ticks import is_ticks_offset
+from spark_integration.timers import TIMERS_STATE, timers_descriptor
+from statestore import stored_keys
+from statestore.descriptors import (
+    ListStateDescriptor,
+    MapStateDescriptor,
+    StateDescriptor,
+    StateKind,
+    ValueStateDescriptor,
+)
+from statestore.errors import SchemaMismatchError, StateStoreError
+from statestore.layout import EXPIRE_AT_MS, StateLayout
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+    from pyspark.sql.streaming import StatefulProcessor
+
+    from spark_integration.location import StateLocation
+
+log = logging.getLogger(__name__)
+
+# Spark's names: the stateful operators of transformWithState, the state variable kinds of its
+# operator metadata, its time modes, and the columns of its state data source.
+TWS_OPERATORS = ("transformWithStateExec", "transformWithStateInPySparkExec", "transformWithStateInPandasExec")
+_KINDS = {"ValueState": StateKind.VALUE, "ListState": StateKind.LIST, "MapState": StateKind.MAP}
+_TIME_MODES = {"NoTime": "none", "ProcessingTime": "processingtime", "EventTime": "eventtime"}
+_TTL_FIELD = "ttlExpirationMs"
+#: The ticks source's offset before its first tick (``ticks._Reader.initialOffset``).
+TICKS_START = json.dumps({"ticks": 0, "checkpoint": -1})
+#: Recorded with the imported checkpoint: where its state came from.
+SUMMARY_IMPORTED_FROM = "icestate.imported-from"
+
+
+class SparkStateImportError(StateStoreError, ValueError):
+    """A Spark checkpoint whose state cannot be brought over as asked (what and why in the
+    message); nothing of the import was committed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SparkVariable:
+    """A state variable of Spark's operator, as its metadata and state data source give it."""
+
+    name: str
+    kind: StateKind
+    ttl: bool
+    descriptor: StateDescriptor
+
+
+@dataclasses.dataclass(frozen=True)
+class SparkCheckpoint:
+    """What an import needs of a stopped query's checkpoint (``read_spark_checkpoint``)."""
+
+    location: str
+    query_id: str
+    batch_id: int                    # the last committed batch
+    operator_id: int
+    operator: str
+    partitions: int                  # Spark's state partitions (fixed for the query's life)
+    time_mode: str                   # none, processingtime or eventtime
+    key_schema: pa.Schema
+    variables: tuple[SparkVariable, ...]
+    watermark_ms: int                # batch n's watermark
+    next_watermark_ms: int           # the one Spark gives batch n + 1 (its commit log)
+
+
+@dataclasses.dataclass
+class ImportReport:
+    """What an import did."""
+
+    table: str
+    checkpoint_id: int
+    batch_id: int
+    to: str                          # the new checkpoint location
+    rows: dict[str, int]             # rows read per state variable (a list's elements; timers)
+    seconds: float
+    resumed: bool = False            # the state was there already (an earlier run's)
+
+
+# ---------------------------------------------------------------------------- reading Spark's checkpoint
+
+def read_spark_checkpoint(spark: SparkSession, location: str, operator_id: int = 0) -> SparkCheckpoint:
+    """Read what an import needs of the stopped query at ``location`` (its checkpointLocation).
+
+    Raises:
+        SparkStateImportError: not a query's checkpoint, no committed batch, or an operator whose
+            state this cannot import (what and what to do in the message).
+    """
+    files = HadoopFiles(spark, location)
+    root = files.root
+    try:
+        query_id = json.loads(files.read_text(files.join(root, "metadata")))["id"]
+    except Exception as e:
+        raise SparkStateImportError(f"{location} is not a streaming query's checkpoint (no readable metadata: {e}); "
+                                    "give the checkpointLocation the query ran with") from None
+    committed = [int(n) for n in files.names(files.join(root, "commits")) if n.isdigit()]
+    if not committed:
+        raise SparkStateImportError(f"the query of {location} committed no batch: there is no state to import; start "
+                                    "the query on icestate from the beginning instead")
+    batch = max(committed)
+    rows = spark.read.format("state-metadata").load(root).collect()
+    if not rows:
+        raise SparkStateImportError(f"the query of {location} has no stateful operator: there is no state to import")
+    ops = {r.operatorId: r for r in rows}
+    if operator_id not in ops:
+        raise SparkStateImportError(f"the query of {location} has no stateful operator {operator_id}; it has "
+                                    f"{sorted(ops)}")
+    op = ops[operator_id]
+    if op.operatorName not in TWS_OPERATORS:
+        raise SparkStateImportError(
+            f"operator {operator_id} of {location} is Spark's {op.operatorName}: the import brings over the state of "
+            "transformWithState and transformWithStateInPandas (operators "
+            f"{', '.join(TWS_OPERATORS)})" + (f"; the query's operators are {[r.operatorName for r in rows]}"
+                                               if len(rows) > 1 else ""))
+    props = json.loads(op.operatorProperties or "{}")
+    mode = _TIME_MODES.get(props.get("timeMode"))
+    if mode is None:
+        raise SparkStateImportError(f"operator {operator_id} of {location} has time mode {props.get('timeMode')!r}, "
+                                    f"which this version does not know (known: {sorted(_TIME_MODES)})")
+    offsets = files.read_text(files.join(root, f"offsets/{batch}")).splitlines()
+    commit = files.read_text(files.join(root, f"commits/{batch}")).splitlines()
+    key_schema, variables = None, []
+    for v in props.get("stateVariables", []):
+        name, kind = v["stateName"], v["stateVariableType"]
+        if name.startswith("$"):  # Spark's own: timers and TTL indexes (timers are read apart)
+            continue
+        if kind not in _KINDS:
+            raise SparkStateImportError(f"state variable {name!r} of {location} is a {kind}, which this version does "
+                                        f"not import (it imports {sorted(_KINDS)})")
+        schema = _reader(spark, root, batch, operator_id, stateVarName=name,
+                         flattenCollectionTypes="true").load(root).schema
+        key_schema = _key_schema(schema)
+        variables.append(_variable(name, _KINDS[kind], bool(v.get("ttlEnabled")), schema))
+    if key_schema is None:  # no variable: the key schema is the timers'
+        schema = _reader(spark, root, batch, operator_id, readRegisteredTimers="true").load(root).schema
+        key_schema = _key_schema(schema)
+    return SparkCheckpoint(
+        location=root, query_id=query_id, batch_id=batch, operator_id=operator_id, operator=op.operatorName,
+        partitions=int(op.numPartitions), time_mode=mode, key_schema=key_schema, variables=tuple(variables),
+        watermark_ms=int(json.loads(offsets[1]).get("batchWatermarkMs") or 0),
+        next_watermark_ms=int(json.loads(commit[1]).get("nextBatchWatermarkMs") or 0) if len(commit) > 1 else 0)
+
+
+def _reader(spark: SparkSession, root: str, batch: int, operator_id: int, **options: str) -> Any:
+    reader = spark.read.format("statestore").option("batchId", batch).option("operatorId", operator_id)
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader
+
+
+def _key_schema(schema: Any) -> pa.Schema:
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return to_arrow_schema(schema["key"].dataType, timezone="UTC")
+
+
+def _variable(name: str, kind: StateKind, ttl: bool, schema: Any) -> SparkVariable:
+    """The descriptor a processor declaring this variable gets (``compat.DeclaringHandle``), from
+    the state data source's schema of it (flattened)."""
+    def value(column: str) -> pa.DataType:
+        t = schema[column].dataType
+        return arrow_type(t["value"].dataType if ttl else t)
+
+    if kind is StateKind.VALUE:
+        desc: StateDescriptor = ValueStateDescriptor(name, value("value"))
+    elif kind is StateKind.LIST:
+        desc = ListStateDescriptor(name, value("list_element"))
+    else:
+        desc = MapStateDescriptor(name, key_type=arrow_type(schema["user_map_key"].dataType),
+                                  value_type=value("user_map_value"))
+    return SparkVariable(name, kind, ttl, desc)
+
+
+# ---------------------------------------------------------------------------- the import
+
+def import_spark_state(
+    spark: SparkSession,
+    checkpoint: str,
+    to: str,
+    *,
+    location: StateLocation | None = None,
+    query_name: str | None = None,
+    processor: StatefulProcessor | None = None,
+    operator_id: int = 0,
+    progress: Callable[[Iterable[Any], str, int], Iterable[Any]] | None = None,
+) -> ImportReport:
+    """Bring the state of the stopped query at ``checkpoint`` over (module docstring): its
+    progress copied to the new checkpoint location ``to``, its state loaded into a new state
+    table. Start the same query on ``to`` afterwards: it continues at the batch after Spark's last.
+
+    Args:
+        spark: a classic session (the checkpoint is read and copied through its Hadoop filesystem).
+        checkpoint: the query's checkpointLocation on Spark's store; only read.
+        to: the checkpoint location the query continues on; must be new (or an earlier attempt's).
+        location: the state table (``StateLocation``). Default: the table that ``enable(spark)``'s
+            switch gives a query named ``query_name`` on checkpoint ``to``.
+        query_name: the query's ``queryName``, for the default ``location``.
+        processor: the query's processor: its declarations are checked against Spark's state (and
+            give the state variables' TTL durations, which Spark does not record).
+        operator_id: which stateful operator of the query (Spark's operatorId).
+        progress: wraps the steps (an iterable, a description, their number), e.g. a progress bar.
+
+    Raises:
+        SparkStateImportError: what cannot be imported, or ``to`` / the table hold something else.
+        SchemaMismatchError: the processor declares state that Spark's does not match.
+    """
+    if is_connect(spark):
+        raise SparkStateImportError("the import reads and copies Spark's checkpoint through the JVM: run it with a "
+                                    "classic SparkSession (or the icestate import-spark-state command)")
+    started = time.perf_counter()
+    source = read_spark_checkpoint(spark, checkpoint, operator_id)
+    if location is None:
+        location = state_location(spark, query_name, to)
+    descriptors = _declared(source, processor)
+    if source.time_mode != "none":
+        descriptors.append(timers_descriptor())
+    layout = StateLayout.of(source.key_schema, descriptors, location.max_parallelism)
+    copy_progress(spark, source, to)
+    table = location.open(layout)
+    try:
+        info = table.current_checkpoint()
+        if info is not None:
+            if _is_this_import(info, source):
+                return ImportReport(table=location.identifier, checkpoint_id=info.checkpoint_id,
+                                    batch_id=source.batch_id, to=to, rows={}, resumed=True,
+                                    seconds=time.perf_counter() - started)
+            raise SparkStateImportError(
+                f"state table {location.identifier} holds state already (checkpoint {info.checkpoint_id}): import into "
+                "a new table (another location or query name), or drop this one first")
+        rows = _load(spark, table, source, layout, progress)
+        return ImportReport(table=location.identifier, checkpoint_id=table.current_checkpoint().checkpoint_id,
+                            batch_id=source.batch_id, to=to, rows=rows, seconds=time.perf_counter() - started)
+    finally:
+        table.close()
+
+
+def _declared(source: SparkCheckpoint, processor: StatefulProcessor | None) -> list[StateDescriptor]:
+    """Spark's variables as descriptors; with the processor's TTL durations when it is given,
+    after checking that it declares each as Spark stores it."""
+    imported = [v.descriptor for v in source.variables]
+    if processor is None:
+        return imported
+    declared = {d.name: d for d in declare(processor).descriptors}
+    for v in source.variables:
+        d = declared.get(v.name)
+        if d is None:
+            continue  # a variable the processor no longer declares: kept, as Spark keeps it
+        theirs, ours = v.descriptor, d
+        if (theirs.kind, str(theirs.value_type), str(theirs.user_key_type)) != (
+                ours.kind, str(ours.value_type), str(ours.user_key_type)):
+            raise SchemaMismatchError(
+                f"state {v.name!r}: Spark's checkpoint stores a {theirs.kind.value} state of "
+                f"{theirs.value_type}" + (f" by {theirs.user_key_type}" if theirs.kind is StateKind.MAP else "")
+                + f", the processor declares a {ours.kind.value} state of {ours.value_type}"
+                + (f" by {ours.user_key_type}" if ours.kind is StateKind.MAP else "")
+                + ": import with the processor the query ran with")
+        if (ours.ttl is not None) != v.ttl:
+            raise SchemaMismatchError(
+                f"state {v.name!r} has {'a' if v.ttl else 'no'} TTL in Spark's checkpoint, but the processor declares "
+                f"{'one' if ours.ttl is not None else 'none'}: import with the processor the query ran with")
+    return [declared.get(v.name, v.descriptor) for v in source.variables]
+
+
+def _is_this_import(info: Any, source: SparkCheckpoint) -> bool:
+    props = info.properties
+    return (props.get(SUMMARY_IMPORTED_FROM) == source.location and info.batch_id == source.batch_id
+            and props.get(stored_keys.QUERY_ID) == source.query_id)
+
+
+# ---------------------------------------------------------------------------- the progress
+
+def copy_progress(spark: SparkSession, source: SparkCheckpoint, to: str) -> int:
+    """Copy the query's progress (everything but ``state/``) from its checkpoint to ``to``, with
+    the ticks source's starting offset in each offset-log entry when the query has timers; returns
+    the files copied.
+
+    Raises:
+        SparkStateImportError: ``to`` holds another query's checkpoint, or is the source itself.
+    """
+    src = HadoopFiles(spark, source.location)
+    dst = HadoopFiles(spark, to)
+    if dst.root.rstrip("/") == src.root.rstrip("/"):
+        raise SparkStateImportError(f"{to} is the query's own checkpoint: give a new location (Spark's stays as it "
+                                    "is, so the query can go back to Spark's store)")
+    if dst.exists(dst.root) and dst.names(dst.root):
+        try:
+            there = json.loads(dst.read_text(dst.join(dst.root, "metadata")))["id"]
+        except Exception:
+            there = None
+        if there != source.query_id:
+            raise SparkStateImportError(f"{to} is not empty and holds no earlier import of this query: give a new "
+                                        "checkpoint location")
+    copied = 0
+    for path, relative in src.walk(src.root):
+        if relative.split("/", 1)[0] == "state":
+            continue
+        target = dst.join(dst.root, relative)
+        top, _, name = relative.partition("/")
+        if top == "offsets" and name.isdigit() and source.time_mode != "none":
+            dst.write_text(target, _with_ticks(src.read_text(path)), overwrite=True)
+        else:
+            src.copy(path, dst, target)
+        copied += 1
+    return copied
+
+
+def _with_ticks(entry: str) -> str:
+    """An offset-log entry (``v1``, the batch's metadata, one offset per source) with the ticks
+    source's offset last: a query with timers reads its input unioned with the ticks source."""
+    lines = entry.rstrip("\n").split("\n")
+    if any(is_ticks_offset(line) for line in lines[2:]):
+        return entry
+    return "\n".join([*lines, TICKS_START])
+
+
+# ---------------------------------------------------------------------------- the state
+
+def _load(spark: SparkSession, table: Any, source: SparkCheckpoint, layout: StateLayout,
+          progress: Callable[[Iterable[Any], str, int], Iterable[Any]] | None) -> dict[str, int]:
+    """Read each variable and the timers (None) into one bulk load, committed as the table's first
+    checkpoint at Spark's last batch. Spark's reader takes a variable whole (its ``partitionId``
+    option does not select a state partition of ``transformWithState``'s)."""
+    steps: list[SparkVariable | None] = [*source.variables, *([None] if source.time_mode != "none" else [])]
+    if progress is not None:
+        steps = progress(steps, "importing state", len(steps))
+    key_names = layout.key_names
+    counts: dict[str, int] = {}
+    next_timer: int | None = None
+    with Repair(table, reason=f"imported from Spark's checkpoint {source.location} at batch {source.batch_id}") as load:
+        for variable in steps:
+            if variable is None:
+                rows = _read(spark, source, readRegisteredTimers="true")
+                if rows.num_rows:
+                    timers = rows.column("expiration_timestamp_ms")
+                    earliest = pc.min(timers).as_py()
+                    next_timer = earliest if next_timer is None else min(next_timer, earliest)
+                    desc = timers_descriptor()
+                    load.put(TIMERS_STATE, _with_columns(_keys(rows, key_names), {
+                        desc.user_key_column: timers, desc.value_column: pa.array(np.ones(rows.num_rows, bool))}))
+                counts[TIMERS_STATE] = counts.get(TIMERS_STATE, 0) + rows.num_rows
+                continue
+            n = _load_variable(spark, load, source, variable, key_names)
+            counts[variable.name] = counts.get(variable.name, 0) + n
+        stream = {stored_keys.QUERY_ID: source.query_id, SUMMARY_IMPORTED_FROM: source.location}
+        if source.time_mode != "none":
+            stream[stored_keys.QUERY_WATERMARK_MS] = str(source.watermark_ms)
+            stream[stored_keys.QUERY_NEXT_WATERMARK_MS] = str(source.next_watermark_ms)
+            if next_timer is not None:
+                stream[stored_keys.QUERY_NEXT_TIMER_MS] = str(next_timer)
+        load.commit(batch_id=source.batch_id, stream=stream)
+    return counts
+
+
+def _load_variable(spark: SparkSession, load: Repair, source: SparkCheckpoint, variable: SparkVariable,
+                   key_names: list[str]) -> int:
+    desc = variable.descriptor
+    if variable.kind is StateKind.LIST:
+        # Unflattened, a key's list comes whole and in order.
+        rows = _read(spark, source, stateVarName=variable.name, flattenCollectionTypes="false")
+        if not rows.num_rows:
+            return 0
+        lists = rows.column("list_value").combine_chunks()
+        parents = pc.list_parent_indices(lists)
+        elements = pc.list_flatten(lists)
+        keys = _keys(rows, key_names).take(parents)
+        value, expire = _value_and_expiry(elements, variable.ttl)
+        load.append(desc.name, _with_columns(keys, {desc.value_column: value, EXPIRE_AT_MS: expire}))
+        return len(elements)
+    rows = _read(spark, source, stateVarName=variable.name, flattenCollectionTypes="true")
+    if not rows.num_rows:
+        return 0
+    keys = _keys(rows, key_names)
+    columns = {}
+    if variable.kind is StateKind.MAP:
+        columns[desc.user_key_column] = rows.column("user_map_key").combine_chunks()
+        stored = rows.column("user_map_value").combine_chunks()
+    else:
+        stored = rows.column("value").combine_chunks()
+    columns[desc.value_column], columns[EXPIRE_AT_MS] = _value_and_expiry(stored, variable.ttl)
+    load.put(desc.name, _with_columns(keys, columns))
+    return rows.num_rows
+
+
+def _read(spark: SparkSession, source: SparkCheckpoint, **options: str) -> pa.Table:
+    reader = _reader(spark, source.location, source.batch_id, source.operator_id, **options)
+    return reader.load(source.location).toArrow()
+
+
+def _keys(rows: pa.Table, names: list[str]) -> pa.Table:
+    key = rows.column("key").combine_chunks()
+    return pa.table({name: key.field(name) for name in names})
+
+
+def _value_and_expiry(stored: pa.Array, ttl: bool) -> tuple[pa.Array, pa.Array]:
+    """A value as Spark's state data source gives it: the value struct, or with a TTL the value
+    and its expiry (``{value, ttlExpirationMs}``)."""
+    if not ttl:
+        return stored, pa.nulls(len(stored), pa.int64())
+    return stored.field("value"), stored.field(_TTL_FIELD).cast(pa.int64())
+
+
+def _with_columns(table: pa.Table, columns: dict[str, pa.Array]) -> pa.Table:
+    for name, column in columns.items():
+        table = table.append_column(name, column)
+    return table
