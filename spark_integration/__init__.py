@@ -11,6 +11,8 @@ Public surface:
   one whose handlers are coroutines with awaitable state reads (``api="async"``, tuned by
   ``AsyncOptions``), or a ``VectorizedProcessor`` (Arrow batches) such as ``RunningAggregate``
   and ``Deduplicate``;
+* ``import_spark_state(spark, checkpoint, to)``: a stopped query's state brought over from
+  Spark's own state store, to continue where Spark stopped (``spark_integration.spark_import``);
 * ``runner_of(query)``: batch reports and the state table of a running query;
 * ``IcestateDataSource`` / ``register(spark)``: ``spark.read.format("icestate")`` over the
   resolved state of a variable at any retained checkpoint, with key and key-group pushdown.
@@ -40,6 +42,7 @@ _EXPORTS = {
     "VectorizedProcessor": "spark_integration.vectorized",
     "VectorizedResult": "spark_integration.vectorized",
     "enable": "spark_integration.dropin",
+    "import_spark_state": "spark_integration.spark_import",
     "disable": "spark_integration.dropin",
     "DropInError": "spark_integration.dropin",
     "IcestateDataSource": "spark_integration.datasource",

@@ -12,7 +12,19 @@ from typing import Annotated
 
 import typer
 
-from catalog.cli import DEBUG, Warehouse, _reporting_errors, console, tables
+from catalog.cli import (
+    DEBUG,
+    CatalogName,
+    CatalogProperties,
+    Namespace,
+    TableWarehouse,
+    Warehouse,
+    _reporting_errors,
+    _table_ref,
+    _track,
+    console,
+    tables,
+)
 
 HELP = """\
 Keyed state for PySpark Structured Streaming, kept in Apache Iceberg tables.
@@ -84,6 +96,78 @@ def stream(
     console.print(f"[bold green]done[/bold green]: {result.events:,} events in {result.batches} micro-batches, "
                   f"{result.users_verified:,} users and {result.pages_verified:,} pages verified, "
                   f"{result.seconds:.1f} s")
+
+
+@app.command(name="import-spark-state", rich_help_panel="State tables")
+@_reporting_errors
+def import_spark_state(
+    checkpoint: Annotated[str, typer.Option(
+        show_default=False, help="The stopped query's checkpointLocation on Spark's own state store (only read).")],
+    to: Annotated[str, typer.Option(
+        show_default=False, help="A new checkpoint location: start the same query on it to continue here.")],
+    table: Annotated[str | None, typer.Option(
+        show_default=False, help="The new state table. Default: the one the one-call switch "
+        "(spark_integration.enable) gives a query named --query-name on checkpoint --to.")] = None,
+    query_name: Annotated[str | None, typer.Option(
+        show_default=False, help="The query's queryName, for the default --table.")] = None,
+    max_parallelism: Annotated[int, typer.Option(help="Key groups of the new table (its most tasks).")] = 128,
+    master: Annotated[str, typer.Option(
+        help="Spark master that reads Spark's state (when the process has no Spark session yet).")] = "local[2]",
+    spark_conf: Annotated[list[str] | None, typer.Option(
+        "--spark-conf", metavar="KEY=VALUE", show_default=False,
+        help="A Spark setting, repeatable (e.g. the checkpoint's filesystem); keep secrets in spark-defaults.conf "
+             "or the environment.")] = None,
+    warehouse: TableWarehouse = None,
+    catalog: CatalogName = None,
+    properties: CatalogProperties = None,
+    namespace: Namespace = "state",
+) -> None:
+    """Bring a stopped Spark query's state over from Spark's own state store.
+
+    Reads every state variable of the query's transformWithState (values, lists, maps, TTL
+    expiries, registered timers) at its last committed batch into a new state table, and copies
+    the query's progress (offsets, commits, the sources' logs; not its state) to --to. Start
+    the same query on --to, with icestate: it continues at the next batch, every input row
+    counted once. Spark's checkpoint is left as it was, so the query can go back to it.
+
+    Example: icestate import-spark-state --checkpoint ./checkpoints/counts --to ./checkpoints/counts-icestate
+    --query-name counts --warehouse ./warehouse
+    """
+    import os
+    import sys
+
+    from pyspark.sql import SparkSession
+
+    from spark_integration.dropin import state_table_name
+    from spark_integration.location import StateLocation
+    from spark_integration.spark_import import import_spark_state as run_import
+
+    ref = _table_ref(warehouse, catalog, properties, namespace, table or state_table_name(query_name, to), "main")
+    location = StateLocation(table=ref.table, warehouse=ref.warehouse, namespace=ref.namespace,
+                             max_parallelism=max_parallelism, catalog_name=ref.catalog_name,
+                             catalog_properties=ref.catalog_properties)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    spark = SparkSession.getActiveSession()  # a notebook's, or a program's that calls the command
+    own = spark is None
+    if own:
+        builder = SparkSession.builder.master(master).appName("icestate import-spark-state")
+        for item in ["spark.ui.enabled=false", "spark.ui.showConsoleProgress=false", *(spark_conf or [])]:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise typer.BadParameter(f"{key!r} is not KEY=VALUE", param_hint="'--spark-conf'")
+            builder = builder.config(key, value)
+        spark = builder.getOrCreate()
+        spark.sparkContext.setLogLevel("ERROR")
+    try:
+        report = run_import(spark, checkpoint, to, location=location, progress=_track)
+    finally:
+        if own:
+            spark.stop()
+    rows = ", ".join(f"{name} {n:,}" for name, n in report.rows.items())
+    console.print(f"[bold green]{'already imported' if report.resumed else 'imported'}[/bold green]: "
+                  f"batch {report.batch_id} of the query as checkpoint {report.checkpoint_id} of {report.table}"
+                  + (f" ({rows})" if rows else "") + f" in {report.seconds:.1f} s; start the query on {to}",
+                  markup=True, highlight=False)
 
 
 if __name__ == "__main__":

@@ -204,6 +204,40 @@ def test_a_bulk_load_into_an_empty_table(place):
     assert Ledger.decode(info.properties["icestate.live-rows"]).rows == {"count": {None: 1000}}
 
 
+def test_a_bulk_load_appends_list_elements_with_their_own_expiry_at_a_stream_position(place):
+    """The bulk load of state brought from elsewhere: list elements appended in order, each with
+    its expiry; timers stored and never counted as rows; the first checkpoint at the stream's
+    batch with its properties; an empty load still commits that position; a repair on top keeps
+    its base's position and may not set one."""
+    layout = StateLayout.of(LAYOUT.key_schema, [*DESCRIPTORS, MapStateDescriptor(
+        "icestate_timers", pa.bool_(), key_type=pa.int64())], N)
+    fresh = place.open(layout, table_name="loaded")
+    with Repair(fresh, reason="imported", now_ms=NOW) as load:
+        load.append("pages", pa.table({"user": ["a", "b", "a", "a"], "v_pages": ["/1", "/x", "/2", "/3"],
+                                       "expire_at_ms": [NOW + 5, None, NOW - 1, NOW + 9]}))
+        load.put("icestate_timers", pa.table({"user": ["a", "a"], "mk_icestate_timers": [7, 9],
+                                              "v_icestate_timers": [True, True]}))
+        with pytest.raises(ValueError, match="append takes a list"):
+            load.append("count", pa.table({"user": ["a"], "v_count": [1]}))
+        info = load.commit(batch_id=41, stream={"icestate.query-id": "q-1", "icestate.watermark-ms": "7"})
+    assert (info.batch_id, info.properties["icestate.query-id"], info.properties["icestate.watermark-ms"]) == (
+        41, "q-1", "7")
+    assert live(fresh, "pages") == {"a": ["/1", "/3"], "b": ["/x"]}  # /2 expired
+    assert json.loads(info.properties[inspection.SUMMARY_REPAIR_ROWS])["pages"] == {"put": 0, "delete": 0,
+                                                                                  "append": 4}
+    assert Ledger.decode(info.properties["icestate.live-rows"]).rows == {"pages": {NOW + 9: 1, None: 1}}
+    with Repair(fresh, reason="later", now_ms=NOW) as repair:
+        repair.put("count", pa.table({"user": ["a"], "v_count": [1]}))
+        with pytest.raises(ValueError, match="keeps those of its base"):
+            repair.commit(batch_id=3)
+        assert repair.commit().batch_id == 41
+    empty = place.open(LAYOUT, table_name="empty")
+    with Repair(empty, reason="imported nothing", now_ms=NOW) as load:
+        assert load.commit(batch_id=5, stream={"icestate.query-id": "q-2"}).batch_id == 5
+    with Repair(empty, reason="nothing", now_ms=NOW) as repair, pytest.raises(ValueError, match="changes nothing"):
+        repair.commit()
+
+
 def test_a_repair_goes_on_with_the_streams_live_row_count(place):
     """A base that carries the stream's live row count (``statestore.live_rows``): the repair's
     checkpoint carries it on with the repair's change, equal to the rows it leaves."""

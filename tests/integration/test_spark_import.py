@@ -222,3 +222,27 @@ def test_what_cannot_be_imported_fails_naming_it_and_a_failed_import_runs_again(
     run_spark(spark, stream(spark, str(input_dir)), P.CountsProcessor(), P.COUNTS_OUTPUT, str(tmp_path / "cp2"))
     with pytest.raises(SparkStateImportError, match="holds state already"):
         import_spark_state(spark, str(tmp_path / "cp2"), str(tmp_path / "to2"), location=location)
+
+
+def test_the_command_imports_into_the_table_the_switch_opens(spark, tmp_path):
+    from typer.testing import CliRunner
+
+    from spark_integration.cli import app
+    from spark_integration.dropin import state_table_name
+
+    input_dir = tmp_path / "in"
+    write_batches(input_dir, key_rows(["aab", "bcc"]))
+    run_spark(spark, stream(spark, str(input_dir)), P.CountsProcessor(), P.COUNTS_OUTPUT, str(tmp_path / "cp"))
+    to = str(tmp_path / "cp-icestate")
+    result = CliRunner().invoke(app, ["import-spark-state", "--checkpoint", str(tmp_path / "cp"), "--to", to,
+                                      "--query-name", "counts", "--warehouse", str(tmp_path / "wh")])
+    assert result.exit_code == 0, result.output
+    name = state_table_name("counts", to)
+    assert f"batch 1 of the query as checkpoint 1 of state.{name}" in " ".join(result.output.split())
+    with TableRef(name, warehouse=str(tmp_path / "wh")).open() as table:
+        con = connect(table)
+        assert sorted(con.sql("SELECT key, v_count.n FROM state_count").fetchall()) == [("a", 2), ("b", 2), ("c", 2)]
+        con.close()
+    again = CliRunner().invoke(app, ["import-spark-state", "--checkpoint", str(tmp_path / "in"), "--to", to,
+                                     "--warehouse", str(tmp_path / "wh")])
+    assert again.exit_code == 1 and "not a streaming query's checkpoint" in again.output
