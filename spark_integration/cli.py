@@ -110,6 +110,12 @@ def import_spark_state(
         "(spark_integration.enable) gives a query named --query-name on checkpoint --to.")] = None,
     query_name: Annotated[str | None, typer.Option(
         show_default=False, help="The query's queryName, for the default --table.")] = None,
+    aggregate: Annotated[str | None, typer.Option(
+        metavar="AGG[:COLUMN]", show_default=False,
+        help="For an aggregation's state (groupBy().agg()): the aggregate the query continues with as "
+             "RunningAggregate(AGG, COLUMN), e.g. count or sum:amount.")] = None,
+    deduplicate: Annotated[bool, typer.Option(
+        "--deduplicate", help="For dropDuplicates' state: the query continues with Deduplicate().")] = False,
     max_parallelism: Annotated[int, typer.Option(help="Key groups of the new table (its most tasks).")] = 128,
     master: Annotated[str, typer.Option(
         help="Spark master that reads Spark's state (when the process has no Spark session yet).")] = "local[2]",
@@ -125,8 +131,9 @@ def import_spark_state(
     """Bring a stopped Spark query's state over from Spark's own state store.
 
     Reads every state variable of the query's transformWithState (values, lists, maps, TTL
-    expiries, registered timers) at its last committed batch into a new state table, and copies
-    the query's progress (offsets, commits, the sources' logs; not its state) to --to. Start
+    expiries, registered timers; an aggregation's aggregate per key with --aggregate; the keys
+    dropDuplicates saw with --deduplicate) at its last committed batch into a new state table,
+    and copies the query's progress (offsets, commits, the sources' logs; not its state) to --to. Start
     the same query on --to, with icestate: it continues at the next batch, every input row
     counted once. Spark's checkpoint is left as it was, so the query can go back to it.
 
@@ -141,6 +148,19 @@ def import_spark_state(
     from spark_integration.dropin import state_table_name
     from spark_integration.location import StateLocation
     from spark_integration.spark_import import import_spark_state as run_import
+    from spark_integration.vectorized import Deduplicate, RunningAggregate
+
+    processor = None
+    if aggregate and deduplicate:
+        raise typer.BadParameter("give --aggregate or --deduplicate, not both", param_hint="'--aggregate'")
+    if aggregate:
+        agg, _, column = aggregate.partition(":")
+        try:
+            processor = RunningAggregate(agg, column or None)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="'--aggregate'") from None
+    elif deduplicate:
+        processor = Deduplicate()
 
     ref = _table_ref(warehouse, catalog, properties, namespace, table or state_table_name(query_name, to), "main")
     location = StateLocation(table=ref.table, warehouse=ref.warehouse, namespace=ref.namespace,
@@ -159,7 +179,7 @@ def import_spark_state(
         spark = builder.getOrCreate()
         spark.sparkContext.setLogLevel("ERROR")
     try:
-        report = run_import(spark, checkpoint, to, location=location, progress=_track)
+        report = run_import(spark, checkpoint, to, location=location, processor=processor, progress=_track)
     finally:
         if own:
             spark.stop()

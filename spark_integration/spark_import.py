@@ -1,8 +1,11 @@
 """Bring a stopped Spark query's state over from Spark's own state store: ``import_spark_state``.
 
-A query that ran ``transformWithState`` (or ``transformWithStateInPandas``) on Spark's state
-store keeps its state in its checkpoint directory, which Spark's state data source reads
-(``format("statestore")``: one state variable at a time, at a committed batch). The import:
+A query that ran ``transformWithState`` (or ``transformWithStateInPandas``), an aggregation
+(``groupBy().agg()``) or ``dropDuplicates`` on Spark's state store keeps its state in its
+checkpoint directory, which Spark's state data source reads (``format("statestore")``: one state
+variable at a time, at a committed batch). The first continues with the same processor here, the
+others with the vectorized processor that does their work (``RunningAggregate`` of one of the
+aggregation's aggregates, ``Deduplicate``). The import:
 
 1. reads the checkpoint (``read_spark_checkpoint``): the query's id (``metadata``), its last
    committed batch n (``commits``), its stateful operator (``format("state-metadata")``) with its
@@ -15,9 +18,10 @@ store keeps its state in its checkpoint directory, which Spark's state data sour
    only read: the query can go back to Spark's store;
 3. loads every state variable into a new state table as its first checkpoint, the bulk load of
    ``catalog.repair``: values, lists (elements in order, each with its own TTL expiry), map
-   entries and registered timers, as of batch n, with the query's id and what is due next (the
-   watermark, the earliest timer), so the stream's next batch plans on it as on the checkpoint
-   its own batch n would have written. The live row count starts from the imported rows.
+   entries and registered timers (an aggregate per key, a key seen), as of batch n, with the
+   query's id and what is due next (the watermark, the earliest timer), so the stream's next
+   batch plans on it as on the checkpoint its own batch n would have written. The live row
+   count starts from the imported rows.
 
 Running it again after a failure goes on where it stopped: the copy is repeated into a location
 that holds the same query, and a table that holds this import and nothing after it is kept.
@@ -42,6 +46,7 @@ from spark_integration.dropin import HadoopFiles, state_location
 from spark_integration.query import is_connect
 from spark_integration.ticks import is_ticks_offset
 from spark_integration.timers import TIMERS_STATE, timers_descriptor
+from spark_integration.vectorized import Deduplicate, RunningAggregate, VectorizedProcessor
 from statestore import stored_keys
 from statestore.descriptors import (
     ListStateDescriptor,
@@ -64,6 +69,7 @@ log = logging.getLogger(__name__)
 # Spark's names: the stateful operators of transformWithState, the state variable kinds of its
 # operator metadata, its time modes, and the columns of its state data source.
 TWS_OPERATORS = ("transformWithStateExec", "transformWithStateInPySparkExec", "transformWithStateInPandasExec")
+AGGREGATE, DEDUPLICATE = "stateStoreSave", "dedupe"  # groupBy().agg(), dropDuplicates()
 _KINDS = {"ValueState": StateKind.VALUE, "ListState": StateKind.LIST, "MapState": StateKind.MAP}
 _TIME_MODES = {"NoTime": "none", "ProcessingTime": "processingtime", "EventTime": "eventtime"}
 _TTL_FIELD = "ttlExpirationMs"
@@ -103,6 +109,7 @@ class SparkCheckpoint:
     variables: tuple[SparkVariable, ...]
     watermark_ms: int                # batch n's watermark
     next_watermark_ms: int           # the one Spark gives batch n + 1 (its commit log)
+    aggregates: pa.DataType | None = None  # an aggregation's buffer: a struct, a field per aggregate
 
 
 @dataclasses.dataclass
@@ -147,19 +154,29 @@ def read_spark_checkpoint(spark: SparkSession, location: str, operator_id: int =
         raise SparkStateImportError(f"the query of {location} has no stateful operator {operator_id}; it has "
                                     f"{sorted(ops)}")
     op = ops[operator_id]
+    offsets = files.read_text(files.join(root, f"offsets/{batch}")).splitlines()
+    commit = files.read_text(files.join(root, f"commits/{batch}")).splitlines()
+    position = dict(location=root, query_id=query_id, batch_id=batch, operator_id=operator_id, operator=op.operatorName,
+                    partitions=int(op.numPartitions),
+                    watermark_ms=int(json.loads(offsets[1]).get("batchWatermarkMs") or 0),
+                    next_watermark_ms=int(json.loads(commit[1]).get("nextBatchWatermarkMs") or 0)
+                    if len(commit) > 1 else 0)
+    if op.operatorName in (AGGREGATE, DEDUPLICATE):  # one state store of key -> value
+        schema = _reader(spark, root, batch, operator_id).load(root).schema
+        buffer = arrow_type(schema["value"].dataType) if op.operatorName == AGGREGATE else None
+        return SparkCheckpoint(**position, time_mode="none", key_schema=_key_schema(schema), variables=(),
+                               aggregates=buffer)
     if op.operatorName not in TWS_OPERATORS:
         raise SparkStateImportError(
             f"operator {operator_id} of {location} is Spark's {op.operatorName}: the import brings over the state of "
-            "transformWithState and transformWithStateInPandas (operators "
-            f"{', '.join(TWS_OPERATORS)})" + (f"; the query's operators are {[r.operatorName for r in rows]}"
-                                               if len(rows) > 1 else ""))
+            f"transformWithState and transformWithStateInPandas ({', '.join(TWS_OPERATORS)}), of an aggregation "
+            f"({AGGREGATE}) and of dropDuplicates ({DEDUPLICATE})"
+            + (f"; the query's operators are {[r.operatorName for r in rows]}" if len(rows) > 1 else ""))
     props = json.loads(op.operatorProperties or "{}")
     mode = _TIME_MODES.get(props.get("timeMode"))
     if mode is None:
         raise SparkStateImportError(f"operator {operator_id} of {location} has time mode {props.get('timeMode')!r}, "
                                     f"which this version does not know (known: {sorted(_TIME_MODES)})")
-    offsets = files.read_text(files.join(root, f"offsets/{batch}")).splitlines()
-    commit = files.read_text(files.join(root, f"commits/{batch}")).splitlines()
     key_schema, variables = None, []
     for v in props.get("stateVariables", []):
         name, kind = v["stateName"], v["stateVariableType"]
@@ -175,11 +192,7 @@ def read_spark_checkpoint(spark: SparkSession, location: str, operator_id: int =
     if key_schema is None:  # no variable: the key schema is the timers'
         schema = _reader(spark, root, batch, operator_id, readRegisteredTimers="true").load(root).schema
         key_schema = _key_schema(schema)
-    return SparkCheckpoint(
-        location=root, query_id=query_id, batch_id=batch, operator_id=operator_id, operator=op.operatorName,
-        partitions=int(op.numPartitions), time_mode=mode, key_schema=key_schema, variables=tuple(variables),
-        watermark_ms=int(json.loads(offsets[1]).get("batchWatermarkMs") or 0),
-        next_watermark_ms=int(json.loads(commit[1]).get("nextBatchWatermarkMs") or 0) if len(commit) > 1 else 0)
+    return SparkCheckpoint(**position, time_mode=mode, key_schema=key_schema, variables=tuple(variables))
 
 
 def _reader(spark: SparkSession, root: str, batch: int, operator_id: int, **options: str) -> Any:
@@ -221,7 +234,7 @@ def import_spark_state(
     *,
     location: StateLocation | None = None,
     query_name: str | None = None,
-    processor: StatefulProcessor | None = None,
+    processor: StatefulProcessor | VectorizedProcessor | None = None,
     operator_id: int = 0,
     progress: Callable[[Iterable[Any], str, int], Iterable[Any]] | None = None,
 ) -> ImportReport:
@@ -237,7 +250,9 @@ def import_spark_state(
             switch gives a query named ``query_name`` on checkpoint ``to``.
         query_name: the query's ``queryName``, for the default ``location``.
         processor: the query's processor: its declarations are checked against Spark's state (and
-            give the state variables' TTL durations, which Spark does not record).
+            give the state variables' TTL durations, which Spark does not record). For an
+            aggregation's state a ``RunningAggregate`` of one of its aggregates, for
+            ``dropDuplicates``'s a ``Deduplicate``: the vectorized processor the query continues with.
         operator_id: which stateful operator of the query (Spark's operatorId).
         progress: wraps the steps (an iterable, a description, their number), e.g. a progress bar.
 
@@ -252,7 +267,8 @@ def import_spark_state(
     source = read_spark_checkpoint(spark, checkpoint, operator_id)
     if location is None:
         location = state_location(spark, query_name, to)
-    descriptors = _declared(source, processor)
+    descriptors = _vectorized(source, processor) if source.operator in (AGGREGATE, DEDUPLICATE) else _declared(
+        source, processor)
     if source.time_mode != "none":
         descriptors.append(timers_descriptor())
     layout = StateLayout.of(source.key_schema, descriptors, location.max_parallelism)
@@ -268,7 +284,8 @@ def import_spark_state(
             raise SparkStateImportError(
                 f"state table {location.identifier} holds state already (checkpoint {info.checkpoint_id}): import into "
                 "a new table (another location or query name), or drop this one first")
-        rows = _load(spark, table, source, layout, progress)
+        aggregate = processor.agg if source.operator == AGGREGATE else None
+        rows = _load(spark, table, source, layout, progress, aggregate)
         return ImportReport(table=location.identifier, checkpoint_id=table.current_checkpoint().checkpoint_id,
                             batch_id=source.batch_id, to=to, rows=rows, seconds=time.perf_counter() - started)
     finally:
@@ -300,6 +317,26 @@ def _declared(source: SparkCheckpoint, processor: StatefulProcessor | None) -> l
                 f"state {v.name!r} has {'a' if v.ttl else 'no'} TTL in Spark's checkpoint, but the processor declares "
                 f"{'one' if ours.ttl is not None else 'none'}: import with the processor the query ran with")
     return [declared.get(v.name, v.descriptor) for v in source.variables]
+
+
+def _vectorized(source: SparkCheckpoint, processor: Any) -> list[StateDescriptor]:
+    """The state variable of the vectorized processor that continues an aggregation (one of its
+    aggregates: ``RunningAggregate``) or a ``dropDuplicates`` (``Deduplicate``)."""
+    keys = source.key_schema.names
+    if source.operator == DEDUPLICATE:
+        if not isinstance(processor, Deduplicate):
+            raise SparkStateImportError("the query's state is dropDuplicates': give processor=Deduplicate(), the "
+                                        "vectorized processor that continues it")
+        return processor.state_variables(source.key_schema, keys)
+    aggregates = {f.name: f.type for f in source.aggregates}
+    if not isinstance(processor, RunningAggregate) or processor.agg not in aggregates:
+        raise SparkStateImportError(
+            f"the query's state is an aggregation's, of {sorted(aggregates)}: give processor=RunningAggregate(agg, "
+            "value_column), with agg one of those, the vectorized processor that continues it")
+    fields = list(source.key_schema)
+    if processor.value_column:
+        fields.append(pa.field(processor.value_column, aggregates[processor.agg]))
+    return processor.state_variables(pa.schema(fields), keys)
 
 
 def _is_this_import(info: Any, source: SparkCheckpoint) -> bool:
@@ -357,11 +394,15 @@ def _with_ticks(entry: str) -> str:
 # ---------------------------------------------------------------------------- the state
 
 def _load(spark: SparkSession, table: Any, source: SparkCheckpoint, layout: StateLayout,
-          progress: Callable[[Iterable[Any], str, int], Iterable[Any]] | None) -> dict[str, int]:
+          progress: Callable[[Iterable[Any], str, int], Iterable[Any]] | None,
+          aggregate: str | None) -> dict[str, int]:
     """Read each variable and the timers (None) into one bulk load, committed as the table's first
-    checkpoint at Spark's last batch. Spark's reader takes a variable whole (its ``partitionId``
-    option does not select a state partition of ``transformWithState``'s)."""
+    checkpoint at Spark's last batch (of an aggregation, the ``aggregate`` field of its buffer).
+    Spark's reader takes a variable whole (its ``partitionId`` option does not select a state
+    partition of ``transformWithState``'s)."""
     steps: list[SparkVariable | None] = [*source.variables, *([None] if source.time_mode != "none" else [])]
+    if source.operator in (AGGREGATE, DEDUPLICATE):
+        steps = [SparkVariable(layout.descriptors[0].name, StateKind.VALUE, False, layout.descriptors[0])]
     if progress is not None:
         steps = progress(steps, "importing state", len(steps))
     key_names = layout.key_names
@@ -380,7 +421,7 @@ def _load(spark: SparkSession, table: Any, source: SparkCheckpoint, layout: Stat
                         desc.user_key_column: timers, desc.value_column: pa.array(np.ones(rows.num_rows, bool))}))
                 counts[TIMERS_STATE] = counts.get(TIMERS_STATE, 0) + rows.num_rows
                 continue
-            n = _load_variable(spark, load, source, variable, key_names)
+            n = _load_variable(spark, load, source, variable, key_names, aggregate)
             counts[variable.name] = counts.get(variable.name, 0) + n
         stream = {stored_keys.QUERY_ID: source.query_id, SUMMARY_IMPORTED_FROM: source.location}
         if source.time_mode != "none":
@@ -393,8 +434,16 @@ def _load(spark: SparkSession, table: Any, source: SparkCheckpoint, layout: Stat
 
 
 def _load_variable(spark: SparkSession, load: Repair, source: SparkCheckpoint, variable: SparkVariable,
-                   key_names: list[str]) -> int:
+                   key_names: list[str], aggregate: str | None) -> int:
     desc = variable.descriptor
+    if source.operator in (AGGREGATE, DEDUPLICATE):  # key -> the aggregate's buffer field, or seen
+        rows = _read(spark, source)
+        if source.operator == AGGREGATE:
+            value = rows.column("value").combine_chunks().field(aggregate)
+        else:
+            value = pa.array(np.ones(rows.num_rows, bool))
+        load.put(desc.name, _with_columns(_keys(rows, key_names), {desc.value_column: value}))
+        return rows.num_rows
     if variable.kind is StateKind.LIST:
         # Unflattened, a key's list comes whole and in order.
         rows = _read(spark, source, stateVarName=variable.name, flattenCollectionTypes="false")

@@ -16,7 +16,7 @@ from pyspark.sql.streaming import StatefulProcessor
 
 from catalog import connect
 from catalog.table_ref import TableRef
-from spark_integration import StateLocation, enable, runner_of
+from spark_integration import Deduplicate, RunningAggregate, StateLocation, enable, runner_of, start_stateful_query
 from spark_integration.dropin import disable
 from spark_integration.spark_import import SparkStateImportError, import_spark_state
 from statestore.errors import SchemaMismatchError
@@ -177,6 +177,47 @@ def test_pending_processing_time_timers_fire_without_new_input_after_the_import(
     assert set(ours.batches) <= no_input | {b for b, rows in ours.batches.items() if not rows}
 
 
+@pytest.mark.parametrize("operator", ["count", "sum", "dropDuplicates"])
+def test_an_aggregation_or_deduplication_continues_as_a_vectorized_processor(spark, tmp_path, operator):
+    """Spark's ``groupBy().count()``, ``agg(sum)`` (update mode) and ``dropDuplicates``: their state
+    continues in ``RunningAggregate`` and ``Deduplicate``, whose outputs are Spark's."""
+    from pyspark.sql import functions as F
+
+    input_dir = tmp_path / "in"
+    files = [pa.table({"key": list(s), "v": pa.array(range(len(s)), pa.int64())}) for s in ["aabc", "bd", "dae", "ab"]]
+
+    def spark_job(checkpoint: str, run: Run):
+        df = stream(spark, str(input_dir))
+        out = {"count": lambda: df.groupBy("key").count(), "sum": lambda: df.groupBy("key").agg(F.sum("v")),
+               "dropDuplicates": lambda: df.dropDuplicates(["key"])}[operator]()
+        with spark_own_operator(spark):
+            query = (out.writeStream.foreachBatch(run.collect).outputMode(
+                "append" if operator == "dropDuplicates" else "update").option("checkpointLocation", checkpoint)
+                .trigger(availableNow=True).start())
+            query.awaitTermination(120)
+        assert query.exception() is None, query.exception()
+
+    processor = {"count": RunningAggregate("count"), "sum": RunningAggregate("sum", "v"),
+                 "dropDuplicates": Deduplicate()}[operator]
+    write_batches(input_dir, files[:2])
+    first, reference, ours = Run(), Run(), Run()
+    spark_job(str(tmp_path / "cp-spark"), first)
+    location = StateLocation(table="agg", warehouse=str(tmp_path / "wh"), parallelism=2, max_parallelism=16)
+    report = import_spark_state(spark, str(tmp_path / "cp-spark"), str(tmp_path / "cp-ours"), location=location,
+                                processor=processor)
+    assert report.batch_id == 1 and report.rows == {processor.state_name: 4}
+    write_batches(input_dir, files)
+    query = start_stateful_query(stream(spark, str(input_dir)), ["key"], processor, location=location,
+                                 checkpoint_location=str(tmp_path / "cp-ours"), trigger={"availableNow": True},
+                                 foreach_batch=ours.collect)
+    query.awaitTermination(120)
+    assert query.exception() is None, query.exception()
+    spark_job(str(tmp_path / "cp-reference"), reference)
+    assert sorted(reference.batches) == [0, 1, 2, 3]
+    assert first.batches == {b: reference.batches[b] for b in (0, 1)}
+    assert ours.batches == {b: reference.batches[b] for b in (2, 3)}
+
+
 class CountAsText(StatefulProcessor):
     """``CountsProcessor``'s count declared with another type."""
 
@@ -199,8 +240,11 @@ def test_what_cannot_be_imported_fails_naming_it_and_a_failed_import_runs_again(
                  .trigger(availableNow=True).start())
         query.awaitTermination(120)
     location = StateLocation(table="t", warehouse=str(tmp_path / "wh"), max_parallelism=16)
-    with pytest.raises(SparkStateImportError, match=r"stateStoreSave.*transformWithState"):
+    with pytest.raises(SparkStateImportError, match=r"an aggregation's, of \['count'\]: give processor=RunningAgg"):
         import_spark_state(spark, str(tmp_path / "cp-agg"), str(tmp_path / "x"), location=location)
+    with pytest.raises(SparkStateImportError, match=r"agg one of those"):
+        import_spark_state(spark, str(tmp_path / "cp-agg"), str(tmp_path / "x"), location=location,
+                           processor=RunningAggregate("sum", "v"))
     with pytest.raises(SparkStateImportError, match="not a streaming query's checkpoint"):
         import_spark_state(spark, str(tmp_path / "in"), str(tmp_path / "x"), location=location)
 
@@ -246,3 +290,17 @@ def test_the_command_imports_into_the_table_the_switch_opens(spark, tmp_path):
     again = CliRunner().invoke(app, ["import-spark-state", "--checkpoint", str(tmp_path / "in"), "--to", to,
                                      "--warehouse", str(tmp_path / "wh")])
     assert again.exit_code == 1 and "not a streaming query's checkpoint" in again.output
+
+    with spark_own_operator(spark):  # an aggregation's state, continued by RunningAggregate("sum", "v")
+        query = (stream(spark, str(input_dir)).groupBy("key").sum("v").writeStream.format("noop")
+                 .outputMode("update").option("checkpointLocation", str(tmp_path / "cp-sum"))
+                 .trigger(availableNow=True).start())
+        query.awaitTermination(120)
+    result = CliRunner().invoke(app, ["import-spark-state", "--checkpoint", str(tmp_path / "cp-sum"), "--to",
+                                      str(tmp_path / "cp-sum-icestate"), "--table", "sums", "--aggregate", "sum:v",
+                                      "--warehouse", str(tmp_path / "wh")])
+    assert result.exit_code == 0, result.output
+    with TableRef("sums", warehouse=str(tmp_path / "wh")).open() as table:
+        con = connect(table)
+        assert sorted(con.sql("SELECT key, v_sum FROM state_sum").fetchall()) == [("a", 1), ("b", 2), ("c", 3)]
+        con.close()
