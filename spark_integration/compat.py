@@ -53,6 +53,7 @@ from statestore.errors import (
     TimersDisabledError,
 )
 from statestore.names import check_state_name
+from statestore.operator_state import OperatorListState, OperatorStateDescriptor, Redistribution
 from statestore.state import fields_fit
 from statestore.store import StateStore
 
@@ -168,6 +169,7 @@ class DeclaringHandle:
         self.deleted: list[str] = []
         self.value_schemas: dict[str, StructType] = {}
         self.with_ttl: set[str] = set()
+        self.operator_states: list[OperatorStateDescriptor] = []
 
     def _declare(self, desc: StateDescriptor) -> None:
         check_state_name(desc.name)
@@ -200,6 +202,12 @@ class DeclaringHandle:
         k = arrow_type(spark_struct(userKeySchema, f"map state {stateName!r} user key"))
         v = self._value(stateName, valueSchema, f"map state {stateName!r} value", ttl)
         self._declare(MapStateDescriptor(stateName, key_type=k, value_type=v, ttl=ttl))
+
+    def getOperatorListState(self, stateName: str, schema: Any, mode: str = "split") -> None:
+        if any(d.name == stateName for d in self.operator_states):
+            raise ValueError(f"operator state {stateName!r} is declared twice in init()")
+        t = arrow_type(spark_struct(schema, f"operator state {stateName!r}"))
+        self.operator_states.append(OperatorStateDescriptor(stateName, t, Redistribution(str(mode).lower())))
 
     def registerTimer(self, expiryTimestampMs: int) -> None:
         raise NoCurrentKeyError("registerTimer needs a grouping key: call it from handleInputRows, not init()")
@@ -544,6 +552,35 @@ class ListState:
         self._state.clear()
 
 
+class OperatorListHandle:
+    """An operator (non-keyed) list state of the task, with ``ListState``'s methods: what
+    ``handle.getOperatorListState`` gives a Spark-API processor (an extension of Spark's handle,
+    FLIP-8's operator state). Its elements belong to the task, whatever key is current."""
+
+    def __init__(self, state: OperatorListState):
+        self._state = state
+        self._struct = _Struct(state.descriptor.value_type)
+        self._what = f"operator state {state.descriptor.name!r}"
+
+    def exists(self) -> bool:
+        return bool(self._state.get())
+
+    def get(self) -> Iterator[tuple]:
+        return iter([self._struct.from_store(v) for v in self._state.get()])
+
+    def put(self, newState: list[tuple]) -> None:
+        self._state.update([self._struct.to_store(v, self._what) for v in newState])
+
+    def appendValue(self, newState: tuple) -> None:
+        self._state.add(self._struct.to_store(newState, self._what))
+
+    def appendList(self, newState: list[tuple]) -> None:
+        self._state.add_all([self._struct.to_store(v, self._what) for v in newState])
+
+    def clear(self) -> None:
+        self._state.clear()
+
+
 class MapState:
     """Spark's ``MapState`` over the store's map state of the current key."""
 
@@ -698,6 +735,17 @@ class StoreHandle:
     def getMapState(self, stateName: str, userKeySchema: Any = None, valueSchema: Any = None,
                     ttlDurationMs: int | None = None) -> MapState:
         return self._get(stateName, StateKind.MAP)
+
+    def getOperatorListState(self, stateName: str, schema: Any = None, mode: str | None = None
+                             ) -> OperatorListHandle:
+        """The task's operator list state ``stateName`` (declared in ``init``; an extension of
+        Spark's handle): the task's own list, checkpointed with the keyed state and redistributed
+        by its mode (split, union, broadcast) when the query restarts at another parallelism."""
+        operator = self._store.operator_state
+        if operator is None:
+            raise StateNotDeclaredError(f"operator state {stateName!r} was not declared when the query started: "
+                                        "declare it in init() with handle.getOperatorListState(name, schema, mode)")
+        return OperatorListHandle(operator.get_list_state(stateName))
 
     def _timer_service(self) -> TimerService:
         if self._timers is None:

@@ -92,6 +92,7 @@ from statestore.faults import kill_if_asked
 from statestore.keygroups import check_key_type
 from statestore.layout import StateLayout
 from statestore.live_rows import Ledger
+from statestore.operator_state import OperatorStateDescriptor, OperatorStateFile
 from statestore.paths import SCRATCH_OUTPUTS_DIR
 
 log = logging.getLogger(__name__)
@@ -239,8 +240,10 @@ class StatefulRunner:
                  time_mode: str, event_time_column: str | None, initial_state: DataFrame | None,
                  store_config: StoreConfig, compaction: CompactionPolicy | None = None,
                  beacon: str | None = None, watermark_delay_ms: int | None = None, api: str = "row",
-                 output_table: str | None = None, async_options: AsyncOptions | None = None):
+                 output_table: str | None = None, async_options: AsyncOptions | None = None,
+                 operator_state: Sequence[OperatorStateDescriptor] = ()):
         self.spark = spark
+        self.operator_state = tuple(operator_state)
         self.keys = keys
         self.processor = processor
         self.input_schema = input_schema
@@ -393,7 +396,7 @@ class StatefulRunner:
 
     def _commit(self, plan: BatchPlan, rows: list[tuple], report: BatchReport) -> None:
         batch_id = plan.batch_id
-        segments, uris = [], []
+        segments, uris, operator_files = [], [], []
         for task, kind, payload in rows:
             if kind == "task":
                 if task in report.tasks:
@@ -401,6 +404,8 @@ class StatefulRunner:
                 report.tasks[task] = json.loads(payload)
             elif kind == "segment":
                 segments.append(segment_of(payload))
+            elif kind == "operator_state":
+                operator_files.append(OperatorStateFile(**json.loads(payload)))
             else:
                 out = json.loads(payload)
                 uris.append(out["uri"])
@@ -426,7 +431,7 @@ class StatefulRunner:
             properties[stored_keys.QUERY_LIVE_ROWS] = ledger.encode()
         state_commit = time.perf_counter()
         self.table.commit_checkpoint(plan.checkpoint_id, segments, parallelism=self.location.parallelism,
-                                     batch_id=batch_id, properties=properties)
+                                     batch_id=batch_id, properties=properties, operator_state=operator_files)
         state_commit_ms = (time.perf_counter() - state_commit) * 1000
         for task, stats in report.tasks.items():
             self.task_tokens[task] = token = (plan.checkpoint_id, stats["token"])
@@ -525,7 +530,7 @@ class StatefulRunner:
             output_io=self.table.checkpoint_view().io if self.output is None else self.output.io_properties,
             store_config=self.store_config, inline_outputs=inline, api=self.api, timezone=self.timezone,
             batching=self.batching,
-            error_key=self.error_key, async_options=self.async_options,
+            error_key=self.error_key, async_options=self.async_options, operator_state=self.operator_state,
         )
 
     def _routed(self, df: DataFrame, columns: Sequence[str], heartbeat: bool = False) -> DataFrame:
@@ -574,8 +579,10 @@ class StatefulRunner:
     def _task_frame(self, batch_df: DataFrame, plan: BatchPlan, reports: Any = None) -> DataFrame:
         """The batch's tasks as a DataFrame (lazy): their report rows, or with inline outputs
         their output rows (reports then go to the ``reports`` accumulator)."""
+        # Every task runs (a heartbeat row each) where one without input still has work: timers
+        # to fire, its share of the callback's outputs, operator state to write.
         routed = self._routed(batch_df, self.input_schema.names,
-                              heartbeat=self.time_mode != "none" or plan.inline_outputs)
+                              heartbeat=self.time_mode != "none" or plan.inline_outputs or bool(plan.operator_state))
         schema = _struct_of(self.output_schema if plan.inline_outputs else RESULT_ARROW)
         # Plain closures, not functools.partial: pyspark's eval-type inference fails on partials.
         initial = self.initial_state if plan.base_checkpoint_id is None else None
@@ -926,6 +933,7 @@ def start_stateful_query(
     declared = None  # a StatefulProcessor's declarations (compat.DeclaringHandle)
     if isinstance(processor, VectorizedProcessor):
         descriptors = list(processor.state_variables(input_schema, keys))
+        operator_state = list(processor.operator_state(input_schema, keys))
         if output_schema is None:
             output_schema = processor.output_schema(input_schema, keys)
         wanted = processor.input_columns(input_schema, keys)
@@ -948,6 +956,7 @@ def start_stateful_query(
                             f"api='async' (rows) or api='async_pandas' (DataFrames)")
         declared = declare(processor)
         descriptors = list(declared.descriptors)
+        operator_state = declared.operator_states
         with_ttl = [d.name for d in descriptors if d.ttl is not None]
         if with_ttl and mode != "processingtime":
             raise ValueError(f"state {with_ttl} declares a TTL (ttlDurationMs), which needs "
@@ -973,7 +982,7 @@ def start_stateful_query(
         time_mode=mode, event_time_column=event_time_column, initial_state=initial_state,
         store_config=store_config or StoreConfig(), compaction=compaction,
         beacon=beacon_path(checkpoint_location, location.identity), api=api, output_table=output_table,
-        async_options=async_options,
+        async_options=async_options, operator_state=operator_state,
         watermark_delay_ms=None if watermark is None or watermark[0] != event_time_column else watermark[1],
     )
     # The ticks source is a Python data source: Spark starts Python processes for it one after

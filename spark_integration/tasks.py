@@ -44,6 +44,7 @@ from statestore import memory
 from statestore.config import StoreConfig
 from statestore.faults import fail_if_first_attempt
 from statestore.layout import StateLayout
+from statestore.operator_state import OperatorStateDescriptor, OperatorStateStore
 from statestore.paths import output_file_name
 from statestore.store import StateStore
 from statestore.table import SegmentFile
@@ -115,6 +116,8 @@ class BatchPlan:
     timezone: str = "UTC"         # the session's, for pandas timestamps
     batching: Any = None          # how pandas DataFrames are cut (compat.ArrowBatching; None: Spark's defaults)
     async_options: Any = None     # an async processor's controller bounds (AsyncOptions; None: defaults)
+    # The processor's operator (non-keyed) state variables: every task writes its lists at each batch.
+    operator_state: tuple[OperatorStateDescriptor, ...] = ()
     # Signs a processor's exception for the driver (``spark_integration.errors``); never shown.
     error_key: ErrorKey = field(default_factory=ErrorKey, repr=False)
 
@@ -152,6 +155,7 @@ class _TaskStore:
     location: tuple = ()                    # StateLocation.identity of the table
     pending: tuple[int, str] | None = None  # flushed, not known to be committed
     dirty: bool = False                     # an attempt started and did not finish
+    operator_at: int | None = None          # the checkpoint whose operator state the store's lists hold
 
 
 _STORES: dict[tuple[str, int], _TaskStore] = {}
@@ -173,6 +177,7 @@ def _reset(ts: _TaskStore, plan: BatchPlan, task: int) -> None:
     ts.store.restore(plan.base_checkpoint_id)
     ts.token = plan.task_tokens.get(task)
     ts.timers = TimerService(ts.store) if ts.timers is not None else None
+    ts.operator_at = None
 
 
 def task_store(plan: BatchPlan, task: int) -> _TaskStore:
@@ -305,6 +310,8 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
     if ts is not kept:
         before = store.stats()
     fired_before = ts.timers.fired if ts.timers is not None else 0
+    if plan.operator_state:
+        _operator_state(ts, plan, task)
 
     if HEARTBEAT in rows.column_names:
         rows = rows.filter(pc.invert(rows.column(HEARTBEAT)))
@@ -323,6 +330,10 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
             raise processor_error(e, plan.batch_id, task, plan.error_key) from e
         processed = time.perf_counter()
         segments = store.flush(plan.checkpoint_id)
+        operator_file = None
+        if store.operator_state is not None:
+            operator_file = store.operator_state.flush(plan.checkpoint_id)
+            ts.operator_at = plan.checkpoint_id
     ts.pending = (plan.checkpoint_id, token)
     fail_if_first_attempt(_attempt_number)
     flushed = time.perf_counter()
@@ -358,7 +369,21 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
     report = [(task, "task", json.dumps(stats))]
     report += [(task, "segment", json.dumps(dataclasses.asdict(s))) for s in segments]
     report += [(task, "output", json.dumps(o)) for o in outputs]
+    if operator_file is not None:
+        report.append((task, "operator_state", json.dumps(operator_file.to_json())))
     return report, output
+
+
+def _operator_state(ts: _TaskStore, plan: BatchPlan, task: int) -> None:
+    """Give the task's store its operator state as of the plan's base checkpoint: the lists it
+    flushed last when that flush is the base (same parallelism), else its own lists read from the
+    base's files, redistributed by their modes only when the parallelism changed."""
+    held = ts.store.operator_state
+    if held is None or ts.operator_at is None or ts.operator_at != plan.base_checkpoint_id \
+            or held.parallelism != plan.parallelism:
+        ts.store.operator_state = OperatorStateStore(ts.store.table, plan.operator_state, task_index=task,
+                                                     parallelism=plan.parallelism, redistribute_on_rescale_only=True)
+    ts.operator_at = None  # until this batch's flush: the lists change
 
 
 def _live_rows(change: dict | None) -> dict | None:

@@ -21,6 +21,8 @@ import polars as pl
 import pyarrow as pa
 
 from statestore.descriptors import StateDescriptor, StateKind, TtlConfig, ValueStateDescriptor
+from statestore.errors import StateNotDeclaredError
+from statestore.operator_state import OperatorListState, OperatorStateDescriptor
 from statestore.store import StateStore
 
 
@@ -42,6 +44,15 @@ class VectorizedBatch:
     processing_time_ms: int
     watermark_ms: int
     store: StateStore
+
+    def operator_state(self, name: str) -> OperatorListState:
+        """The task's list of operator state variable ``name`` (``VectorizedProcessor.operator_state``
+        declares it): the task's own list, checkpointed with the keyed state and redistributed by
+        the variable's mode when the query restarts at another parallelism."""
+        if self.store.operator_state is None:
+            raise StateNotDeclaredError(f"operator state {name!r}: the processor declares no operator state "
+                                        "(VectorizedProcessor.operator_state)")
+        return self.store.operator_state.get_list_state(name)
 
 
 @dataclass
@@ -73,6 +84,12 @@ class VectorizedProcessor(abc.ABC):
     def input_columns(self, input_schema: pa.Schema, keys: list[str]) -> list[str] | None:
         """The input columns ``process`` reads (None: all); the others never leave the JVM."""
         return None
+
+    def operator_state(self, input_schema: pa.Schema, keys: list[str]) -> list[OperatorStateDescriptor]:
+        """Operator (non-keyed) state, FLIP-8's: list variables of each task
+        (``VectorizedBatch.operator_state``), redistributed by their mode (split, union,
+        broadcast) when the query restarts at another parallelism. None by default."""
+        return []
 
     @abc.abstractmethod
     def process(self, batch: VectorizedBatch) -> VectorizedResult:

@@ -160,7 +160,7 @@ class OperatorStateStore:
     at the checkpoint to continue from (its operator state is read and redistributed here)."""
 
     def __init__(self, table: OperatorStateTable, descriptors: Sequence[OperatorStateDescriptor], *,
-                 task_index: int = 0, parallelism: int = 1):
+                 task_index: int = 0, parallelism: int = 1, redistribute_on_rescale_only: bool = False):
         names = [d.name for d in descriptors]
         if len(set(names)) != len(names):
             twice = sorted({n for n in names if names.count(n) > 1})
@@ -172,6 +172,10 @@ class OperatorStateStore:
         self.parallelism = parallelism
         self._descriptors = {d.name: d for d in descriptors}
         self._lists: dict[str, list] = {}
+        # A streaming runner's: where the checkpoint has as many tasks as this, each takes back its
+        # own lists (a task that moved to another process of a running query, or a restart at the
+        # same parallelism); the modes apply when the parallelism changes.
+        self._own_at_same_parallelism = redistribute_on_rescale_only
         self.restore()
 
     def get_list_state(self, descriptor: OperatorStateDescriptor | str) -> OperatorListState:
@@ -187,8 +191,14 @@ class OperatorStateStore:
     def restore(self) -> None:
         """Take this task's share of the operator state of the table's opened checkpoint."""
         files = sorted(self._table.operator_state_files(), key=lambda f: f.task_index)
+        own = self._own_at_same_parallelism and len(files) == self.parallelism
+        if own:
+            files = [files[self.task_index]]
         old = [_read(self._table.filesystem, f, self._descriptors) for f in files]
         for name, desc in self._descriptors.items():
+            if own:
+                self._lists[name] = list(old[0].get(name, []))
+                continue
             lists = redistribute([o.get(name, []) for o in old], self.parallelism, desc.mode)
             self._lists[name] = lists[self.task_index]
 

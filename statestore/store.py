@@ -14,7 +14,7 @@ Thread safety: a store is used by one task thread at a time.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
@@ -45,6 +45,9 @@ from statestore.segment import write_segments
 from statestore.state import STATE_CLASSES, KeyedState
 from statestore.table import CheckpointInfo, SegmentFile, StateTable
 
+if TYPE_CHECKING:
+    from statestore.operator_state import OperatorStateStore
+
 
 class StateStore:
     """Keyed state of one task (``task_index`` of ``parallelism``) over ``table``.
@@ -70,6 +73,9 @@ class StateStore:
         # the Spark-API handles (``spark_integration.compat``), which the store only keeps.
         self.api_rows_updated = 0
         self.api_rows_removed = 0
+        # The task's operator (non-keyed) state beside its keyed state, when its job keeps some
+        # (``statestore.operator_state``; a streaming runner sets it, flushes and commits it).
+        self.operator_state: OperatorStateStore | None = None
         # The read path; the handles hold it and call it directly.
         self.reader = StateReader(table, self._memtable, self.key_group_range, self.config, self.seal,
                                   self._owned_key_groups)
