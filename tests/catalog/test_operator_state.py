@@ -194,3 +194,30 @@ def test_layout_is_untouched(open_table):
     commit_operator_state(table, stores_at(table, 2, [SEEN]))
     assert table.iceberg_table.schema() == schema
     assert table.layout == LAYOUT
+
+
+def test_a_runner_restoring_at_the_same_parallelism_takes_back_each_tasks_own_lists(open_table):
+    """``redistribute_on_rescale_only``: without a rescale every task gets its own lists back (a
+    split list is not re-cut, a union not merged); at another parallelism the modes apply."""
+    table = open_table()
+    split = OperatorStateDescriptor("offsets", pa.int64(), Redistribution.SPLIT)
+    union = OperatorStateDescriptor("sample", pa.string(), Redistribution.UNION)
+    stores = [OperatorStateStore(table, [split, union], task_index=t, parallelism=2) for t in range(2)]
+    stores[0].get_list_state(split).update([1, 2, 3])
+    stores[0].get_list_state(union).update(["a"])
+    stores[1].get_list_state(split).update([4])
+    stores[1].get_list_state(union).update(["b"])
+    commit_operator_state(table, stores)
+
+    def restored(parallelism: int, own: bool) -> list[tuple[list, list]]:
+        out = []
+        for t in range(parallelism):
+            s = OperatorStateStore(table, [split, union], task_index=t, parallelism=parallelism,
+                                   redistribute_on_rescale_only=own)
+            out.append((s.get_list_state(split).get(), s.get_list_state(union).get()))
+        return out
+
+    assert restored(2, own=True) == [([1, 2, 3], ["a"]), ([4], ["b"])]
+    assert restored(2, own=False) == [([1, 2], ["a", "b"]), ([3, 4], ["a", "b"])]  # Flink's restore
+    assert restored(3, own=True) == restored(3, own=False) == [([1, 2], ["a", "b"]), ([3], ["a", "b"]),
+                                                               ([4], ["a", "b"])]
