@@ -137,7 +137,7 @@ def read_spark_checkpoint(spark: SparkSession, location: str, operator_id: int =
     files = HadoopFiles(spark, location)
     root = files.root
     try:
-        query_id = json.loads(files.read_text(files.join(root, "metadata")))["id"]
+        query_id = str(json.loads(files.read_text(files.join(root, "metadata")))["id"])
     except Exception as e:
         raise SparkStateImportError(f"{location} is not a streaming query's checkpoint (no readable metadata: {e}); "
                                     "give the checkpointLocation the query ran with") from None
@@ -154,13 +154,8 @@ def read_spark_checkpoint(spark: SparkSession, location: str, operator_id: int =
         raise SparkStateImportError(f"the query of {location} has no stateful operator {operator_id}; it has "
                                     f"{sorted(ops)}")
     op = ops[operator_id]
-    offsets = files.read_text(files.join(root, f"offsets/{batch}")).splitlines()
-    commit = files.read_text(files.join(root, f"commits/{batch}")).splitlines()
     position = dict(location=root, query_id=query_id, batch_id=batch, operator_id=operator_id, operator=op.operatorName,
-                    partitions=int(op.numPartitions),
-                    watermark_ms=int(json.loads(offsets[1]).get("batchWatermarkMs") or 0),
-                    next_watermark_ms=int(json.loads(commit[1]).get("nextBatchWatermarkMs") or 0)
-                    if len(commit) > 1 else 0)
+                    partitions=int(op.numPartitions), **_watermarks(files, root, batch))
     if op.operatorName in (AGGREGATE, DEDUPLICATE):  # one state store of key -> value
         schema = _reader(spark, root, batch, operator_id).load(root).schema
         buffer = arrow_type(schema["value"].dataType) if op.operatorName == AGGREGATE else None
@@ -172,14 +167,19 @@ def read_spark_checkpoint(spark: SparkSession, location: str, operator_id: int =
             f"transformWithState and transformWithStateInPandas ({', '.join(TWS_OPERATORS)}), of an aggregation "
             f"({AGGREGATE}) and of dropDuplicates ({DEDUPLICATE})"
             + (f"; the query's operators are {[r.operatorName for r in rows]}" if len(rows) > 1 else ""))
-    props = json.loads(op.operatorProperties or "{}")
+    try:
+        props = json.loads(op.operatorProperties or "{}")
+        declared = [(str(v["stateName"]), str(v["stateVariableType"]), bool(v.get("ttlEnabled")))
+                    for v in props.get("stateVariables", [])]
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise SparkStateImportError(f"the operator metadata of {location} does not read ({type(e).__name__}: {e}): "
+                                    "the checkpoint is damaged; nothing was imported") from None
     mode = _TIME_MODES.get(props.get("timeMode"))
     if mode is None:
         raise SparkStateImportError(f"operator {operator_id} of {location} has time mode {props.get('timeMode')!r}, "
                                     f"which this version does not know (known: {sorted(_TIME_MODES)})")
     key_schema, variables = None, []
-    for v in props.get("stateVariables", []):
-        name, kind = v["stateName"], v["stateVariableType"]
+    for name, kind, ttl in declared:
         if name.startswith("$"):  # Spark's own: timers and TTL indexes (timers are read apart)
             continue
         if kind not in _KINDS:
@@ -188,11 +188,27 @@ def read_spark_checkpoint(spark: SparkSession, location: str, operator_id: int =
         schema = _reader(spark, root, batch, operator_id, stateVarName=name,
                          flattenCollectionTypes="true").load(root).schema
         key_schema = _key_schema(schema)
-        variables.append(_variable(name, _KINDS[kind], bool(v.get("ttlEnabled")), schema))
+        variables.append(_variable(name, _KINDS[kind], ttl, schema))
     if key_schema is None:  # no variable: the key schema is the timers'
         schema = _reader(spark, root, batch, operator_id, readRegisteredTimers="true").load(root).schema
         key_schema = _key_schema(schema)
     return SparkCheckpoint(**position, time_mode=mode, key_schema=key_schema, variables=tuple(variables))
+
+
+def _watermarks(files: HadoopFiles, root: str, batch: int) -> dict[str, int]:
+    """Batch ``batch``'s watermark (its offset-log entry) and the one Spark gives the next batch
+    (its commit-log entry), as Spark wrote them: JSON, read as data."""
+    name = f"offsets/{batch}"
+    try:
+        watermark = int(json.loads(files.read_text(files.join(root, name)).splitlines()[1]).get("batchWatermarkMs")
+                        or 0)
+        name = f"commits/{batch}"
+        lines = files.read_text(files.join(root, name)).splitlines()
+        following = int(json.loads(lines[1]).get("nextBatchWatermarkMs") or 0) if len(lines) > 1 else 0
+    except Exception as e:
+        raise SparkStateImportError(f"{root}/{name} is not an entry of Spark's log ({type(e).__name__}: {e}): the "
+                                    "checkpoint is damaged; nothing was imported") from None
+    return {"watermark_ms": watermark, "next_watermark_ms": following}
 
 
 def _reader(spark: SparkSession, root: str, batch: int, operator_id: int, **options: str) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -252,6 +253,13 @@ def test_what_cannot_be_imported_fails_naming_it_and_a_failed_import_runs_again(
     with pytest.raises(SchemaMismatchError, match="processor the query ran with"):
         import_spark_state(spark, str(tmp_path / "cp"), str(tmp_path / "to"), location=location,
                            processor=CountAsText())
+    damaged = tmp_path / "cp-damaged"  # Spark's checkpoint with a truncated offset-log entry
+    shutil.copytree(tmp_path / "cp", damaged)
+    (damaged / "offsets" / ".1.crc").unlink(missing_ok=True)
+    (damaged / "offsets" / "1").write_text("v1\n")
+    with pytest.raises(SparkStateImportError, match=r"offsets/1 is not an entry of Spark's log"):
+        import_spark_state(spark, str(damaged), str(tmp_path / "x"), location=location)
+    assert not (tmp_path / "x").exists()
     os.makedirs(tmp_path / "busy")
     (tmp_path / "busy" / "f").write_text("x")
     with pytest.raises(SparkStateImportError, match="not empty"):
