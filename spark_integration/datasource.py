@@ -37,6 +37,13 @@ Options (names are case-insensitive, like every Spark option):
   ``ds.setReadInfo``; Spark's main branch keeps it in the scan instead): a later query of the
   same DataFrame without a pushable filter (``df.count()``, an ``OR`` of keys) then reads only
   the first query's keys. With ``pushdown=true``, give each filtered query its own ``load()``;
+* ``fileCache``: ``auto`` (default: when the table's files are not on a local filesystem),
+  ``on`` or ``off``: executors read segments through their Python worker's file cache, the one
+  the query's tasks use (``statestore.file_cache``; Spark reuses its Python workers, so a worker
+  that ran the query's tasks serves the read from the copies they fetched or wrote), and a
+  segment read again is not fetched again; ``fileCacheDir`` the cache's directory when the
+  query's store set one (default ``$ICESTATE_FILE_CACHE_DIR``, else
+  ``<temp dir>/icestate-file-cache-<uid>``);
 * ``readChangeFeed``: ``true`` reads the change feed instead of the state, as Spark's state
   reader does: per step from a checkpoint of the line to the next one, in stream batches
   ``changeStartBatchId`` to ``changeEndBatchId`` (inclusive; default the newest), or in
@@ -130,6 +137,7 @@ from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import StructField, StructType
 
 from statestore.changes import change_types, changes_between
+from statestore.config import FILE_CACHE_MODES, StoreConfig
 from statestore.descriptors import (
     ListStateDescriptor,
     MapStateDescriptor,
@@ -139,6 +147,7 @@ from statestore.descriptors import (
 )
 from statestore.entries import read_entries, variable_entry_schema
 from statestore.errors import CheckpointNotFoundError
+from statestore.file_cache import file_cache_for
 from statestore.keygroups import KeyGroupRange, assign_key_groups, compute_key_group_range_for_task
 from statestore.layout import CHECKPOINT_ID, KEY_GROUP, StateLayout
 from statestore.resolve import BATCH_ID, shown, shown_types, survivors
@@ -172,6 +181,8 @@ OPT_SAVEPOINT = "savepoint"
 OPT_NOW_MS = "now_ms"
 OPT_PARTITIONS = "partitions"
 OPT_PUSHDOWN = "pushdown"
+OPT_FILE_CACHE = "filecache"
+OPT_FILE_CACHE_DIR = "filecachedir"
 # The change feed, named as Spark's state reader names it (batch ids), or by checkpoint ids.
 OPT_CHANGE_FEED = "readchangefeed"
 OPT_CHANGE_START_BATCH = "changestartbatchid"
@@ -181,7 +192,8 @@ OPT_CHANGE_END_CHECKPOINT = "changeendcheckpoint"
 CATALOG_PREFIX = "catalog."
 CATALOG_NAME = "catalog.name"
 KNOWN_OPTIONS = (OPT_TABLE, OPT_PATH, OPT_NAMESPACE, OPT_WAREHOUSE, OPT_STATE, OPT_CHECKPOINT, OPT_BRANCH,
-                 OPT_SAVEPOINT, OPT_NOW_MS, OPT_PARTITIONS, OPT_PUSHDOWN, OPT_CHANGE_FEED, OPT_CHANGE_START_BATCH,
+                 OPT_SAVEPOINT, OPT_NOW_MS, OPT_PARTITIONS, OPT_PUSHDOWN, OPT_FILE_CACHE, OPT_FILE_CACHE_DIR,
+                 OPT_CHANGE_FEED, OPT_CHANGE_START_BATCH,
                  OPT_CHANGE_END_BATCH, OPT_CHANGE_START_CHECKPOINT, OPT_CHANGE_END_CHECKPOINT)
 
 # Key types whose pushed literals (str, bytes, int, bool, date) hash and compare exactly.
@@ -204,6 +216,7 @@ class ReadOptions:
     pushdown: bool
     savepoint: str | None = None
     change_feed: ChangeFeedRange | None = None
+    file_cache: tuple[str, str | None] = ("auto", None)  # StoreConfig's file_cache_mode and file_cache_dir
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReadOptions:
@@ -247,6 +260,10 @@ class ReadOptions:
         if pushdown not in ("true", "false"):
             raise ValueError(f"icestate data source: option pushdown must be 'true' or 'false', got {pushdown!r}")
         partitions = _int_option(opts, OPT_PARTITIONS, minimum=1)
+        cache_mode = str(opts.get(OPT_FILE_CACHE, "auto")).strip().lower()
+        if cache_mode not in FILE_CACHE_MODES:
+            raise ValueError(f"icestate data source: option fileCache must be one of {list(FILE_CACHE_MODES)}, got "
+                             f"{cache_mode!r}")
         if opts.get(OPT_SAVEPOINT) and opts.get(OPT_CHECKPOINT):
             raise ValueError("icestate data source: options checkpoint and savepoint both name what to read: give one")
         try:
@@ -261,6 +278,7 @@ class ReadOptions:
             ref=ref, state=opts.get(OPT_STATE) or None, checkpoint_id=_int_option(opts, OPT_CHECKPOINT, minimum=1),
             now_ms=_int_option(opts, OPT_NOW_MS, minimum=None), partitions=partitions, pushdown=pushdown == "true",
             savepoint=opts.get(OPT_SAVEPOINT) or None, change_feed=ChangeFeedRange.parse(opts),
+            file_cache=(cache_mode, opts.get(OPT_FILE_CACHE_DIR) or None),
         )
 
     @property
@@ -487,6 +505,13 @@ class ReadSpec:
     now_ms: int
     checkpoint_id: int | None
     batches: dict[int, int | None]  # checkpoint id -> stream batch id (``batch_id`` column)
+    file_cache: tuple[str, str | None] = ("auto", None)  # ``ReadOptions.file_cache``
+
+    def segment_reader(self) -> SegmentReader:
+        """A reader of the segments through this host's file cache (when the options ask for one)."""
+        mode, directory = self.file_cache
+        cache = file_cache_for(StoreConfig(file_cache_mode=mode, file_cache_dir=directory), self.filesystem)
+        return SegmentReader(self.filesystem, file_cache=cache)
 
     @property
     def key_names(self) -> list[str]:
@@ -515,7 +540,7 @@ def read_partition(spec: ReadSpec, partition: KeyGroupPartition, key_filter: pa.
     ``key_filter`` keeps only rows whose keys are among its rows. ``stats``, when given,
     gets the segment files opened and the bytes read (``SegmentReader`` counters).
     """
-    reader = SegmentReader(spec.filesystem)
+    reader = spec.segment_reader()
     wanted = partition.wanted()
     try:
         for chunk in _chunks(partition, wanted):
@@ -526,6 +551,8 @@ def read_partition(spec: ReadSpec, partition: KeyGroupPartition, key_filter: pa.
         if stats is not None:
             stats["segment_files_opened"] = stats.get("segment_files_opened", 0) + reader.files_opened
             stats["segment_bytes_read"] = stats.get("segment_bytes_read", 0) + reader.bytes_read
+            for name, n in reader.file_cache_counters.as_dict("file_cache_").items():
+                stats[name] = stats.get(name, 0) + n
 
 
 def _chunks(partition: KeyGroupPartition, wanted: np.ndarray) -> list[np.ndarray]:
@@ -670,6 +697,7 @@ class IcestateReader(DataSourceReader):
             source_schema=_source_schema(layout, desc), output_schema=_requested_schema(schema, full, desc),
             now_ms=options.now_ms if options.now_ms is not None else time.time_ns() // 1_000_000,
             checkpoint_id=None if current is None else current.checkpoint_id, batches=batches,
+            file_cache=options.file_cache,
         )
         self.pushed = _Pushed()
         self.key_filter: pa.Table | None = None
@@ -774,7 +802,7 @@ def read_change_partition(spec: ReadSpec, partition: ChangePartition) -> Iterato
     """The change feed rows of one partition (``statestore.changes.changes_between``)."""
     desc = spec.descriptor
     kgs = np.arange(partition.start, partition.end + 1, dtype=np.int64)
-    feed = changes_between(SegmentReader(spec.filesystem), spec.source_schema, desc, spec.key_names,
+    feed = changes_between(spec.segment_reader(), spec.source_schema, desc, spec.key_names,
                            partition.old_segments, partition.new_segments, kgs, spec.now_ms, partition.after_checkpoint)
     if not feed.height:
         return
@@ -800,7 +828,7 @@ class IcestateChangeFeedReader(DataSourceReader):
             filesystem=filesystem, key_schema=layout.key_schema, descriptor=_plain_descriptor(desc),
             source_schema=_source_schema(layout, desc), output_schema=_requested_schema(schema, full, desc),
             now_ms=options.now_ms if options.now_ms is not None else time.time_ns() // 1_000_000,
-            checkpoint_id=None, batches={})
+            checkpoint_id=None, batches={}, file_cache=options.file_cache)
         count = min(options.partitions or DEFAULT_PARTITIONS_MAX, layout.max_parallelism)
         self._partitions = plan_change_partitions(steps, layout.max_parallelism, count)
 

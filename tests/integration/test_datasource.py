@@ -243,6 +243,27 @@ def test_struct_fields_are_spark_struct_fields(icestate, warehouse: str):
     assert [tuple(r) for r in rows] == [("u7", "n7", 7)]  # u6 was cleared at checkpoint 2
 
 
+def test_executors_read_segments_through_the_file_cache(icestate, warehouse: str, tmp_path):
+    """With ``fileCache`` on, a read fetches each segment into the process's cache once; the next
+    read finds the copies. ``auto`` on a local table reads the files directly, as a cached copy
+    would only copy them."""
+    cache = {"fileCache": "on", "fileCacheDir": str(tmp_path / "cache")}
+    first_rows, first = _read_in_process(_reader(warehouse, state="count", **cache))
+    again_rows, again = _read_in_process(_reader(warehouse, state="count", **cache))
+    assert first_rows == again_rows and first_rows
+    assert first["file_cache_misses"] > 0  # each segment fetched once (its footer and data then read locally)
+    assert again["file_cache_misses"] == 0 and again["file_cache_hits"] >= first["file_cache_misses"]
+    _, direct = _read_in_process(_reader(warehouse, state="count"))
+    assert direct["file_cache_hits"] == direct["file_cache_misses"] == 0
+    feed = {"state": "count", "readChangeFeed": "true", "changeStartCheckpoint": "1"}  # through the cache too
+    assert _load(icestate, warehouse, **feed, **cache).toArrow().to_pylist() == \
+        _load(icestate, warehouse, **feed).toArrow().to_pylist()
+    assert (_spark_rows(_load(icestate, warehouse, state="count", **cache))
+            == _spark_rows(_load(icestate, warehouse, state="count")) == _sql_rows(warehouse, "count"))
+    with pytest.raises(ValueError, match="option fileCache must be one of"):
+        _reader(warehouse, state="count", fileCache="always")
+
+
 # ------------------------------------------------------------------------------ pushdown
 
 
