@@ -827,11 +827,15 @@ def compact(
     follow: Annotated[float | None, typer.Option(
         help="Keep compacting every this many seconds until stopped (Ctrl-C), beside a running job.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the figures as one JSON line per pass.")] = False,
+    spark: Annotated[str | None, typer.Option(
+        "--spark", metavar="MASTER", show_default=False,
+        help="Merge as a Spark job on this master (e.g. spark://host:7077, local[2]): a task per partition, on "
+             "the executors and through their file caches; this process plans and commits.")] = None,
 ) -> None:
     """Merge a state table's small segment files into fewer, larger ones, now or every few seconds.
 
     Reads stay the same; they get faster. A running job can keep writing: its next
-    checkpoint follows the compaction.
+    checkpoint follows the compaction. With --spark the merging runs on a cluster's executors.
 
     Example: icestate compact --table demo_user_activity --follow 10
     """
@@ -848,9 +852,10 @@ def compact(
         kgs = None if key_groups is None else KeyGroupRange.of(*map(int, key_groups.split("-", 1)))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
+    session = None if spark is None else _spark_session(spark, "icestate compact")
     with _open_table(warehouse, catalog, properties, namespace, table, branch=branch) as t:
         while True:
-            result = run(t, policy=policy, key_groups=kgs)
+            result = run(t, policy=policy, key_groups=kgs, spark=session)
             figures = None if result is None else {**result.summary(), "attempts": result.attempts,
                                                    "seconds": round(result.seconds, 3)}
             if as_json:
@@ -865,6 +870,20 @@ def compact(
             if follow is None:
                 return
             time.sleep(follow)
+
+
+def _spark_session(master: str, name: str) -> Any:
+    """The process's Spark session, else a new one on ``master`` (for commands run as Spark jobs)."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
+    session = (SparkSession.builder.master(master).appName(name).config("spark.ui.showConsoleProgress", "false")
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    return session
 
 
 @_command()

@@ -39,11 +39,14 @@ blocks or fails a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -139,6 +142,7 @@ class CompactionResult:
     snapshot_id: int | None
     seconds: float = 0.0
     partitions: tuple[int, ...] = field(default=())
+    processes: tuple[int, ...] = field(default=())  # the processes that merged (a Spark job's workers)
 
     @property
     def rewrite_ratio(self) -> float:
@@ -177,14 +181,18 @@ def needs_compaction(table: IcebergStateTable, policy: CompactionPolicy) -> bool
 
 
 def compact(table: IcebergStateTable, *, policy: CompactionPolicy | None = None,
-            key_groups: KeyGroupRange | None = None, now_ms: int | None = None) -> CompactionResult | None:
+            key_groups: KeyGroupRange | None = None, now_ms: int | None = None,
+            spark: Any = None) -> CompactionResult | None:
     """Compact ``table``'s branch at its newest state, in one commit.
 
     ``table`` is a table object of its own (a compaction runs in its own process or thread,
     never on the stream's). With a ``policy``, each unit merges what the policy selects;
     without one, every unit with two or more segments is merged whole. ``key_groups``
-    limits the work to the units overlapping that range. Returns None when there is
-    nothing to do (or every attempt lost its race with checkpoints).
+    limits the work to the units overlapping that range. With ``spark`` (a classic
+    SparkSession), the merges run as one Spark job, a task per partition to merge, on the
+    executors and through their file caches (``merge_on_executor``); this process plans and
+    commits. Returns None when there is nothing to do (or every attempt lost its race with
+    checkpoints).
     """
     started = time.perf_counter()
     planned: _Plan | None = None
@@ -196,7 +204,7 @@ def compact(table: IcebergStateTable, *, policy: CompactionPolicy | None = None,
                 planned.discard(table)
                 planned = None
             if planned is None:
-                planned = _plan_and_write(table, policy, key_groups, now_ms)
+                planned = _plan_and_write(table, policy, key_groups, now_ms, spark)
                 if planned is None:
                     return None
             snapshot_id = _commit(table, planned)
@@ -251,6 +259,7 @@ class _Plan:
     entries_in: int
     partitions: list[int]
     started_ms: int = field(default_factory=_epoch_ms)
+    processes: set[int] = field(default_factory=set)
 
     def still_valid(self, table: IcebergStateTable) -> bool:
         """Whether the outputs may commit on ``table``'s (refreshed) head: it still holds every
@@ -276,7 +285,7 @@ class _Plan:
             bytes_in=sum(s.size_bytes for s in self.inputs), entries_in=self.entries_in,
             files_out=len(self.outputs), bytes_out=sum(s.size_bytes for s in self.outputs),
             entries_out=sum(s.record_count for s in self.outputs), attempts=attempts, snapshot_id=snapshot_id,
-            seconds=seconds, partitions=tuple(self.partitions))
+            seconds=seconds, partitions=tuple(self.partitions), processes=tuple(sorted(self.processes)))
 
 
 def _age(s: SegmentFile) -> tuple[int, str]:
@@ -284,7 +293,7 @@ def _age(s: SegmentFile) -> tuple[int, str]:
 
 
 def _plan_and_write(table: IcebergStateTable, policy: CompactionPolicy | None, key_groups: KeyGroupRange | None,
-                    now_ms: int | None) -> _Plan | None:
+                    now_ms: int | None, spark: Any = None) -> _Plan | None:
     """Select each unit's segments, then merge, per unit, the entries of every selected segment
     that fall in it (a segment written at another parallelism may span several units: its
     rows in a unit that selected nothing are rewritten there, merged with whatever else
@@ -306,45 +315,93 @@ def _plan_and_write(table: IcebergStateTable, policy: CompactionPolicy | None, k
     now = now_ms if now_ms is not None else info.timestamp_ms
     plan = _Plan(base_checkpoint_id=base, head_id=head.snapshot_id, inputs=inputs, outputs=[], units=[],
                  full_units=0, entries_in=0, partitions=[])
+    works = [_merge_work(table, plan, partition, now)
+             for partition in sorted({table.partition_of(s.key_group_min) for s in inputs})]
+    for work in works:
+        plan.partitions.append(work.partition)
+        plan.units += [u for u, _, _ in work.units]
+        plan.full_units += sum(full for _, full, _ in work.units)
     try:
-        for partition in sorted({table.partition_of(s.key_group_min) for s in inputs}):
-            _merge_partition(table, plan, partition, now)
+        merged = [(*_merge(table, work), os.getpid()) for work in works] if spark is None else _merge_on_spark(
+            spark, table, works)
+        for entries_in, outputs, pid in merged:
+            plan.entries_in += entries_in
+            plan.outputs += outputs
+            plan.processes.add(pid)
     except BaseException:
-        plan.discard(table)
+        for path in (path for w in works for _, _, path in w.units):  # whatever was written of them
+            with contextlib.suppress(OSError):
+                table.filesystem.delete_file(path)
         raise
     crash_point(faults.COMPACTION_OUTPUTS_WRITTEN)
     return plan
 
 
-def _merge_partition(table: IcebergStateTable, plan: _Plan, partition: int, now_ms: int) -> None:
+@dataclass(frozen=True)
+class MergeWork:
+    """One partition's merge, planned where the compaction commits and run anywhere (this
+    process, or a Spark task): the partition's inputs, and per unit whether the merge holds all
+    its segments and where its output goes."""
+
+    partition: int
+    key_groups: KeyGroupRange
+    inputs: tuple[SegmentFile, ...]
+    units: tuple[tuple[KeyGroupRange, bool, str], ...]  # (unit, full, output path)
+    now_ms: int
+
+
+def _merge_work(table: IcebergStateTable, plan: _Plan, partition: int, now_ms: int) -> MergeWork:
     kgs = table.partition_key_groups(partition)
     inputs = [s for s in plan.inputs if table.partition_of(s.key_group_min) == partition]
-    entries = _read_all(table, inputs, kgs)
-    plan.entries_in += entries.height
-    plan.partitions.append(partition)
+    todo = []
     for u in (u for u in units(table) if not u.intersection(kgs).is_empty()):
         merged = [s for s in inputs if s.key_group_min <= u.end and s.key_group_max >= u.start]
-        if not merged:
-            continue
-        full = {s.path for s in table.segments(u)} <= {s.path for s in merged}
-        part = entries.filter(pl.col(KEY_GROUP).is_between(u.start, u.end))
-        kept = _kept(table, part, now_ms, full)
-        plan.units.append(u)
-        plan.full_units += full
+        if merged:
+            full = {s.path for s in table.segments(u)} <= {s.path for s in merged}
+            todo.append((u, full, table.new_compaction_path(plan.base_checkpoint_id, partition)))
+    return MergeWork(partition, kgs, tuple(inputs), tuple(todo), now_ms)
+
+
+def _merge(table: Any, work: MergeWork, file_cache: Any = None) -> tuple[int, list[SegmentFile]]:
+    """Run ``work`` over ``table`` (a state table, or a task's view of one: its filesystem,
+    layout and file schema): the entries it read and the outputs it wrote."""
+    wanted = np.arange(work.key_groups.start, work.key_groups.end + 1, dtype=np.int64)
+    # Every column of the table (those of variables the layout no longer declares too: the
+    # outputs keep the table's file schema).
+    entries = read_entries(SegmentReader(table.filesystem, file_cache=file_cache), work.inputs, wanted,
+                           table.file_schema())
+    outputs = []
+    for u, full, path in work.units:
+        kept = _kept(table, entries.filter(pl.col(KEY_GROUP).is_between(u.start, u.end)), work.now_ms, full)
         if kept.num_rows:
-            path = table.new_compaction_path(plan.base_checkpoint_id, partition)
-            plan.outputs.append(write_segment_file(table, kept, path))
+            outputs.append(write_segment_file(table, kept, path))
             crash_point(faults.COMPACTION_OUTPUT_WRITTEN)
+    return entries.height, outputs
 
 
-def _read_all(table: IcebergStateTable, inputs: Sequence[SegmentFile], kgs: KeyGroupRange) -> pl.DataFrame:
-    """Every entry of ``inputs`` in ``kgs``, every column of the table (those of variables
-    the layout no longer declares too: the outputs keep the table's file schema)."""
-    wanted = np.arange(kgs.start, kgs.end + 1, dtype=np.int64)
-    return read_entries(SegmentReader(table.filesystem), inputs, wanted, table.file_schema())
+def merge_on_executor(view: Any, layout: Any, work: MergeWork) -> tuple[int, list[SegmentFile], int]:
+    """A Spark task's merge (``compact(..., spark=...)``): over the table's checkpoint view (no
+    catalog travels), reading through the executor's file cache; returns what ``_merge`` does
+    and the process that ran it."""
+    from catalog.task_view import TaskStateTable
+    from statestore.config import StoreConfig
+    from statestore.file_cache import file_cache_for
+
+    table = TaskStateTable(view, layout)
+    try:
+        entries_in, outputs = _merge(table, work, file_cache_for(StoreConfig(), table.filesystem))
+    finally:
+        table.close()
+    return entries_in, outputs, os.getpid()
 
 
-def _kept(table: IcebergStateTable, entries: pl.DataFrame, now_ms: int, full: bool) -> pa.Table:
+def _merge_on_spark(spark: Any, table: IcebergStateTable, works: list[MergeWork]) -> list[tuple[int, list, int]]:
+    view, layout = table.checkpoint_view(), table.layout
+    return (spark.sparkContext.parallelize(works, len(works))
+            .map(lambda work: merge_on_executor(view, layout, work)).collect())
+
+
+def _kept(table: Any, entries: pl.DataFrame, now_ms: int, full: bool) -> pa.Table:
     keys = [KEY_GROUP, *table.layout.key_names]
     parts = []
     for d in table.layout.descriptors:

@@ -1,0 +1,51 @@
+"""Compaction as a Spark job (``compact(..., spark=...)``, ``icestate compact --spark``): the
+merges run in Spark's Python workers, one task per partition, and commit from the driver as the
+local compaction does: the same state before and after, fewer files, and the stream goes on."""
+
+from __future__ import annotations
+
+import os
+
+from typer.testing import CliRunner
+
+from catalog import IcebergStateTable, connect
+from catalog.compaction import compact
+from spark_integration import StateLocation
+from tests.integration.streaming_helpers import CountProcessor, counts, key_batches, run_to_end, write_batches
+
+
+def state(table: IcebergStateTable) -> dict[str, int]:
+    con = connect(table)
+    try:
+        return dict(con.sql("SELECT key, v_count.n FROM state_count").fetchall())
+    finally:
+        con.close()
+
+
+def test_compaction_runs_as_a_spark_job_and_the_stream_goes_on(spark, tmp_path):
+    batches = key_batches(6, 40, 29)
+    input_dir, cp = tmp_path / "in", str(tmp_path / "cp")
+    location = StateLocation(table="counts", warehouse=str(tmp_path / "wh"), parallelism=2, max_parallelism=16)
+    write_batches(input_dir, batches[:4])
+    run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=location, checkpoint=cp,
+               compaction=None)
+    table = IcebergStateTable.open_existing(warehouse=location.warehouse, table_name="counts")
+    try:
+        before, files = state(table), len(table.iceberg_table.scan().plan_files())
+        result = compact(table, spark=spark)
+        assert result is not None and result.files_in > result.files_out >= 1
+        assert os.getpid() not in result.processes and result.processes  # merged in Spark's workers
+        assert state(table) == before == counts(batches[:4])
+        assert len(table.iceberg_table.scan().plan_files()) == files - result.files_in + result.files_out
+    finally:
+        table.close()
+    write_batches(input_dir, batches)  # the stream's next checkpoint follows the compaction
+    run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=location, checkpoint=cp,
+               compaction=None)
+    from catalog.cli import tables
+
+    result = CliRunner().invoke(tables, ["compact", "--table", "counts", "--warehouse", location.warehouse,
+                                         "--spark", "local[2]", "--json"])
+    assert result.exit_code == 0, result.output
+    with IcebergStateTable.open_existing(warehouse=location.warehouse, table_name="counts") as table:
+        assert state(table) == counts(batches)
