@@ -73,6 +73,7 @@ from statestore.table import SegmentFile
 log = logging.getLogger(__name__)
 
 ATTEMPTS_MAX = 5
+RUNS_ON = ("auto", "process", "spark")
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,20 @@ class CompactionPolicy:
             bound the work of one compaction.
         max_segments: a unit with this many segments (None: 4 x ``min_segments``) is merged
             even when the size ratio finds no run of ``min_segments`` (very uneven sizes).
+        runs_on: where a stream's compactions merge: ``process`` (a compactor process beside the
+            driver), ``spark`` (Spark jobs of the stream's own session, a task per partition on
+            the executors, in the scheduler pool ``icestate-compaction``), or ``auto`` (default:
+            ``spark`` when the session's master is not ``local``, else ``process``).
+        max_partitions: at most this many partitions (Spark tasks) per compaction round (None:
+            every partition that needs it), to bound what a round takes from the stream.
     """
 
     min_segments: int = 8
     size_ratio: float = 1.0
     max_merge: int | None = None
     max_segments: int | None = None
+    runs_on: str = "auto"
+    max_partitions: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_segments, int) or self.min_segments < 2:
@@ -102,6 +111,11 @@ class CompactionPolicy:
             raise ValueError(f"CompactionPolicy.size_ratio must be a positive number, got {self.size_ratio!r}")
         if self.max_merge is not None and (not isinstance(self.max_merge, int) or self.max_merge < 2):
             raise ValueError(f"CompactionPolicy.max_merge must be None or an int of at least 2, got {self.max_merge!r}")
+        if self.runs_on not in RUNS_ON:
+            raise ValueError(f"CompactionPolicy.runs_on must be one of {RUNS_ON}, got {self.runs_on!r}")
+        if self.max_partitions is not None and (not isinstance(self.max_partitions, int) or self.max_partitions < 1):
+            raise ValueError(f"CompactionPolicy.max_partitions must be None or a positive int, got "
+                             f"{self.max_partitions!r}")
         if self.max_segments is not None and (
                 not isinstance(self.max_segments, int) or self.max_segments < self.min_segments):
             raise ValueError(f"CompactionPolicy.max_segments must be None or an int of at least min_segments, got "
@@ -310,6 +324,12 @@ def _plan_and_write(table: IcebergStateTable, policy: CompactionPolicy | None, k
         chosen.update((s.path, s) for s in run)
     if not chosen:
         return None
+    if policy is not None and policy.max_partitions is not None:  # the partitions with the most inputs first
+        by_partition: dict[int, list[SegmentFile]] = {}
+        for seg in chosen.values():
+            by_partition.setdefault(table.partition_of(seg.key_group_min), []).append(seg)
+        kept = sorted(by_partition, key=lambda p: (-len(by_partition[p]), p))[:policy.max_partitions]
+        chosen = {seg.path: seg for p in kept for seg in by_partition[p]}
     inputs = sorted(chosen.values(), key=_age)
     base = newest_checkpoint_id(table.iceberg_table.metadata, table.branch)
     now = now_ms if now_ms is not None else info.timestamp_ms

@@ -49,6 +49,7 @@ from catalog.compactor import CompactorProcess
 from catalog.output_table import OutputTable
 from catalog.task_view import CheckpointView, locations_of
 from spark_integration.async_processor import AsyncOptions, check_async_processor, is_async_processor
+from spark_integration.compaction_jobs import SparkCompactor, runs_on
 from spark_integration.compat import ArrowBatching, check_nullable_for_avro, declare, spark_struct
 from spark_integration.errors import ErrorKey, user_error
 from spark_integration.location import StateLocation
@@ -299,7 +300,7 @@ class StatefulRunner:
         self.reports: collections.deque[BatchReport] = collections.deque(maxlen=reports_kept(spark))
         # Compaction beside the stream, in a process of its own started when a unit needs it.
         self.compaction = compaction
-        self.compactor = None if compaction is None else CompactorProcess(location.ref, compaction)
+        self.compactor = _compactor(spark, location, compaction)
 
     def __getstate__(self) -> dict:
         """What Spark Connect ships to the server's Python process that runs the batches: the
@@ -318,8 +319,7 @@ class StatefulRunner:
             self.table = self.location.open(self.layout)
             if self.output_table is not None:
                 self.output = OutputTable.open(self.location.ref.catalog(), self.output_table, self.output_schema)
-            if self.compaction is not None:
-                self.compactor = CompactorProcess(self.location.ref, self.compaction)
+            self.compactor = _compactor(spark, self.location, self.compaction)
 
     # ------------------------------------------------------------------ the batch function
 
@@ -714,6 +714,17 @@ class StatefulRunner:
         self.table.close()
         if self.output is not None:
             self.output.close()
+
+
+def _compactor(spark: Any, location: StateLocation, policy: CompactionPolicy | None
+               ) -> CompactorProcess | SparkCompactor | None:
+    """A stream's compactor: a process beside the driver, or Spark jobs of the stream's session
+    (``CompactionPolicy.runs_on``; ``auto``: Spark jobs on a master that is not local)."""
+    if policy is None:
+        return None
+    if runs_on(policy, str(spark.conf.get("spark.master", "local"))) == "spark":
+        return SparkCompactor(spark, location.ref, policy)
+    return CompactorProcess(location.ref, policy)
 
 
 def _max_event_ms(report: BatchReport) -> int | None:

@@ -49,3 +49,28 @@ def test_compaction_runs_as_a_spark_job_and_the_stream_goes_on(spark, tmp_path):
     assert result.exit_code == 0, result.output
     with IcebergStateTable.open_existing(warehouse=location.warehouse, table_name="counts") as table:
         assert state(table) == counts(batches)
+
+
+def test_a_stream_on_a_cluster_compacts_with_spark_jobs_of_its_own_session(spark, tmp_path):
+    """``runs_on="spark"`` (what ``auto`` picks on a master that is not local): the stream's
+    compactions run as Spark jobs of its session, in its Python workers, between and beside
+    its batches; the state stays exact."""
+    from catalog.compaction import CompactionPolicy
+    from spark_integration.compaction_jobs import SparkCompactor, runs_on
+
+    assert runs_on(CompactionPolicy(), "spark://127.0.0.1:7077") == "spark"
+    assert runs_on(CompactionPolicy(), "local[2]") == "process"
+    assert runs_on(CompactionPolicy(runs_on="spark"), "local[2]") == "spark"
+    batches = key_batches(8, 40, 31)
+    input_dir, cp = tmp_path / "in", str(tmp_path / "cp")
+    location = StateLocation(table="counts", warehouse=str(tmp_path / "wh"), parallelism=2, max_parallelism=16)
+    write_batches(input_dir, batches)
+    policy = CompactionPolicy(min_segments=2, runs_on="spark", max_partitions=1)
+    runner = run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=location,
+                        checkpoint=cp, compaction=policy)
+    compactor = runner.compactor
+    assert isinstance(compactor, SparkCompactor) and compactor.results, compactor.results
+    assert all(r["processes"] and os.getpid() not in r["processes"] for r in compactor.results)
+    assert all(r["files_in"] > r["files_out"] for r in compactor.results)
+    with IcebergStateTable.open_existing(warehouse=location.warehouse, table_name="counts") as table:
+        assert state(table) == counts(batches)
