@@ -194,6 +194,17 @@ def needs_compaction(table: IcebergStateTable, policy: CompactionPolicy) -> bool
     return any(policy.select(table.segments(u)) for u in units(table))
 
 
+def writer_needs_compaction(table: IcebergStateTable, policy: CompactionPolicy) -> bool:
+    """``needs_compaction`` of a writer's table just committed, for its compactor: never raises
+    (compaction is housekeeping; a table being closed or restored by its writer meanwhile is
+    logged and reads as no)."""
+    try:
+        return needs_compaction(table, policy)
+    except Exception as e:
+        log.warning("compaction check of %s failed (%s)", table.identifier, e)
+        return False
+
+
 def compact(table: IcebergStateTable, *, policy: CompactionPolicy | None = None,
             key_groups: KeyGroupRange | None = None, now_ms: int | None = None,
             spark: Any = None) -> CompactionResult | None:

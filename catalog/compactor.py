@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 
-from catalog.compaction import CompactionPolicy, CompactionResult, compact, needs_compaction
+from catalog.compaction import CompactionPolicy, CompactionResult, compact, needs_compaction, writer_needs_compaction
 from catalog.iceberg_table import IcebergStateTable
 from catalog.table_ref import TableRef
 from statestore import memory
@@ -82,11 +82,7 @@ class CompactorProcess:
         """Tell the compactor that ``table`` (the writer's, just committed) may need compaction;
         True when it was told. Never raises: compaction is housekeeping."""
         self._table = table
-        try:
-            if not needs_compaction(table, self.policy):
-                return False
-        except Exception as e:  # a table being closed or restored by its writer meanwhile
-            log.warning("compaction check of %s failed (%s)", self.ref.identifier, e)
+        if not writer_needs_compaction(table, self.policy):
             return False
         with self._lock:
             if self._closed:

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from catalog.compaction import CompactionPolicy, compact, needs_compaction
+from catalog.compaction import CompactionPolicy, compact, writer_needs_compaction
 from catalog.compactor import ROUNDS_MAX
 from catalog.iceberg_table import IcebergStateTable
 from catalog.table_ref import TableRef
@@ -56,11 +56,7 @@ class SparkCompactor:
         """Start a round when ``table`` (the writer's, just committed) needs compaction and none
         is running; True when one started. Never raises: compaction is housekeeping."""
         self._table = table
-        try:
-            if not needs_compaction(table, self.policy):
-                return False
-        except Exception as e:  # a table being closed or restored by its writer meanwhile
-            log.warning("compaction check of %s failed (%s)", self.ref.identifier, e)
+        if not writer_needs_compaction(table, self.policy):
             return False
         with self._lock:
             if self._closed or (self._thread is not None and self._thread.is_alive()):
