@@ -33,7 +33,7 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -852,8 +852,8 @@ def compact(
         kgs = None if key_groups is None else KeyGroupRange.of(*map(int, key_groups.split("-", 1)))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
-    session = None if spark is None else _spark_session(spark, "icestate compact")
-    with _open_table(warehouse, catalog, properties, namespace, table, branch=branch) as t:
+    with (contextlib.nullcontext() if spark is None else spark_session(spark, "icestate compact")) as session, \
+            _open_table(warehouse, catalog, properties, namespace, table, branch=branch) as t:
         while True:
             result = run(t, policy=policy, key_groups=kgs, spark=session)
             figures = None if result is None else {**result.summary(), "attempts": result.attempts,
@@ -872,18 +872,30 @@ def compact(
             time.sleep(follow)
 
 
-def _spark_session(master: str, name: str) -> Any:
-    """The process's Spark session, else a new one on ``master`` (for commands run as Spark jobs)."""
+@contextlib.contextmanager
+def spark_session(master: str, name: str, conf: list[str] | None = None) -> Iterator[Any]:
+    """The process's Spark session (a notebook's, or a program's that calls the command), else
+    a new one on ``master`` with ``conf`` (``KEY=VALUE`` items), stopped on exit: for the
+    commands that run Spark jobs."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
     active = SparkSession.getActiveSession()
     if active is not None:
-        return active
-    session = (SparkSession.builder.master(master).appName(name).config("spark.ui.showConsoleProgress", "false")
-               .getOrCreate())
+        yield active
+        return
+    builder = SparkSession.builder.master(master).appName(name)
+    for item in ["spark.ui.enabled=false", "spark.ui.showConsoleProgress=false", *(conf or [])]:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"{key!r} is not KEY=VALUE", param_hint="'--spark-conf'")
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
-    return session
+    try:
+        yield session
+    finally:
+        session.stop()
 
 
 @_command()

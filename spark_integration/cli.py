@@ -23,6 +23,7 @@ from catalog.cli import (
     _table_ref,
     _track,
     console,
+    spark_session,
     tables,
 )
 
@@ -140,10 +141,7 @@ def import_spark_state(
     Example: icestate import-spark-state --checkpoint ./checkpoints/counts --to ./checkpoints/counts-icestate
     --query-name counts --warehouse ./warehouse
     """
-    import os
-    import sys
 
-    from pyspark.sql import SparkSession
 
     from spark_integration.dropin import state_table_name
     from spark_integration.location import StateLocation
@@ -166,23 +164,8 @@ def import_spark_state(
     location = StateLocation(table=ref.table, warehouse=ref.warehouse, namespace=ref.namespace,
                              max_parallelism=max_parallelism, catalog_name=ref.catalog_name,
                              catalog_properties=ref.catalog_properties)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    spark = SparkSession.getActiveSession()  # a notebook's, or a program's that calls the command
-    own = spark is None
-    if own:
-        builder = SparkSession.builder.master(master).appName("icestate import-spark-state")
-        for item in ["spark.ui.enabled=false", "spark.ui.showConsoleProgress=false", *(spark_conf or [])]:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise typer.BadParameter(f"{key!r} is not KEY=VALUE", param_hint="'--spark-conf'")
-            builder = builder.config(key, value)
-        spark = builder.getOrCreate()
-        spark.sparkContext.setLogLevel("ERROR")
-    try:
+    with spark_session(master, "icestate import-spark-state", spark_conf) as spark:
         report = run_import(spark, checkpoint, to, location=location, processor=processor, progress=_track)
-    finally:
-        if own:
-            spark.stop()
     rows = ", ".join(f"{name} {n:,}" for name, n in report.rows.items())
     console.print(f"[bold green]{'already imported' if report.resumed else 'imported'}[/bold green]: "
                   f"batch {report.batch_id} of the query as checkpoint {report.checkpoint_id} of {report.table}"

@@ -88,10 +88,12 @@ class SparkStateImportError(StateStoreError, ValueError):
 class SparkVariable:
     """A state variable of Spark's operator, as its metadata and state data source give it."""
 
-    name: str
-    kind: StateKind
-    ttl: bool
-    descriptor: StateDescriptor
+    descriptor: StateDescriptor      # as a processor declaring it gets it (its kind, types)
+    ttl: bool                        # Spark stores an expiry with each value
+
+    @property
+    def name(self) -> str:
+        return self.descriptor.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +105,6 @@ class SparkCheckpoint:
     batch_id: int                    # the last committed batch
     operator_id: int
     operator: str
-    partitions: int                  # Spark's state partitions (fixed for the query's life)
     time_mode: str                   # none, processingtime or eventtime
     key_schema: pa.Schema
     variables: tuple[SparkVariable, ...]
@@ -155,7 +156,7 @@ def read_spark_checkpoint(spark: SparkSession, location: str, operator_id: int =
                                     f"{sorted(ops)}")
     op = ops[operator_id]
     position = dict(location=root, query_id=query_id, batch_id=batch, operator_id=operator_id, operator=op.operatorName,
-                    partitions=int(op.numPartitions), **_watermarks(files, root, batch))
+                    **_watermarks(files, root, batch))
     if op.operatorName in (AGGREGATE, DEDUPLICATE):  # one state store of key -> value
         schema = _reader(spark, root, batch, operator_id).load(root).schema
         buffer = arrow_type(schema["value"].dataType) if op.operatorName == AGGREGATE else None
@@ -238,7 +239,7 @@ def _variable(name: str, kind: StateKind, ttl: bool, schema: Any) -> SparkVariab
     else:
         desc = MapStateDescriptor(name, key_type=arrow_type(schema["user_map_key"].dataType),
                                   value_type=value("user_map_value"))
-    return SparkVariable(name, kind, ttl, desc)
+    return SparkVariable(desc, ttl)
 
 
 # ---------------------------------------------------------------------------- the import
@@ -412,55 +413,69 @@ def _with_ticks(entry: str) -> str:
 def _load(spark: SparkSession, table: Any, source: SparkCheckpoint, layout: StateLayout,
           progress: Callable[[Iterable[Any], str, int], Iterable[Any]] | None,
           aggregate: str | None) -> dict[str, int]:
-    """Read each variable and the timers (None) into one bulk load, committed as the table's first
+    """Read each variable and the timers into one bulk load, committed as the table's first
     checkpoint at Spark's last batch (of an aggregation, the ``aggregate`` field of its buffer).
     Spark's reader takes a variable whole (its ``partitionId`` option does not select a state
-    partition of ``transformWithState``'s)."""
-    steps: list[SparkVariable | None] = [*source.variables, *([None] if source.time_mode != "none" else [])]
+    partition of ``transformWithState``'s). Returns the rows read per variable."""
     if source.operator in (AGGREGATE, DEDUPLICATE):
-        steps = [SparkVariable(layout.descriptors[0].name, StateKind.VALUE, False, layout.descriptors[0])]
+        steps = [layout.descriptors[0].name]  # the one store: key -> value
+    else:
+        steps = [v.name for v in source.variables] + ([TIMERS_STATE] if source.time_mode != "none" else [])
     if progress is not None:
         steps = progress(steps, "importing state", len(steps))
+    variables = {v.name: v for v in source.variables}
     key_names = layout.key_names
     counts: dict[str, int] = {}
-    next_timer: int | None = None
+    stream = {stored_keys.QUERY_ID: source.query_id, SUMMARY_IMPORTED_FROM: source.location}
+    if source.time_mode != "none":
+        stream[stored_keys.QUERY_WATERMARK_MS] = str(source.watermark_ms)
+        stream[stored_keys.QUERY_NEXT_WATERMARK_MS] = str(source.next_watermark_ms)
     with Repair(table, reason=f"imported from Spark's checkpoint {source.location} at batch {source.batch_id}") as load:
-        for variable in steps:
-            if variable is None:
-                rows = _read(spark, source, readRegisteredTimers="true")
-                if rows.num_rows:
-                    timers = rows.column("expiration_timestamp_ms")
-                    earliest = pc.min(timers).as_py()
-                    next_timer = earliest if next_timer is None else min(next_timer, earliest)
-                    desc = timers_descriptor()
-                    load.put(TIMERS_STATE, _with_columns(_keys(rows, key_names), {
-                        desc.user_key_column: timers, desc.value_column: pa.array(np.ones(rows.num_rows, bool))}))
-                counts[TIMERS_STATE] = counts.get(TIMERS_STATE, 0) + rows.num_rows
-                continue
-            n = _load_variable(spark, load, source, variable, key_names, aggregate)
-            counts[variable.name] = counts.get(variable.name, 0) + n
-        stream = {stored_keys.QUERY_ID: source.query_id, SUMMARY_IMPORTED_FROM: source.location}
-        if source.time_mode != "none":
-            stream[stored_keys.QUERY_WATERMARK_MS] = str(source.watermark_ms)
-            stream[stored_keys.QUERY_NEXT_WATERMARK_MS] = str(source.next_watermark_ms)
-            if next_timer is not None:
-                stream[stored_keys.QUERY_NEXT_TIMER_MS] = str(next_timer)
+        for name in steps:
+            if name in variables:
+                counts[name] = _load_variable(spark, load, source, variables[name], key_names)
+            elif name == TIMERS_STATE:
+                counts[name], earliest = _load_timers(spark, load, source, key_names)
+                if earliest is not None:
+                    stream[stored_keys.QUERY_NEXT_TIMER_MS] = str(earliest)
+            else:
+                counts[name] = _load_store(spark, load, source, layout.descriptor(name), key_names, aggregate)
         load.commit(batch_id=source.batch_id, stream=stream)
     return counts
 
 
+def _load_timers(spark: SparkSession, load: Repair, source: SparkCheckpoint,
+                 key_names: list[str]) -> tuple[int, int | None]:
+    """The registered timers, into the timers' map state: how many, and the earliest."""
+    rows = _read(spark, source, readRegisteredTimers="true")
+    if not rows.num_rows:
+        return 0, None
+    timers = rows.column("expiration_timestamp_ms")
+    desc = timers_descriptor()
+    load.put(TIMERS_STATE, _with_columns(_keys(rows, key_names), {
+        desc.user_key_column: timers, desc.value_column: pa.array(np.ones(rows.num_rows, bool))}))
+    return rows.num_rows, pc.min(timers).as_py()
+
+
+def _load_store(spark: SparkSession, load: Repair, source: SparkCheckpoint, desc: StateDescriptor,
+                key_names: list[str], aggregate: str | None) -> int:
+    """An aggregation's or a deduplication's one store (key -> buffer, key -> nothing) into the
+    value state of the vectorized processor that continues it: the ``aggregate`` field of the
+    buffer, or that the key was seen."""
+    rows = _read(spark, source)
+    if aggregate is not None:
+        value = rows.column("value").combine_chunks().field(aggregate)
+    else:
+        value = pa.array(np.ones(rows.num_rows, bool))
+    load.put(desc.name, _with_columns(_keys(rows, key_names), {desc.value_column: value}))
+    return rows.num_rows
+
+
 def _load_variable(spark: SparkSession, load: Repair, source: SparkCheckpoint, variable: SparkVariable,
-                   key_names: list[str], aggregate: str | None) -> int:
+                   key_names: list[str]) -> int:
+    """One ``transformWithState`` variable: its values, list elements or map entries read."""
     desc = variable.descriptor
-    if source.operator in (AGGREGATE, DEDUPLICATE):  # key -> the aggregate's buffer field, or seen
-        rows = _read(spark, source)
-        if source.operator == AGGREGATE:
-            value = rows.column("value").combine_chunks().field(aggregate)
-        else:
-            value = pa.array(np.ones(rows.num_rows, bool))
-        load.put(desc.name, _with_columns(_keys(rows, key_names), {desc.value_column: value}))
-        return rows.num_rows
-    if variable.kind is StateKind.LIST:
+    if desc.kind is StateKind.LIST:
         # Unflattened, a key's list comes whole and in order.
         rows = _read(spark, source, stateVarName=variable.name, flattenCollectionTypes="false")
         if not rows.num_rows:
@@ -477,7 +492,7 @@ def _load_variable(spark: SparkSession, load: Repair, source: SparkCheckpoint, v
         return 0
     keys = _keys(rows, key_names)
     columns = {}
-    if variable.kind is StateKind.MAP:
+    if desc.kind is StateKind.MAP:
         columns[desc.user_key_column] = rows.column("user_map_key").combine_chunks()
         stored = rows.column("user_map_value").combine_chunks()
     else:
