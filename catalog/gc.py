@@ -37,6 +37,7 @@ import uuid
 import pyarrow.fs as pafs
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.table import Table
+from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH
 from pyiceberg.table.snapshots import Snapshot
 
@@ -44,10 +45,28 @@ from catalog.fileio import METADATA_FILES, delete_later, is_inside, table_root, 
 from catalog.manifests import ManifestCache
 from catalog.naming import METADATA_DIR, Locations, merged_away_manifests, metadata_json_version
 from catalog.recovery import foreign_metadata
-from catalog.retention import orphans, plan_retention, unreferenced_files, unreferenced_operator_files
+from catalog.retention import (
+    newest_checkpoint_id,
+    orphans,
+    plan_retention,
+    summary_value,
+    unreferenced_files,
+    unreferenced_operator_files,
+)
+from statestore import stored_keys
 from statestore.errors import CorruptMetadataError
 from statestore.faults import FILES_DELETED, SNAPSHOTS_EXPIRED, crash_point
-from statestore.paths import COMPACTION_GRACE_SECONDS, DATA_DIR, OPERATOR_DIR, SCRATCH_OUTPUTS_DIR, parse_output_name
+from statestore.paths import (
+    COMPACTION_GRACE_CHECKPOINTS,
+    COMPACTION_GRACE_SECONDS,
+    DATA_DIR,
+    OPERATOR_DIR,
+    SCRATCH_OUTPUTS_DIR,
+    parse_compaction_name,
+    parse_output_name,
+    parse_window_dir,
+    window_dirs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +87,8 @@ class GarbageCollector:
         self._retain = retain
         self._name = ".".join(table.name())
         self._commits_until_sweep = 0  # sweep at the first commit after open
+        # The lowest checkpoint id whose directory the next sweep lists (None: every directory).
+        self._swept_below = initial_sweep_start(table.metadata) if branch == MAIN_BRANCH else None
 
     def after_commit(self, snapshot: Snapshot, commit: uuid.UUID, unreferenced: list[str]) -> None:
         """Clean up after the commit of ``snapshot`` (files named after ``commit``), whose
@@ -84,9 +105,10 @@ class GarbageCollector:
             # collection (nothing more is deleted) but not the commit; the next commit retries.
             logger.error("garbage collection of %s stopped, nothing more deleted: %s", self._name, e)
 
-    def collect(self, sweep: bool, wait: bool = True) -> None:
+    def collect(self, sweep: bool, wait: bool = True, full: bool = False) -> None:
         """Expire what retention drops now and delete its files; with ``sweep`` (on main
-        only), also delete orphans of crashed commits. With ``wait``, return when every
+        only), also delete orphans of crashed commits: in the checkpoint directories written
+        since the last sweep, or with ``full`` in every one. With ``wait``, return when every
         delete of the process under way (this collector's, in the background) is done."""
         sweep = sweep and self._branch == MAIN_BRANCH
         plan = plan_retention(self._table.metadata, self._retain, self._branch)
@@ -106,7 +128,7 @@ class GarbageCollector:
             crash_point(SNAPSHOTS_EXPIRED)
         self._commits_until_sweep -= 1
         if sweep:
-            self._delete_later(self._orphans())
+            self._delete_later(self._orphans(full))
             self._commits_until_sweep = ORPHAN_SWEEP_INTERVAL_COMMITS
         if wait:
             wait_for_deletes()
@@ -145,7 +167,14 @@ class GarbageCollector:
             return False
         return True
 
-    def _orphans(self) -> list[str]:
+    def summary(self) -> dict[str, str]:
+        """What the next checkpoint's summary carries for the sweeps of later writers: where
+        main's incremental sweep stands (nothing before the first sweep, or on a fork)."""
+        if self._branch != MAIN_BRANCH or self._swept_below is None:
+            return {}
+        return {stored_keys.SUMMARY_SWEPT_BELOW: str(self._swept_below)}
+
+    def _orphans(self, full: bool) -> list[str]:
         location = self._table.location().rstrip("/")
         metadata_files = self._list_file_infos(f"{location}/{METADATA_DIR}")
         logged = {e.metadata_file for e in self._table.metadata.metadata_log} | {self._table.metadata_location}
@@ -157,15 +186,41 @@ class GarbageCollector:
             logger.error("state table %s shares its location %s with another table (%s): the orphan sweep deletes "
                          "nothing there; see `icestate recover`", self._name, location, foreign[0])
             return []
-        data = self._list_file_infos(f"{location}/{DATA_DIR}")
+        newest = newest_checkpoint_id(self._table.metadata)
+        data = self._list_data(f"{location}/{DATA_DIR}", newest, full)
         mtimes = {**metadata_files, **data}
         young = time.time() - COMPACTION_GRACE_SECONDS
-        return orphans(
+        found = orphans(
             list(data), [p for p in metadata_files if p not in unreadable],
             self._table.metadata, self._table.metadata_location, self._cache,
             operator_files=self._list_files(f"{location}/{DATA_DIR}/{OPERATOR_DIR}"),
             settled=lambda uri: mtimes.get(uri) is not None and mtimes[uri] < young,
-        ) + self._stale_scratch(f"{location}/{SCRATCH_OUTPUTS_DIR}", young)
+        )
+        self._swept_below = next_sweep_start(newest, data, set(found), young)
+        return found + self._stale_scratch(f"{location}/{SCRATCH_OUTPUTS_DIR}", young)
+
+    def _list_data(self, data_dir: str, newest: int, full: bool) -> dict[str, float | None]:
+        """The data files the sweep looks at (URI -> modification time): the checkpoint
+        directories from where the last sweep stopped up to the newest checkpoint's, or, when
+        ``full`` or with no sweep on record (a new table, or one written before the directories),
+        ``data/`` itself and every checkpoint directory in it."""
+        if full or self._swept_below is None:
+            files, windows = self._list_dir(data_dir)
+        else:
+            files, windows = {}, window_dirs(self._swept_below, newest)
+        for window in windows:
+            files.update(self._list_file_infos(f"{data_dir}/{window}"))
+        return files
+
+    def _list_dir(self, directory_uri: str) -> tuple[dict[str, float | None], list[str]]:
+        """The files of a directory (URI -> modification time) and its checkpoint directories."""
+        selector = pafs.FileSelector(self._locations.to_path(directory_uri), allow_not_found=True)
+        infos = self._locations.filesystem.get_file_info(selector)
+        files = {self._locations.to_uri(i.path): (None if i.mtime is None else i.mtime.timestamp())
+                 for i in infos if i.type == pafs.FileType.File}
+        windows = sorted(i.base_name for i in infos
+                         if i.type == pafs.FileType.Directory and parse_window_dir(i.base_name) is not None)
+        return files, windows
 
     def _stale_scratch(self, root: str, older_than: float) -> list[str]:
         """A Spark query's output files for its callback under ``root`` that a crashed driver
@@ -180,10 +235,7 @@ class GarbageCollector:
 
     def _list_file_infos(self, directory_uri: str) -> dict[str, float | None]:
         """URI -> modification time (epoch seconds; None when the filesystem has none)."""
-        selector = pafs.FileSelector(self._locations.to_path(directory_uri), allow_not_found=True)
-        infos = self._locations.filesystem.get_file_info(selector)
-        return {self._locations.to_uri(i.path): (None if i.mtime is None else i.mtime.timestamp())
-                for i in infos if i.type == pafs.FileType.File}
+        return self._list_dir(directory_uri)[0]
 
     def _delete_file(self, uri: str) -> None:
         """Delete one file; a missing one is already deleted, a failure is logged."""
@@ -193,3 +245,30 @@ class GarbageCollector:
             return  # deleted by an earlier, interrupted collection: nothing left to do
         except OSError as e:
             logger.warning("could not delete %s of state table %s (%s); the next sweep retries", uri, self._name, e)
+
+
+def initial_sweep_start(metadata: TableMetadata) -> int | None:
+    """Where main's incremental orphan sweep starts for a new writer: the mark the newest
+    checkpoints carry (``SUMMARY_SWEPT_BELOW``), or None when none does (sweep everything)."""
+    marks = [summary_value(s, stored_keys.SUMMARY_SWEPT_BELOW) for s in metadata.snapshots]
+    found = [int(m) for m in marks if m is not None and m.isdigit()]
+    return max(found) if found else None
+
+
+def next_sweep_start(newest: int, listed: dict[str, float | None], deleted: set[str], young: float) -> int:
+    """The lowest checkpoint id the next incremental sweep must list again, after a sweep at
+    checkpoint ``newest`` that found ``listed`` (URI -> modification time) and takes ``deleted``.
+
+    Every file named after a checkpoint id is written while that id is at most
+    ``COMPACTION_GRACE_CHECKPOINTS`` past the newest (a task's segment, or a compaction's output
+    of that base), so ids below ``newest - COMPACTION_GRACE_CHECKPOINTS`` get no new files. A
+    compaction output younger than ``COMPACTION_GRACE_SECONDS`` may still be undecided: its
+    directory is listed again until it has settled. Files a crashed process writes later still
+    (a task stalled for longer than that) wait for a full sweep (``icestate sweep``).
+    """
+    start = max(0, newest - COMPACTION_GRACE_CHECKPOINTS)
+    for uri, mtime in listed.items():
+        parsed = parse_compaction_name(uri)
+        if parsed is not None and uri not in deleted and (mtime is None or mtime >= young):
+            start = min(start, parsed[0])
+    return start

@@ -92,6 +92,7 @@ from statestore.paths import (
     parse_compaction_name,
     parse_segment_name,
     segment_path,
+    window_dir,
 )
 from statestore.table import CheckpointInfo, SegmentFile
 
@@ -246,13 +247,19 @@ class IcebergStateTable:
         partitions = -(-self._layout.max_parallelism // self._width)
         if not 0 <= partition < partitions:
             raise ValueError(f"partition {partition} is outside [0, {partitions - 1}] of state table {self._name}")
-        uri = segment_path(self._table.location(), checkpoint_id, task_index, partition, self._segment_subdir)
+        uri = segment_path(self._table.location(), checkpoint_id, task_index, partition,
+                           self._window_subdir(checkpoint_id))
         return self._locations.to_path(uri)
 
     def new_compaction_path(self, base_checkpoint_id: int, partition: int) -> str:
         """A fresh filesystem path for a compaction's output, beside this branch's segments."""
-        name = compaction_file_name(base_checkpoint_id, partition)
-        return self.data_path(f"{self._segment_subdir}/{name}" if self._segment_subdir else name)
+        return self.data_path(f"{self._window_subdir(base_checkpoint_id)}/"
+                              f"{compaction_file_name(base_checkpoint_id, partition)}")
+
+    def _window_subdir(self, checkpoint_id: int) -> str:
+        """The directory under ``data/`` of the files named after ``checkpoint_id`` (``window_dir``)."""
+        window = window_dir(checkpoint_id)
+        return f"{self._segment_subdir}/{window}" if self._segment_subdir else window
 
     def new_operator_state_path(self, checkpoint_id: int, task_index: int) -> str:
         """A fresh filesystem path for a task's operator state file of an uncommitted checkpoint."""
@@ -447,6 +454,7 @@ class IcebergStateTable:
             listed = None if previous is None else summary_value(previous, stored_keys.SUMMARY_OPERATOR_STATE)
             if listed:
                 summary[stored_keys.SUMMARY_OPERATOR_STATE] = listed
+        summary.update(self._gc.summary())
         try:
             committed = self._committer.commit(checkpoint_id, data_files, summary, opened=self._snapshot,
                                                expected_head=self._expected_head, stored=stored)
@@ -491,10 +499,11 @@ class IcebergStateTable:
         """The Iceberg snapshot the table is opened at."""
         return self._snapshot
 
-    def collect_garbage(self) -> None:
-        """Run retention now, including the sweep for orphans of crashed commits."""
+    def collect_garbage(self, full: bool = False) -> None:
+        """Run retention now, including the sweep for orphans of crashed commits: of the
+        checkpoints since the last sweep, or with ``full`` of the whole data directory."""
         self._check_open()
-        self._gc.collect(sweep=True)
+        self._gc.collect(sweep=True, full=full)
 
     def wait_for_deletes(self) -> None:
         """Return when the garbage deletes started so far are done: after a commit, the files

@@ -38,7 +38,7 @@ from statestore.errors import CheckpointNotFoundError, StateClosedError, TaskCom
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import StateLayout
 from statestore.operator_state import OperatorStateFile
-from statestore.paths import operator_file_name, segment_file_name
+from statestore.paths import operator_file_name, segment_file_name, window_dir
 from statestore.table import CheckpointInfo, SegmentFile
 
 if TYPE_CHECKING:
@@ -57,9 +57,10 @@ def io_properties(properties: Mapping[str, str]) -> dict[str, str]:
 class CheckpointView:
     """A checkpoint of a state table as a task sees it: plain values, picklable.
 
-    ``data_dir`` and ``operator_dir`` are the URIs where this branch's new segments and
-    operator state files go; ``segments`` are the live segments of ``checkpoint`` (filesystem
-    paths), oldest checkpoint first; ``next_checkpoint_id`` is the id the batch will commit.
+    ``data_dir`` is the URI of this branch's data directory (new segments go to its
+    ``window_dir``), ``operator_dir`` where the operator state files go; ``segments`` are the
+    live segments of ``checkpoint`` (filesystem paths), oldest checkpoint first;
+    ``next_checkpoint_id`` is the id the batch will commit.
     """
 
     identifier: str
@@ -181,7 +182,8 @@ class TaskStateTable:
         if not 0 <= partition < self.partition_count():
             raise ValueError(f"partition {partition} is outside [0, {self.partition_count() - 1}] of state table "
                              f"{self._view.identifier}")
-        return self._path(self._view.data_dir, segment_file_name(checkpoint_id, task_index, partition))
+        return self._path(f"{self._view.data_dir.rstrip('/')}/{window_dir(checkpoint_id)}",
+                          segment_file_name(checkpoint_id, task_index, partition))
 
     def new_operator_state_path(self, checkpoint_id: int, task_index: int) -> str:
         return self._path(self._view.operator_dir, operator_file_name(checkpoint_id, task_index))

@@ -1,10 +1,17 @@
 """All file naming of a state table, in one place.
 
-A segment is ``<table location>/data/seg-cp<checkpoint id>-t<task>-p<partition>-<uuid>.parquet``.
-The checkpoint id in the name lets garbage collection recognise files of checkpoints
-that never committed (stored on disk: keep the format readable by ``parse_segment_name``).
+A segment of an Iceberg state table is
+``<table location>/data/c<first id>/seg-cp<checkpoint id>-t<task>-p<partition>-<uuid>.parquet``:
+each directory ``c<first id>`` (``window_dir``) holds the files of ``CHECKPOINTS_PER_DIR``
+consecutive checkpoint ids, so that the orphan sweep lists only the directories of the
+checkpoints written since its last pass, never the whole table (``catalog.gc``). The checkpoint
+id in the name lets garbage collection recognise files of checkpoints that never committed
+(stored on disk: keep the format readable by ``parse_segment_name``). Tables written before
+the directories existed keep their older files directly in ``data/``; readers take any path
+a manifest names.
 
-A compaction's output is ``cmp-cp<base checkpoint id>-p<partition>-<uuid>.parquet``, the base
+A compaction's output is ``cmp-cp<base checkpoint id>-p<partition>-<uuid>.parquet`` in the
+directory of its base checkpoint id, the base
 being the newest checkpoint when the compaction planned. A compaction commits its output
 only while the newest checkpoint is below base + ``COMPACTION_GRACE_CHECKPOINTS`` (it
 re-commits the same files on top of checkpoints that raced it, and gives up after that), so
@@ -30,6 +37,8 @@ import pyarrow.fs as pafs
 DATA_DIR = "data"
 BRANCHES_DIR = "branches"  # under DATA_DIR: the segments of each fork (catalog.iceberg_table)
 OPERATOR_DIR = "operator"  # under DATA_DIR (or a fork's directory): operator state files
+CHECKPOINTS_PER_DIR = 100  # stored on disk (directory names): changing it strands older directories
+_WINDOW = re.compile(r"^c(\d{12})$")
 _OPERATOR = re.compile(r"^op-cp(\d{12})-t(\d{5})-([0-9a-f]{12})\.parquet$")
 COMPACTION_GRACE_CHECKPOINTS = 16
 COMPACTION_GRACE_SECONDS = 3600.0
@@ -50,6 +59,28 @@ def segment_path(table_location: str, checkpoint_id: int, task_index: int, parti
     """A fresh segment URI under the table's data directory (or ``subdir`` of it)."""
     directory = f"{table_location.rstrip('/')}/{DATA_DIR}" + (f"/{subdir}" if subdir else "")
     return f"{directory}/{segment_file_name(checkpoint_id, task_index, partition)}"
+
+
+def window_dir(checkpoint_id: int) -> str:
+    """The name of the directory holding the segments and compaction outputs named after
+    ``checkpoint_id``: ``c`` and the first id of its ``CHECKPOINTS_PER_DIR`` ids, 12 digits."""
+    if checkpoint_id < 0:
+        raise ValueError(f"negative checkpoint id {checkpoint_id}")
+    return f"c{checkpoint_id - checkpoint_id % CHECKPOINTS_PER_DIR:012d}"
+
+
+def parse_window_dir(name: str) -> int | None:
+    """The first checkpoint id of a ``window_dir`` name, or None for any other name."""
+    m = _WINDOW.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m and int(m.group(1)) % CHECKPOINTS_PER_DIR == 0 else None
+
+
+def window_dirs(first_id: int, last_id: int) -> list[str]:
+    """The ``window_dir`` names of the checkpoint ids ``first_id..last_id`` (none when empty)."""
+    if last_id < first_id:
+        return []
+    first = max(0, first_id - first_id % CHECKPOINTS_PER_DIR)
+    return [window_dir(i) for i in range(first, last_id + 1, CHECKPOINTS_PER_DIR)]
 
 
 def operator_file_name(checkpoint_id: int, task_index: int) -> str:

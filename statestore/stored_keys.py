@@ -64,10 +64,13 @@ SUMMARY_OPERATOR_STATE = "icestate.operator-state"
 # The branch (main or a fork) a checkpoint was committed to: a removed fork's snapshots, until
 # expired, are on no branch, and must not count as main's.
 SUMMARY_BRANCH = "icestate.branch"
+# The orphan sweep of main's writer (catalog.gc): checkpoint ids below it were listed by a sweep
+# since every file named after them was written; the next writer starts its sweeps there.
+SUMMARY_SWEPT_BELOW = "icestate.swept-below"
 # Keys a checkpoint's own summary carries; checkpoint properties given by users may not use them.
 RESERVED_SUMMARY_KEYS = frozenset(
     {SUMMARY_CHECKPOINT_ID, SUMMARY_BATCH_ID, SUMMARY_PARALLELISM, SUMMARY_MAX_PARALLELISM, SUMMARY_OPERATOR_STATE,
-     SUMMARY_BRANCH}
+     SUMMARY_BRANCH, SUMMARY_SWEPT_BELOW}
 )
 
 

@@ -302,7 +302,7 @@ def test_compaction_of_a_fork_leaves_main_untouched(tmp_path):
     assert result is not None and result.files_out == 1
     compactor.restore()
     out = compactor.segments(ALL)
-    assert len(out) == 1 and "/branches/v2/cmp-" in out[0].path
+    assert len(out) == 1 and "/branches/v2/c000000000000/cmp-" in out[0].path
     assert snapshot_state(compactor, clock[0]) == expected_fork
     table.restore()
     assert {s.path for s in table.segments(ALL)} == main_files

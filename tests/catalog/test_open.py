@@ -60,7 +60,9 @@ def test_paths_partitions_and_filesystem(open_table):
     path = table.new_segment_path(7, 2, 3)
     assert not path.startswith("file:") and path.startswith(table.location.removeprefix("file://"))
     assert os.path.basename(path).startswith("seg-cp000000000007-t00002-p00003-")
-    assert table.filesystem.get_file_info(os.path.dirname(path)).type.name == "Directory"
+    # in the directory of checkpoints 0-99, made when a segment is written; data/ exists at open
+    assert os.path.basename(os.path.dirname(path)) == "c000000000000"
+    assert table.filesystem.get_file_info(os.path.dirname(os.path.dirname(path))).type.name == "Directory"
     with pytest.raises(ValueError):
         table.partition_of(MAX_PARALLELISM)
     with pytest.raises(ValueError):

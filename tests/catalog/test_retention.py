@@ -10,9 +10,20 @@ import time
 from pyiceberg.table import TableProperties
 
 from catalog import properties as props
+from catalog.gc import next_sweep_start
 from catalog.naming import checkpoint_of_commit_file, commit_uuid
 from statestore.keygroups import KeyGroupRange
-from statestore.paths import COMPACTION_GRACE_SECONDS, SCRATCH_OUTPUTS_DIR, output_file_name
+from statestore.paths import (
+    COMPACTION_GRACE_CHECKPOINTS,
+    COMPACTION_GRACE_SECONDS,
+    SCRATCH_OUTPUTS_DIR,
+    compaction_file_name,
+    output_file_name,
+    parse_window_dir,
+    segment_file_name,
+    window_dirs,
+)
+from statestore.stored_keys import SUMMARY_SWEPT_BELOW
 from tests.catalog.catalog_helpers import (
     MAX_PARALLELISM,
     commit_next,
@@ -107,9 +118,11 @@ def test_sweep_takes_a_crashed_drivers_callback_files(open_table):
 def test_foreign_files_are_never_swept(open_table):
     table = open_table()
     commit_next(table)
-    data_dir = os.path.dirname(table.segments(ALL)[0].path)
+    window_dir = os.path.dirname(table.segments(ALL)[0].path)
+    data_dir = os.path.dirname(window_dir)
     metadata_dir = os.path.join(os.path.dirname(data_dir), "metadata")
     foreign = [os.path.join(data_dir, "00000-0-someone-else.parquet"),
+               os.path.join(window_dir, "00000-1-someone-else.parquet"),
                os.path.join(metadata_dir, "6f1a2b3c-0000-4000-8000-000000000001-m0.avro"),
                os.path.join(metadata_dir, "99999-future.metadata.json")]
     for path in foreign:
@@ -158,3 +171,55 @@ def test_a_reader_following_a_writer_keeps_only_the_retained_manifests(open_tabl
     assert set(cache._lists) <= retained
     assert set(cache._entries) <= {m.manifest_path for p in cache._lists.values() for m in p}
     assert len(reader.segments(ALL)) == len(writer.segments(ALL)) == 13
+
+
+def _commit_at(table, checkpoint_id: int) -> None:
+    """Commit checkpoint ``checkpoint_id`` (ids may jump) with one segment."""
+    table.commit_checkpoint(checkpoint_id, [write_segment(table, checkpoint_id, 0, [0, 3])], parallelism=1,
+                            batch_id=checkpoint_id)
+
+
+def test_the_sweep_lists_only_the_checkpoint_directories_written_since_the_last_one(open_table):
+    table = open_table()
+    _commit_at(table, 5)  # the first sweep: no mark on record, the whole data directory
+    crashed = write_segment(table, 6, 9, [1]).path  # a commit that never happened
+    assert os.path.basename(os.path.dirname(crashed)) == "c000000000000"
+    _commit_at(table, 300)
+    table.collect_garbage()  # the directories of checkpoints 0-300
+    assert not file_exists(crashed)
+    mark = int(table.iceberg_table.current_snapshot().summary.additional_properties[SUMMARY_SWEPT_BELOW])
+    assert mark == 0  # the commit of 300 carries where the sweep stood before it
+
+    stalled = write_segment(table, 10, 9, [1]).path  # a process writing long after its checkpoint
+    recent = write_segment(table, 290, 9, [1]).path
+    legacy = os.path.join(os.path.dirname(os.path.dirname(recent)), os.path.basename(stalled))
+    os.rename(stalled, legacy)  # where a table written before the directories kept its segments
+    stalled = write_segment(table, 11, 9, [1]).path
+    _commit_at(table, 310)
+    mark = int(table.iceberg_table.current_snapshot().summary.additional_properties[SUMMARY_SWEPT_BELOW])
+    assert mark == 300 - COMPACTION_GRACE_CHECKPOINTS
+    table.close()
+
+    again = open_table()  # a new writer starts from the mark: its first sweep lists c200 and c300
+    _commit_at(again, 320)
+    again.wait_for_deletes()
+    assert not file_exists(recent)
+    assert file_exists(stalled) and file_exists(legacy)
+    again.collect_garbage(full=True)  # `icestate sweep`: every directory, and data/ itself
+    assert not file_exists(stalled) and not file_exists(legacy)
+    assert table_files(again) == referenced_files(again)
+
+
+def test_an_unsettled_compaction_output_keeps_its_directory_in_the_next_sweeps():
+    young = time.time() - COMPACTION_GRACE_SECONDS
+    out = f"s3://b/t/data/c000000000100/{compaction_file_name(120, 0)}"
+    seg = f"s3://b/t/data/c000000000100/{segment_file_name(130, 0, 0)}"
+    assert next_sweep_start(500, {seg: young + 10}, set(), young) == 500 - COMPACTION_GRACE_CHECKPOINTS
+    assert next_sweep_start(500, {out: young + 10}, set(), young) == 120  # may still commit or become an orphan
+    assert next_sweep_start(500, {out: young - 10}, set(), young) == 500 - COMPACTION_GRACE_CHECKPOINTS  # decided
+    assert next_sweep_start(500, {out: young + 10}, {out}, young) == 500 - COMPACTION_GRACE_CHECKPOINTS  # deleted
+    assert next_sweep_start(3, {}, set(), young) == 0
+    assert window_dirs(284, 320) == ["c000000000200", "c000000000300"]
+    assert window_dirs(0, 0) == ["c000000000000"] and window_dirs(5, 4) == []
+    assert parse_window_dir("s3://b/t/data/c000000000300/") == 300
+    assert parse_window_dir("c000000000301") is None and parse_window_dir("branches") is None

@@ -118,7 +118,7 @@ def test_new_paths_go_to_the_branch_directory_of_the_view(open_table):
     fork = open_table(branch="trial")
     task_table = TaskStateTable(fork.checkpoint_view(), LAYOUT)
     path = task_table.new_segment_path(5, 0, 0)
-    assert "/data/branches/trial/seg-cp000000000005-t00000-p00000-" in path
+    assert "/data/branches/trial/c000000000000/seg-cp000000000005-t00000-p00000-" in path
     assert path == fork.new_segment_path(5, 0, 0)[:-len("abcdef123456.parquet")] + path[-len("abcdef123456.parquet"):]
     assert "/data/branches/trial/operator/op-cp000000000005-t00001-" in task_table.new_operator_state_path(5, 1)
 
