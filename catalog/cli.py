@@ -872,6 +872,50 @@ def compact(
             time.sleep(follow)
 
 
+@_command()
+def sweep(
+    table: TableName,
+    warehouse: TableWarehouse = None,
+    catalog: CatalogName = None,
+    properties: CatalogProperties = None,
+    namespace: Namespace = "state",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as one JSON line.")] = False,
+    spark: Annotated[str | None, typer.Option(
+        "--spark", metavar="MASTER", show_default=False,
+        help="List and delete as a Spark job on this master (e.g. spark://host:7077): the checkpoint "
+             "directories spread over the executors' tasks.")] = None,
+) -> None:
+    """Delete every file of a state table that no checkpoint can use any more.
+
+    A running job deletes what it leaves behind as it goes, looking only at what it wrote
+    recently. This looks everywhere: files a crashed or stalled process wrote long ago, and
+    those of a table written by an older version. Safe beside a running job; it never
+    expires checkpoints. With --spark the listing runs on a cluster's executors.
+
+    Example: icestate sweep --table demo_user_activity
+    """
+    with (contextlib.nullcontext() if spark is None else spark_session(spark, "icestate sweep")) as session, \
+            _open_table(warehouse, catalog, properties, namespace, table) as t, \
+            err_console.status("sweeping", spinner="dots") as status:
+        seen = {"directories": 0, "files": 0, "orphans": 0}
+
+        def progress(found: Any) -> None:
+            seen["directories"] += 1
+            seen["files"] += found.listed
+            seen["orphans"] += len(found.orphans)
+            status.update(f"swept {seen['directories']:,} directories: {seen['files']:,} files, "
+                          f"{seen['orphans']:,} orphans deleted")
+
+        result = t.sweep(spark=session, progress=progress)
+    figures = result.summary()
+    if as_json:
+        print(json.dumps(figures), flush=True)
+    else:
+        where = "" if session is None else f" in {figures['processes']} executor process(es)"
+        console.print(f"listed {figures['files_listed']:,} files in {figures['directories']:,} checkpoint "
+                      f"directories{where}; deleted {figures['files_deleted']:,} orphaned files")
+
+
 @contextlib.contextmanager
 def spark_session(master: str, name: str, conf: list[str] | None = None) -> Iterator[Any]:
     """The process's Spark session (a notebook's, or a program's that calls the command), else

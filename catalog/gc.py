@@ -31,8 +31,13 @@ Thread safety: none. One collector per opened table, used by the branch's one wr
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 import pyarrow.fs as pafs
 from pyiceberg.exceptions import CommitFailedException
@@ -46,6 +51,8 @@ from catalog.manifests import ManifestCache
 from catalog.naming import METADATA_DIR, Locations, merged_away_manifests, metadata_json_version
 from catalog.recovery import foreign_metadata
 from catalog.retention import (
+    data_orphans,
+    live_files,
     newest_checkpoint_id,
     orphans,
     plan_retention,
@@ -53,6 +60,7 @@ from catalog.retention import (
     unreferenced_files,
     unreferenced_operator_files,
 )
+from catalog.task_view import io_properties, locations_of
 from statestore import stored_keys
 from statestore.errors import CorruptMetadataError
 from statestore.faults import FILES_DELETED, SNAPSHOTS_EXPIRED, crash_point
@@ -128,7 +136,7 @@ class GarbageCollector:
             crash_point(SNAPSHOTS_EXPIRED)
         self._commits_until_sweep -= 1
         if sweep:
-            self._delete_later(self._orphans(full))
+            self._delete_later(self._orphans(full)[0])
             self._commits_until_sweep = ORPHAN_SWEEP_INTERVAL_COMMITS
         if wait:
             wait_for_deletes()
@@ -174,7 +182,11 @@ class GarbageCollector:
             return {}
         return {stored_keys.SUMMARY_SWEPT_BELOW: str(self._swept_below)}
 
-    def _orphans(self, full: bool) -> list[str]:
+    def _orphans(self, full: bool, run: Callable[[list[DirectorySweep]], list[DirectoryFound]] | None = None,
+                 ) -> tuple[list[str], list[DirectoryFound]]:
+        """The orphans to delete here, and what the sweep of each checkpoint directory found:
+        listed here and returned as orphans, or with ``run`` listed and deleted where ``run``
+        sends each directory (``sweep_directory``: a thread, a Spark task)."""
         location = self._table.location().rstrip("/")
         metadata_files = self._list_file_infos(f"{location}/{METADATA_DIR}")
         logged = {e.metadata_file for e in self._table.metadata.metadata_log} | {self._table.metadata_location}
@@ -185,42 +197,60 @@ class GarbageCollector:
             # entry was lost): nothing here can be told apart from that table's.
             logger.error("state table %s shares its location %s with another table (%s): the orphan sweep deletes "
                          "nothing there; see `icestate recover`", self._name, location, foreign[0])
-            return []
-        newest = newest_checkpoint_id(self._table.metadata)
-        data = self._list_data(f"{location}/{DATA_DIR}", newest, full)
-        mtimes = {**metadata_files, **data}
+            return [], []
+        metadata = self._table.metadata
+        newest = newest_checkpoint_id(metadata)
+        data_dir = f"{location}/{DATA_DIR}"
+        if full or self._swept_below is None:
+            # data/ itself: the checkpoint directories, and the segments of a table written before them
+            flat, windows = self._list_dir(data_dir)
+        else:
+            flat, windows = {}, window_dirs(self._swept_below, newest)
         young = time.time() - COMPACTION_GRACE_SECONDS
+        mtimes = {**metadata_files, **flat}
         found = orphans(
-            list(data), [p for p in metadata_files if p not in unreadable],
-            self._table.metadata, self._table.metadata_location, self._cache,
-            operator_files=self._list_files(f"{location}/{DATA_DIR}/{OPERATOR_DIR}"),
+            list(flat), [p for p in metadata_files if p not in unreadable], metadata,
+            self._table.metadata_location, self._cache,
+            operator_files=self._list_files(f"{data_dir}/{OPERATOR_DIR}"),
             settled=lambda uri: mtimes.get(uri) is not None and mtimes[uri] < young,
         )
-        self._swept_below = next_sweep_start(newest, data, set(found), young)
-        return found + self._stale_scratch(f"{location}/{SCRATCH_OUTPUTS_DIR}", young)
-
-    def _list_data(self, data_dir: str, newest: int, full: bool) -> dict[str, float | None]:
-        """The data files the sweep looks at (URI -> modification time): the checkpoint
-        directories from where the last sweep stopped up to the newest checkpoint's, or, when
-        ``full`` or with no sweep on record (a new table, or one written before the directories),
-        ``data/`` itself and every checkpoint directory in it."""
-        if full or self._swept_below is None:
-            files, windows = self._list_dir(data_dir)
+        live: dict[str, set[str]] = {name: set() for name in windows}
+        for uri in live_files(self._cache, metadata.snapshots):
+            # by the directory's name: a fork's files of the same name only add to what is kept
+            name = uri.rsplit("/", 2)[-2] if uri.count("/") >= 2 else ""
+            if name in live:
+                live[name].add(uri)
+        io = tuple(sorted(io_properties(self._table.io.properties).items()))
+        works = [DirectorySweep(location, io, f"{data_dir}/{name}", frozenset(live[name]), newest, young)
+                 for name in windows]
+        if run is None:
+            done = [_sweep_listed(w, self._list_file_infos(w.directory), delete=None) for w in works]
+            found += [uri for d in done for uri in d.orphans]
         else:
-            files, windows = {}, window_dirs(self._swept_below, newest)
-        for window in windows:
-            files.update(self._list_file_infos(f"{data_dir}/{window}"))
-        return files
+            done = run(works) if works else []
+        self._swept_below = next_sweep_start(newest, [d.undecided_from for d in done])
+        return found + self._stale_scratch(f"{location}/{SCRATCH_OUTPUTS_DIR}", young), done
+
+    def sweep_all(self, run: Callable[[list[DirectorySweep]], list[DirectoryFound]]) -> SweepResult:
+        """A full sweep of main (``icestate sweep``): every checkpoint directory listed and its
+        orphans deleted where ``run`` sends it (``sweep_directory`` in threads of this process, or
+        as Spark tasks); the metadata directory and ``data/`` itself here. No expiry: how many
+        checkpoints to retain is the writer's to say. Safe beside a running writer, as the
+        writer's own sweeps are: the orphan rules keep every file a commit may still take."""
+        if self._branch != MAIN_BRANCH:
+            raise ValueError(f"only main is swept; the files of fork {self._branch!r} of state table {self._name} go "
+                             "with the fork")
+        here, done = self._orphans(full=True, run=run)
+        self._delete_later(here)
+        wait_for_deletes()
+        return SweepResult(directories=len(done), listed=sum(d.listed for d in done),
+                           deleted=len(here) + sum(len(d.orphans) for d in done),
+                           processes=tuple(sorted({d.pid for d in done})))
 
     def _list_dir(self, directory_uri: str) -> tuple[dict[str, float | None], list[str]]:
         """The files of a directory (URI -> modification time) and its checkpoint directories."""
-        selector = pafs.FileSelector(self._locations.to_path(directory_uri), allow_not_found=True)
-        infos = self._locations.filesystem.get_file_info(selector)
-        files = {self._locations.to_uri(i.path): (None if i.mtime is None else i.mtime.timestamp())
-                 for i in infos if i.type == pafs.FileType.File}
-        windows = sorted(i.base_name for i in infos
-                         if i.type == pafs.FileType.Directory and parse_window_dir(i.base_name) is not None)
-        return files, windows
+        files, dirs = list_dir(self._locations, directory_uri)
+        return files, [d for d in dirs if parse_window_dir(d) is not None]
 
     def _stale_scratch(self, root: str, older_than: float) -> list[str]:
         """A Spark query's output files for its callback under ``root`` that a crashed driver
@@ -235,7 +265,7 @@ class GarbageCollector:
 
     def _list_file_infos(self, directory_uri: str) -> dict[str, float | None]:
         """URI -> modification time (epoch seconds; None when the filesystem has none)."""
-        return self._list_dir(directory_uri)[0]
+        return list_dir(self._locations, directory_uri)[0]
 
     def _delete_file(self, uri: str) -> None:
         """Delete one file; a missing one is already deleted, a failure is logged."""
@@ -255,20 +285,115 @@ def initial_sweep_start(metadata: TableMetadata) -> int | None:
     return max(found) if found else None
 
 
-def next_sweep_start(newest: int, listed: dict[str, float | None], deleted: set[str], young: float) -> int:
-    """The lowest checkpoint id the next incremental sweep must list again, after a sweep at
-    checkpoint ``newest`` that found ``listed`` (URI -> modification time) and takes ``deleted``.
+def next_sweep_start(newest: int, undecided: Iterable[int | None]) -> int:
+    """The lowest checkpoint id the next incremental sweep lists again, after a sweep at
+    checkpoint ``newest`` whose directories held compaction outputs still ``undecided`` from
+    these base checkpoint ids (``DirectoryFound.undecided_from``).
 
     Every file named after a checkpoint id is written while that id is at most
     ``COMPACTION_GRACE_CHECKPOINTS`` past the newest (a task's segment, or a compaction's output
     of that base), so ids below ``newest - COMPACTION_GRACE_CHECKPOINTS`` get no new files. A
-    compaction output younger than ``COMPACTION_GRACE_SECONDS`` may still be undecided: its
-    directory is listed again until it has settled. Files a crashed process writes later still
-    (a task stalled for longer than that) wait for a full sweep (``icestate sweep``).
+    compaction output younger than ``COMPACTION_GRACE_SECONDS`` may still commit or become an
+    orphan: its directory is listed again until it has settled. A file a stalled process writes
+    later still waits for a full sweep (``icestate sweep``).
     """
-    start = max(0, newest - COMPACTION_GRACE_CHECKPOINTS)
-    for uri, mtime in listed.items():
-        parsed = parse_compaction_name(uri)
-        if parsed is not None and uri not in deleted and (mtime is None or mtime >= young):
-            start = min(start, parsed[0])
-    return start
+    return min([max(0, newest - COMPACTION_GRACE_CHECKPOINTS), *(u for u in undecided if u is not None)])
+
+
+@dataclass(frozen=True)
+class DirectorySweep:
+    """One checkpoint directory of main's sweep, planned by the writer and listed anywhere:
+    the table's location and storage properties, the directory, the files of it the retained
+    snapshots reference (a superset is safe: only more is kept), the newest checkpoint id, and
+    before when a compaction output counts as settled (epoch seconds)."""
+
+    location: str
+    io: tuple[tuple[str, str], ...]
+    directory: str
+    live: frozenset[str]
+    newest: int
+    settled_before: float
+
+
+@dataclass(frozen=True)
+class DirectoryFound:
+    """What the sweep of one directory found: the files listed, the orphans (deleted unless the
+    writer deletes them itself), the lowest base of a compaction output still undecided, and the
+    process that listed it."""
+
+    directory: str
+    listed: int
+    orphans: tuple[str, ...]
+    undecided_from: int | None
+    pid: int
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """A full sweep: the checkpoint directories listed, their files, the files deleted (orphans
+    of the directories, of ``data/`` itself and of the metadata directory), and the processes
+    that listed the directories."""
+
+    directories: int
+    listed: int
+    deleted: int
+    processes: tuple[int, ...]
+
+    def summary(self) -> dict[str, int]:
+        return {"directories": self.directories, "files_listed": self.listed, "files_deleted": self.deleted,
+                "processes": len(self.processes)}
+
+
+def sweep_directory(work: DirectorySweep) -> DirectoryFound:
+    """List one checkpoint directory and delete its orphans, in any process (a thread of the
+    writer's, a Spark task on an executor): ``GarbageCollector.sweep_all``."""
+    locations = locations_of(work.location, dict(work.io))
+    return _sweep_listed(work, list_dir(locations, work.directory)[0], delete=locations)
+
+
+def _sweep_listed(work: DirectorySweep, files: dict[str, float | None], delete: Locations | None) -> DirectoryFound:
+    found = data_orphans(files, work.live, work.newest,
+                         lambda uri: files.get(uri) is not None and files[uri] < work.settled_before)
+    if delete is not None:
+        for uri in found:
+            try:
+                delete.filesystem.delete_file(delete.to_path(uri))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                logger.warning("could not delete orphan %s (%s); the next sweep retries", uri, e)
+    undecided = [parse_compaction_name(uri)[0] for uri, mtime in files.items()
+                 if parse_compaction_name(uri) is not None and uri not in found
+                 and (mtime is None or mtime >= work.settled_before)]
+    return DirectoryFound(work.directory, len(files), tuple(found), min(undecided, default=None), os.getpid())
+
+
+def list_dir(locations: Locations, directory_uri: str) -> tuple[dict[str, float | None], list[str]]:
+    """The files of a directory (URI -> modification time, epoch seconds; None when the
+    filesystem has none) and the names of its subdirectories; nothing when it does not exist."""
+    selector = pafs.FileSelector(locations.to_path(directory_uri), allow_not_found=True)
+    infos = locations.filesystem.get_file_info(selector)
+    files = {locations.to_uri(i.path): (None if i.mtime is None else i.mtime.timestamp())
+             for i in infos if i.type == pafs.FileType.File}
+    return files, sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+
+
+def run_in_threads(works: list[DirectorySweep], threads: int = 8,
+                   progress: Callable[[DirectoryFound], None] | None = None) -> list[DirectoryFound]:
+    """``sweep_directory`` of each directory in threads of this process (``sweep_all``'s ``run``)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(works)))) as pool:
+        done = []
+        for found in pool.map(sweep_directory, works):
+            done.append(found)
+            if progress is not None:
+                progress(found)
+        return done
+
+
+def run_on_spark(spark: Any, tasks_max: int = 64) -> Callable[[list[DirectorySweep]], list[DirectoryFound]]:
+    """``sweep_all``'s ``run`` as one Spark job of ``spark`` (a classic SparkSession): the
+    directories in at most ``tasks_max`` tasks, listed and swept on the executors."""
+    def run(works: list[DirectorySweep]) -> list[DirectoryFound]:
+        context = spark.sparkContext
+        return context.parallelize(works, max(1, min(tasks_max, len(works)))).map(sweep_directory).collect()
+    return run

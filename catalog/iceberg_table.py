@@ -44,7 +44,8 @@ savepoint.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -62,7 +63,7 @@ from catalog.commit import CheckpointCommitter, adds_no_checkpoint, is_int
 from catalog.creation import load_or_create
 from catalog.defaults import DEFAULT_NAMESPACE, default_catalog
 from catalog.fileio import refuse_code_from_metadata, wait_for_deletes
-from catalog.gc import GarbageCollector
+from catalog.gc import DirectoryFound, GarbageCollector, SweepResult, run_in_threads, run_on_spark
 from catalog.manifests import FileEntry, ManifestCache, file_entry
 from catalog.naming import Locations
 from catalog.recovery import load_table, lost_entry_error
@@ -504,6 +505,17 @@ class IcebergStateTable:
         checkpoints since the last sweep, or with ``full`` of the whole data directory."""
         self._check_open()
         self._gc.collect(sweep=True, full=full)
+
+    def sweep(self, spark: Any = None, progress: Callable[[DirectoryFound], None] | None = None) -> SweepResult:
+        """A full orphan sweep of main (``icestate sweep``): every checkpoint directory listed
+        and its orphans deleted, in threads of this process or, with ``spark`` (a classic
+        SparkSession), as one Spark job on the executors; ``progress`` gets each directory's
+        result (in this process only). The writer's own sweeps list only the directories
+        written since the last one; this one also takes what a stalled process wrote long
+        after its checkpoint, and the orphans of a table written before the directories."""
+        self._check_open()
+        return self._gc.sweep_all(run_on_spark(spark) if spark is not None
+                                  else lambda works: run_in_threads(works, progress=progress))
 
     def wait_for_deletes(self) -> None:
         """Return when the garbage deletes started so far are done: after a commit, the files

@@ -35,7 +35,7 @@ same two conditions. Metadata files of other writers are never touched.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from pyiceberg.table.metadata import TableMetadata
@@ -164,11 +164,8 @@ def orphans(
     """
     newest = newest_checkpoint_id(metadata)
     snapshots = metadata.snapshots
-    live = live_files(cache, snapshots)
     past_grace = newest - COMPACTION_GRACE_CHECKPOINTS  # a compaction planned at or before it can no longer commit
-    found = [p for p in data_files if p not in live and (
-        _is_ours_and_old(parse_segment_name(p), newest)
-        or (_is_ours_and_old(parse_compaction_name(p), past_grace) and settled(p)))]
+    found = data_orphans(data_files, live_files(cache, snapshots), newest, settled)
     referenced = cache.manifest_paths(snapshots) | {s.manifest_list for s in snapshots}
     found += [p for p in metadata_files if p not in referenced and (
         _is_old_commit_file(p, newest)
@@ -177,6 +174,16 @@ def orphans(
     listed = {f["path"] for s in snapshots for f in operator_files_of(s)}
     found += [p for p in operator_files if p not in listed and _is_ours_and_old(parse_operator_name(p), newest)]
     return found
+
+
+def data_orphans(data_files: Iterable[str], live: Container[str], newest: int,
+                 settled: Callable[[str], bool]) -> list[str]:
+    """The segments and compaction outputs among ``data_files`` that may be deleted, given the
+    ``live`` files of the retained snapshots and the ``newest`` checkpoint id (``orphans``)."""
+    past_grace = newest - COMPACTION_GRACE_CHECKPOINTS  # a compaction planned at or before it can no longer commit
+    return [p for p in data_files if p not in live and (
+        _is_ours_and_old(parse_segment_name(p), newest)
+        or (_is_ours_and_old(parse_compaction_name(p), past_grace) and settled(p)))]
 
 
 def _is_ours_and_old(parsed: tuple[int | None, ...] | None, newest_checkpoint: int) -> bool:

@@ -26,6 +26,7 @@ from catalog import cli
 from catalog.cli import tables as app
 from statestore import StateLayout, StateStore, ValueStateDescriptor
 from statestore.keygroups import assign_key_groups
+from statestore.paths import segment_file_name
 from tests.catalog.catalog_helpers import KEY_SCHEMA, MAX_PARALLELISM, commit_next
 from tests.catalog.conftest import Place
 
@@ -99,6 +100,23 @@ def test_compact_command(place):
     assert '"files_out": 1' in compacted.output
     query = invoke("sql", *place.cli_args(), "--table", "op", "SELECT count(*) AS n FROM state_count")
     assert query.exit_code == 0 and "│ 2 " in query.output, query.output
+
+
+def test_sweep_command(place):
+    two_checkpoints(place)
+    with place.open() as table:
+        fs = table.filesystem
+        segment = table.segments(table.partition_key_groups(0))[0].path
+        stalled = f"{segment.rsplit('/', 1)[0]}/{segment_file_name(1, 9, 0)}"  # written long after checkpoint 1
+        with fs.open_output_stream(stalled) as f:
+            f.write(b"x")
+    result = invoke("sweep", *place.cli_args(), "--table", "op", "--json")
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.output.splitlines()[-1])  # after the warnings about secrets on a command line
+    assert figures["directories"] == 1 and figures["files_deleted"] == 1 and figures["processes"] == 1
+    assert figures["files_listed"] >= 3 and fs.get_file_info(stalled).type.name == "NotFound"
+    result = invoke("sweep", *place.cli_args(), "--table", "op")
+    assert result.exit_code == 0 and "deleted 0 orphaned files" in result.output, result.output
 
 
 # --- naming a catalog -----------------------------------------------------------------------

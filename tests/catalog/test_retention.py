@@ -10,7 +10,7 @@ import time
 from pyiceberg.table import TableProperties
 
 from catalog import properties as props
-from catalog.gc import next_sweep_start
+from catalog.gc import DirectorySweep, next_sweep_start, sweep_directory
 from catalog.naming import checkpoint_of_commit_file, commit_uuid
 from statestore.keygroups import KeyGroupRange
 from statestore.paths import (
@@ -210,15 +210,26 @@ def test_the_sweep_lists_only_the_checkpoint_directories_written_since_the_last_
     assert table_files(again) == referenced_files(again)
 
 
-def test_an_unsettled_compaction_output_keeps_its_directory_in_the_next_sweeps():
-    young = time.time() - COMPACTION_GRACE_SECONDS
-    out = f"s3://b/t/data/c000000000100/{compaction_file_name(120, 0)}"
-    seg = f"s3://b/t/data/c000000000100/{segment_file_name(130, 0, 0)}"
-    assert next_sweep_start(500, {seg: young + 10}, set(), young) == 500 - COMPACTION_GRACE_CHECKPOINTS
-    assert next_sweep_start(500, {out: young + 10}, set(), young) == 120  # may still commit or become an orphan
-    assert next_sweep_start(500, {out: young - 10}, set(), young) == 500 - COMPACTION_GRACE_CHECKPOINTS  # decided
-    assert next_sweep_start(500, {out: young + 10}, {out}, young) == 500 - COMPACTION_GRACE_CHECKPOINTS  # deleted
-    assert next_sweep_start(3, {}, set(), young) == 0
+def test_a_directory_sweep_deletes_exactly_its_orphans_and_keeps_an_unsettled_compaction_in_view(tmp_path):
+    directory = tmp_path / "t" / "data" / "c000000000100"
+    directory.mkdir(parents=True)
+    settled_before = time.time() - COMPACTION_GRACE_SECONDS
+    names = {"crashed": segment_file_name(130, 0, 0), "live": segment_file_name(140, 0, 0),
+             "in_flight": segment_file_name(501, 0, 0), "young_cmp": compaction_file_name(120, 0),
+             "old_cmp": compaction_file_name(110, 0), "other": "notes.parquet"}
+    for name in names.values():
+        (directory / name).write_bytes(b"x")
+    os.utime(directory / names["old_cmp"], (settled_before - 60, settled_before - 60))
+    work = DirectorySweep(str(tmp_path / "t"), (), str(directory), frozenset({str(directory / names["live"])}),
+                          newest=500, settled_before=settled_before)
+    found = sweep_directory(work)
+    assert sorted(found.orphans) == sorted(str(directory / names[k]) for k in ("crashed", "old_cmp"))
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        names[k] for k in ("live", "in_flight", "young_cmp", "other"))
+    assert (found.listed, found.undecided_from, found.pid) == (6, 120, os.getpid())
+    # the next incremental sweep starts at that compaction's directory until it settled
+    assert next_sweep_start(500, [found.undecided_from, None]) == 120
+    assert next_sweep_start(500, [None]) == 500 - COMPACTION_GRACE_CHECKPOINTS and next_sweep_start(3, []) == 0
     assert window_dirs(284, 320) == ["c000000000200", "c000000000300"]
     assert window_dirs(0, 0) == ["c000000000000"] and window_dirs(5, 4) == []
     assert parse_window_dir("s3://b/t/data/c000000000300/") == 300
