@@ -22,7 +22,8 @@ Config keys:
 * ``probe_hidden``: a path the driver sees; the result says whether the executors see it;
 * ``queries``: a list of ``{"name", "processor", "parallelism", "max_parallelism"}`` with
   optionally their own ``warehouse``, ``checkpoint`` and ``label`` (key in the result);
-  processor is ``count``, ``count_list`` or ``vec_count``; the query named N keeps its
+  processor is ``count``, ``count_list`` (with ``faults``: see ``CountAndList``) or
+  ``vec_count``; ``compaction``: a ``CompactionPolicy``'s arguments; the query named N keeps its
   state in table ``t_N`` and its output in ``out.N`` (``table`` overrides N, so that a
   later query restarts an earlier one, e.g. at another parallelism); ``add_files`` are
   moved into the input directory before the query starts;
@@ -35,6 +36,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -69,14 +71,44 @@ class Counter(StatefulProcessor):
 
 
 class CountAndList(StatefulProcessor):
-    """A count (value state) and every row's ``v`` (list state): a batch applied twice shows."""
+    """A count (value state) and every row's ``v`` (list state): a batch applied twice shows.
+
+    With ``faults`` (``{"markers": dir, "rows_per_file": n, "kill_executor": file, "kill_worker":
+    file}``), the first task to see a row of input file ``kill_executor`` SIGKILLs the executor JVM
+    it runs under, mid-batch, and the first to see one of ``kill_worker`` its own Python worker;
+    each once per run, as its marker file (created exclusively) in ``markers`` says, with the
+    killed pid and the executor in it (JSON).
+    """
+
+    def __init__(self, faults: dict | None = None):
+        self.faults = faults
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         self.count = handle.getValueState("count", "count long")
         self.items = handle.getListState("items", "v long")
 
+    def _inject(self, values: list[tuple[int]]) -> None:
+        files = {v // self.faults["rows_per_file"] for (v,) in values}
+        for kind in ("kill_executor", "kill_worker"):
+            if self.faults.get(kind) not in files:
+                continue
+            executor = _executor_of(os.getpid())
+            if executor is None:
+                raise RuntimeError("this Python worker runs under no executor JVM")
+            victim = executor["jvm_pid"] if kind == "kill_executor" else os.getpid()
+            try:
+                fd = os.open(os.path.join(self.faults["markers"], kind), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                continue  # done once already
+            os.write(fd, json.dumps({"pid": victim, **executor}).encode())
+            os.close(fd)
+            os.kill(victim, signal.SIGKILL)
+            time.sleep(30)  # killed with the JVM, or by its own hand: never returns
+
     def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
         values = [(int(r.v),) for r in rows]
+        if self.faults:
+            self._inject(values)
         old = self.count.get()
         new = (old[0] if old else 0) + len(values)
         self.count.update((new,))
@@ -87,13 +119,13 @@ class CountAndList(StatefulProcessor):
         pass
 
 
-def _processor(kind: str):
+def _processor(kind: str, faults: dict | None = None):
     from spark_integration import RunningAggregate
 
     if kind == "count":
         return Counter(), COUNT_SCHEMA
     if kind == "count_list":
-        return CountAndList(), COUNT_LIST_SCHEMA
+        return CountAndList(faults), COUNT_LIST_SCHEMA
     if kind == "vec_count":
         return RunningAggregate("count"), None
     raise ValueError(f"unknown processor {kind!r}")
@@ -200,7 +232,7 @@ def run_query(spark: SparkSession, df, cfg: dict, q: dict) -> dict:
     warehouse = q.get("warehouse", cfg.get("warehouse"))
     catalog = {} if warehouse else cfg["catalog"]
     checkpoint = q.get("checkpoint", os.path.join(cfg.get("checkpoint_root", ""), table))
-    processor, schema = _processor(q["processor"])
+    processor, schema = _processor(q["processor"], q.get("faults"))
     for path in q.get("add_files", []):
         os.replace(path, os.path.join(cfg["input"], os.path.basename(path)))
     location = StateLocation(table=f"t_{table}", warehouse=warehouse, catalog_name=catalog.get("name"),
@@ -208,16 +240,23 @@ def run_query(spark: SparkSession, df, cfg: dict, q: dict) -> dict:
                              max_parallelism=int(q.get("max_parallelism", 16)),
                              parallelism=int(q.get("parallelism", 2)))
     progress = cfg.get("progress")
+    compaction = {}
+    if "compaction" in q:  # a CompactionPolicy's arguments
+        from catalog.compaction import CompactionPolicy
+
+        compaction["compaction"] = CompactionPolicy(**q["compaction"])
     holder: dict = {}
     executors: dict[int, dict | None] = {}
 
     def resolve_pids() -> None:
         # Idle Python workers are reaped after a minute: resolve each pid soon after its batch.
         if "query" in holder:
-            for report in runner_of(holder["query"]).reports:
-                for stats in report.tasks.values():
-                    if executors.get(stats["pid"]) is None:
-                        executors[stats["pid"]] = _executor_of(stats["pid"])
+            runner = runner_of(holder["query"])
+            pids = [stats["pid"] for report in runner.reports for stats in report.tasks.values()]
+            pids += [pid for c in getattr(runner.compactor, "results", []) for pid in c["processes"]]
+            for pid in pids:
+                if executors.get(pid) is None:
+                    executors[pid] = _executor_of(pid)
 
     def note(batch_df, batch_id: int) -> None:
         # called after the batch's outputs are committed, before its state is
@@ -230,7 +269,7 @@ def run_query(spark: SparkSession, df, cfg: dict, q: dict) -> dict:
     query = start_stateful_query(
         df, ["key"], processor, schema, location=location,
         checkpoint_location=checkpoint, trigger={"availableNow": True},
-        output_table=f"out.{table}", foreach_batch=note, query_name=f"q_{name}")
+        output_table=f"out.{table}", foreach_batch=note, query_name=f"q_{name}", **compaction)
     holder["query"] = query
     query.awaitTermination()
     resolve_pids()
@@ -242,8 +281,14 @@ def run_query(spark: SparkSession, df, cfg: dict, q: dict) -> dict:
                 "tasks": {str(t): {"pid": s["pid"], "rows_in": s["rows_in"], "rows_out": s["rows_out"],
                                    "elapsed_ms": s["elapsed_ms"]}
                           for t, s in r.tasks.items()}} for r in runner.reports]
-    runner.close()
+    compactor = runner.compactor
+    runner.close()  # a compaction round under way finishes first
+    compactions = list(getattr(compactor, "results", []))
+    for pid in (pid for c in compactions for pid in c["processes"]):
+        if executors.get(pid) is None:
+            executors[pid] = _executor_of(pid)
     return {
+        "compactions": compactions,
         "seconds": round(elapsed, 2), "reports": reports,
         "executors": {str(pid): info for pid, info in sorted(executors.items())},
         "state": _state_dump(location.ref),

@@ -74,6 +74,41 @@ class Cluster:
     def log_tails(self) -> str:
         return "\n".join(f"--- {p.name}\n{tail(p, 4000)}" for p in self.logs)
 
+    def start(self, name: str, args: list[str], extra: dict[str, str] | None = None, hidden: bool = False) -> None:
+        """Start a daemon (``spark-class`` with ``args``) in a session of its own: stopping it
+        stops every executor it started. ``hidden``: in a mount namespace of its own where
+        ``driver_only`` is an empty tmpfs, so its executors cannot read what the driver keeps
+        there (its SQLite catalog, its Spark checkpoints), as on another host."""
+        hide = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                'mount -t tmpfs -o size=1m icestate-hidden "$0" && exec "$@"', str(self.driver_only)]
+        log = self.root / f"{name}.log"
+        self.logs.append(log)
+        with open(log, "wb") as out:
+            self.processes.append(subprocess.Popen(
+                [*(hide if hidden else []), self.env["SPARK_HOME"] + "/bin/spark-class", *args],
+                env={**self.env, **(extra or {})}, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True))
+
+    def add_worker(self, i: int) -> None:
+        """Worker ``i``: one core, its own directory, hidden from the driver's disk."""
+        self.start(f"worker{i}", ["org.apache.spark.deploy.worker.Worker", self.master_url, "--host", "127.0.0.1",
+                                  "--cores", "1", "--memory", "1g", "--webui-port", str(free_port())],
+                   {"SPARK_WORKER_DIR": str(self.root / f"work{i}")}, hidden=True)
+
+    def wait_workers(self, n: int) -> None:
+        """Return once ``n`` workers are registered and alive."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        alive = 0
+        while alive < n:
+            dead = [p.args for p in self.processes if p.poll() is not None]
+            if dead:
+                pytest.fail(f"standalone process(es) {dead} exited\n{self.log_tails()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{alive}/{n} workers registered after {START_TIMEOUT_S} s\n{self.log_tails()}")
+            with contextlib.suppress(OSError, ValueError):
+                alive = sum(w["state"] == "ALIVE" for w in self.state()["workers"])
+            time.sleep(0.5)
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
@@ -97,48 +132,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     }
     for name in (KILL_ENV, FAIL_FIRST_ATTEMPT_ENV):  # no fault injection (another module's session sets one)
         env.pop(name, None)
-    spark_class = str(home / "bin" / "spark-class")
     port, ui_port = free_port(), free_port()
     master_url, ui_url = f"spark://127.0.0.1:{port}", f"http://127.0.0.1:{ui_port}"
-    commands = [("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
-                            "--webui-port", str(ui_port)], {})]
-    for i in range(WORKERS):
-        commands.append((f"worker{i}", ["org.apache.spark.deploy.worker.Worker", master_url, "--host", "127.0.0.1",
-                                        "--cores", "1", "--memory", "1g", "--webui-port", str(free_port())],
-                         {"SPARK_WORKER_DIR": str(root / f"work{i}")}))
-    # The workers run in a mount namespace of their own where ``driver_only`` is an empty
-    # tmpfs: their executors cannot read what the driver keeps there (its SQLite catalog, its
-    # Spark checkpoints), as on another host.
     driver_only = root / "driver-only"
     driver_only.mkdir()
-    hide = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-            'mount -t tmpfs -o size=1m icestate-hidden "$0" && exec "$@"', str(driver_only)]
-    processes, logs = [], []
-    c = Cluster(master_url, ui_url, processes, logs, env, driver_only, root)
+    c = Cluster(master_url, ui_url, [], [], env, driver_only, root)
     try:
-        for name, args, extra in commands:
-            log = root / f"{name}.log"
-            logs.append(log)
-            with open(log, "wb") as out:
-                # own session: the finalizer stops the JVM and every executor it started
-                prefix = hide if name.startswith("worker") else []
-                processes.append(subprocess.Popen([*prefix, spark_class, *args], env={**env, **extra}, stdout=out,
-                                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                  start_new_session=True))
-        deadline = time.monotonic() + START_TIMEOUT_S
-        alive = 0
-        while alive < WORKERS:
-            dead = [p.args[1] for p in processes if p.poll() is not None]
-            if dead:
-                pytest.fail(f"standalone process(es) {dead} exited while starting\n{c.log_tails()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"{alive}/{WORKERS} workers registered after {START_TIMEOUT_S} s\n{c.log_tails()}")
-            with contextlib.suppress(OSError, ValueError):
-                alive = sum(w["state"] == "ALIVE" for w in c.state()["workers"])
-            time.sleep(0.5)
+        c.start("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
+                           "--webui-port", str(ui_port)])
+        for i in range(WORKERS):
+            c.add_worker(i)
+        c.wait_workers(WORKERS)
         yield c
     finally:
-        for p in reversed(processes):
+        for p in reversed(c.processes):
             stop_session(p, grace_s=15)
 
 
@@ -349,3 +356,98 @@ def test_executors_that_cannot_read_the_drivers_disk_run_a_query_on_s3_and_its_r
         assert table.location.startswith(f"s3://{bucket}/")
         assert table.current_checkpoint().parallelism == 3
     assert not list(driver_files.rglob("*.parquet"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(900)
+def test_a_cluster_that_loses_executors_gives_every_output_once_and_the_uninterrupted_state(
+        cluster: Cluster, tmp_path: Path, s3_server_endpoint: str, pg_uri: str) -> None:
+    """State on the S3 server, the catalog on PostgreSQL. Mid-batch, a task SIGKILLs the executor
+    JVM it runs under (the worker starts another), and in a later batch a task SIGKILLs its own
+    Python worker; then a third worker joins and the query restarts at a higher parallelism.
+    Every output row once, the state (a count and a list of every row: a batch applied twice
+    shows) equal to an uninterrupted run's, and the stream's compactions ran as Spark tasks on
+    the executors (their Python workers), never in the driver."""
+    from tests import s3_server
+
+    bucket, table = "icestate-executor-loss", f"loss_{uuid.uuid4().hex[:8]}"
+    s3_server.create_bucket(s3_server_endpoint, bucket)
+    first_files, more = 4, 6
+    batches = _write_input(tmp_path / "input", range(first_files))
+    batches += _write_input(tmp_path / "later", range(first_files, more))
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    catalog = {"name": "pg_cluster", "properties": {
+        "type": "sql", "uri": pg_uri, "warehouse": f"s3://{bucket}/{tmp_path.name}",
+        **s3_server.properties(s3_server_endpoint)}}
+    faults = {"markers": str(markers), "rows_per_file": ROWS_PER_FILE, "kill_executor": 1, "kill_worker": 2}
+    compaction = {"min_segments": 2, "runs_on": "spark", "max_partitions": 4}
+
+    def run(label: str, executors: int, query: dict) -> dict:
+        where = tmp_path / label
+        where.mkdir()
+        _run_driver(cluster, {
+            "master": cluster.master_url, "app_name": f"icestate-{label}", "wait_executors": executors,
+            "conf": {**SPARK_CONF, "spark.cores.max": executors}, "input": str(tmp_path / "input"),
+            "catalog": catalog, "checkpoint_root": str(tmp_path / "checkpoints"), "result": str(where / "result.json"),
+            "queries": [{"name": label, "table": table, "processor": "count_list", "compaction": compaction,
+                         **query}]}, where)
+        return json.loads((where / "result.json").read_text())
+
+    first = run("first", WORKERS, {"parallelism": PARALLELISM, "faults": faults})
+    killed_jvm, killed_worker = (json.loads((markers / kind).read_text()) for kind in ("kill_executor", "kill_worker"))
+    assert not _alive(killed_jvm["pid"]) and not _alive(killed_worker["pid"])
+    assert killed_worker["executor_id"] != killed_jvm["executor_id"]  # by then on another executor
+    cluster.add_worker(WORKERS)  # a third worker joins; the query restarts on three executors
+    cluster.wait_workers(WORKERS + 1)
+    restarted = run("restarted", WORKERS + 1, {
+        "parallelism": PARALLELISM + 2,
+        "add_files": [str(tmp_path / "later" / f"part-{b}.parquet") for b in range(first_files, more)]})
+
+    # Every batch once, each file's rows counted once, on executors only (the killed one among them).
+    q1, q2 = first["queries"]["first"], restarted["queries"]["restarted"]
+    assert [r["batch_id"] for r in q1["reports"]] == list(range(first_files))
+    assert [r["batch_id"] for r in q2["reports"]] == list(range(first_files, more))
+    for q, parallelism in ((q1, PARALLELISM), (q2, PARALLELISM + 2)):
+        assert {len(r["tasks"]) for r in q["reports"]} == {parallelism}
+        assert [sum(t["rows_in"] for t in r["tasks"].values()) for r in q["reports"]] == [ROWS_PER_FILE] * len(
+            q["reports"])
+    # The killed executor ran no task after its batch; the worker started another that did.
+    after = [q1["executors"][str(t["pid"])] for r in q1["reports"][faults["kill_executor"] + 1:]
+             for t in r["tasks"].values()]
+    assert after and all(e is not None and e["executor_id"] != killed_jvm["executor_id"] for e in after), after
+    assert {e["worker_url"] for e in after} >= {killed_jvm["worker_url"]}, after
+    later = [q2["executors"][str(t["pid"])] for r in q2["reports"] for t in r["tasks"].values()]
+    assert len({e["worker_url"] for e in later if e}) == WORKERS + 1  # the third worker took tasks
+
+    # Exactly the outputs and the state of an uninterrupted run.
+    totals, rows = _expected_outputs(batches)
+    items: dict[str, list[int]] = collections.defaultdict(list)
+    for b, keys in enumerate(batches):
+        for i, k in enumerate(keys):
+            items[k].append(b * ROWS_PER_FILE + i)
+    state = q2["state"]
+    assert (state["checkpoint_id"], state["batch_id"]) == (more, more - 1)
+    assert {r["key"]: _count_of(r["v_count"]) for r in state["variables"]["count"]} == totals
+    stored: dict[str, list[int]] = collections.defaultdict(list)
+    for r in state["variables"]["items"]:
+        stored[r["key"]].append(_count_of(r["v_items"]) if not isinstance(r["v_items"], dict) else r["v_items"]["v"])
+    assert {k: sorted(v) for k, v in stored.items()} == {k: sorted(v) for k, v in items.items()}
+    assert q2["output"]["batches"] == list(range(more))
+    assert sorted((r["key"], r["count"], r["items"]) for r in q2["output"]["rows"]) == sorted(
+        (k, n, n) for k, n in rows)
+
+    # The stream compacted on the executors: each merge in a Python worker under an executor JVM.
+    compactions = q1["compactions"] + q2["compactions"]
+    assert compactions, "no compaction ran"
+    for c in compactions:
+        where = [{**q1["executors"], **q2["executors"]}.get(str(pid)) for pid in c["processes"]]
+        assert where and all(e is not None for e in where), (c, where)
+        driver_pids = {first["driver_pid"], restarted["driver_pid"]}
+        assert not {e["jvm_pid"] for e in where} & driver_pids and not set(c["processes"]) & driver_pids
