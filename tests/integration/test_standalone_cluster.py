@@ -16,25 +16,21 @@ executors (not in the driver), and that this process reads the state afterwards.
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from statestore.faults import FAIL_FIRST_ATTEMPT_ENV, KILL_ENV
-from tests.integration.process_helpers import free_port, stop_session, tail
+from tests.integration.process_helpers import stop_session, tail
+from tests.spark_cluster import Cluster, standalone_cluster
 
 pytestmark = [
     pytest.mark.spark,
@@ -48,105 +44,14 @@ FILES = 3
 ROWS_PER_FILE = 300
 KEYS = 37
 PARALLELISM = 4
-START_TIMEOUT_S = 180
-
-
-def _spark_home() -> Path:
-    import pyspark
-
-    return Path(pyspark.__file__).resolve().parent
-
-
-@dataclass
-class Cluster:
-    master_url: str
-    ui_url: str
-    processes: list[subprocess.Popen]
-    logs: list[Path]
-    env: dict[str, str]
-    driver_only: Path  # the workers (and their executors) see an empty directory here
-    root: Path  # the daemons' logs and the workers' directories (executors' stdout and stderr)
-
-    def state(self) -> dict:
-        with urllib.request.urlopen(f"{self.ui_url}/json/", timeout=5) as r:
-            return json.loads(r.read().decode())
-
-    def log_tails(self) -> str:
-        return "\n".join(f"--- {p.name}\n{tail(p, 4000)}" for p in self.logs)
-
-    def start(self, name: str, args: list[str], extra: dict[str, str] | None = None, hidden: bool = False) -> None:
-        """Start a daemon (``spark-class`` with ``args``) in a session of its own: stopping it
-        stops every executor it started. ``hidden``: in a mount namespace of its own where
-        ``driver_only`` is an empty tmpfs, so its executors cannot read what the driver keeps
-        there (its SQLite catalog, its Spark checkpoints), as on another host."""
-        hide = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-                'mount -t tmpfs -o size=1m icestate-hidden "$0" && exec "$@"', str(self.driver_only)]
-        log = self.root / f"{name}.log"
-        self.logs.append(log)
-        with open(log, "wb") as out:
-            self.processes.append(subprocess.Popen(
-                [*(hide if hidden else []), self.env["SPARK_HOME"] + "/bin/spark-class", *args],
-                env={**self.env, **(extra or {})}, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True))
-
-    def add_worker(self, i: int) -> None:
-        """Worker ``i``: one core, its own directory, hidden from the driver's disk."""
-        self.start(f"worker{i}", ["org.apache.spark.deploy.worker.Worker", self.master_url, "--host", "127.0.0.1",
-                                  "--cores", "1", "--memory", "1g", "--webui-port", str(free_port())],
-                   {"SPARK_WORKER_DIR": str(self.root / f"work{i}")}, hidden=True)
-
-    def wait_workers(self, n: int) -> None:
-        """Return once ``n`` workers are registered and alive."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        alive = 0
-        while alive < n:
-            dead = [p.args for p in self.processes if p.poll() is not None]
-            if dead:
-                pytest.fail(f"standalone process(es) {dead} exited\n{self.log_tails()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"{alive}/{n} workers registered after {START_TIMEOUT_S} s\n{self.log_tails()}")
-            with contextlib.suppress(OSError, ValueError):
-                alive = sum(w["state"] == "ALIVE" for w in self.state()["workers"])
-            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         pytest.skip("a standalone cluster needs Java (java on PATH or JAVA_HOME)")
-    root = tmp_path_factory.mktemp("standalone")
-    home = _spark_home()
-    conf_dir = root / "conf"  # empty: no spark-env.sh or defaults from elsewhere
-    conf_dir.mkdir()
-    env = {
-        **os.environ,
-        "SPARK_HOME": str(home),
-        "SPARK_CONF_DIR": str(conf_dir),
-        "SPARK_LOG_DIR": str(root / "logs"),
-        "SPARK_LOCAL_DIRS": str(root / "local"),
-        "SPARK_LOCAL_IP": "127.0.0.1",
-        "SPARK_PUBLIC_DNS": "127.0.0.1",
-        "PYSPARK_PYTHON": sys.executable,
-        "PYSPARK_DRIVER_PYTHON": sys.executable,
-        "SPARK_DAEMON_MEMORY": "256m",
-    }
-    for name in (KILL_ENV, FAIL_FIRST_ATTEMPT_ENV):  # no fault injection (another module's session sets one)
-        env.pop(name, None)
-    port, ui_port = free_port(), free_port()
-    master_url, ui_url = f"spark://127.0.0.1:{port}", f"http://127.0.0.1:{ui_port}"
-    driver_only = root / "driver-only"
-    driver_only.mkdir()
-    c = Cluster(master_url, ui_url, [], [], env, driver_only, root)
-    try:
-        c.start("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
-                           "--webui-port", str(ui_port)])
-        for i in range(WORKERS):
-            c.add_worker(i)
-        c.wait_workers(WORKERS)
+    with standalone_cluster(tmp_path_factory.mktemp("standalone"), WORKERS) as c:
         yield c
-    finally:
-        for p in reversed(c.processes):
-            stop_session(p, grace_s=15)
 
 
 def _write_input(directory: Path, files: range = range(FILES)) -> list[list[str]]:
