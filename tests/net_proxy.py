@@ -43,6 +43,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
@@ -90,6 +91,8 @@ class Traffic:
     bytes_to_server: int = 0
     bytes_to_client: int = 0
     by_method: dict[str, int] = field(default_factory=dict)
+    # bytes to the client per the label ``NetProxy(client_label=...)`` gave its connection
+    bytes_to_client_by: dict[str, int] = field(default_factory=dict)
 
     @property
     def count(self) -> int:
@@ -153,10 +156,11 @@ class _Reader:
 class _Connection:
     """A client connection, its upstream connection and their two pumping threads."""
 
-    def __init__(self, proxy: NetProxy, client: socket.socket, number: int):
+    def __init__(self, proxy: NetProxy, client: socket.socket, number: int, label: str = ""):
         self.proxy = proxy
         self.client = client
         self.number = number
+        self.label = label
         self.upstream: socket.socket | None = None
         self.client_send = threading.Lock()
         self._cut = False
@@ -271,7 +275,7 @@ class _Connection:
                     f"Connection: {'close' if close else 'keep-alive'}\r\n\r\n").encode() + body
         with self.client_send:
             self.client.sendall(response)
-        self.proxy._add_bytes(down=len(response))
+        self.proxy._add_bytes(down=len(response), label=self.label)
         if close:
             # Close only once the client has read the answer and closed its side (or after
             # DRAIN_S): closing with unread request bytes would reset the connection first.
@@ -295,14 +299,14 @@ class _Connection:
                 if left is not None and len(data) >= left:  # the reset mid-response is due
                     with self.client_send:
                         self.client.sendall(data[:left])
-                    self.proxy._add_bytes(down=left)
+                    self.proxy._add_bytes(down=left, label=self.label)
                     self.reset()
                     return
                 if left is not None:
                     self._reset_after = left - len(data)
                 with self.client_send:
                     self.client.sendall(data)
-                self.proxy._add_bytes(down=len(data))
+                self.proxy._add_bytes(down=len(data), label=self.label)
         except OSError:
             pass
         # The server closed (or failed): the client must see its connection end.
@@ -342,9 +346,12 @@ class NetProxy:
     Args:
         upstream: ``(host, port)`` of the server, or its ``http://host:port`` URL.
         latency_s: initial delay per request, in seconds (``latency_s`` can change later).
+        client_label: names the client of a new connection from its ``(host, port)`` (say, the
+            process that holds it): ``Traffic.bytes_to_client_by`` counts per name.
     """
 
-    def __init__(self, upstream: tuple[str, int] | str, *, latency_s: float = 0.0):
+    def __init__(self, upstream: tuple[str, int] | str, *, latency_s: float = 0.0,
+                 client_label: Callable[[tuple[str, int]], str] | None = None):
         if isinstance(upstream, str):
             host_port = upstream.split("://", 1)[-1].rstrip("/")
             host, _, port = host_port.rpartition(":")
@@ -372,6 +379,8 @@ class NetProxy:
         self._numbered = 0
         self._up = 0
         self._down = 0
+        self._down_by: dict[str, int] = {}
+        self._client_label = client_label
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -475,12 +484,14 @@ class NetProxy:
             self._requests = []
             self._connection_count = 0
             self._up = self._down = 0
+            self._down_by = {}
 
     def snapshot(self) -> Traffic:
         with self._lock:
             requests = tuple(self._requests)
             return Traffic(requests=requests, connections=self._connection_count, bytes_to_server=self._up,
-                           bytes_to_client=self._down, by_method=dict(Counter(r.method for r in requests)))
+                           bytes_to_client=self._down, by_method=dict(Counter(r.method for r in requests)),
+                           bytes_to_client_by=dict(self._down_by))
 
     # --- internals ----------------------------------------------------------------------
 
@@ -514,20 +525,21 @@ class NetProxy:
                     if self._listener is not listener:
                         return
                 try:
-                    client, _ = listener.accept()
+                    client, peer = listener.accept()
                 except TimeoutError:
                     continue
                 except OSError:
                     return  # closed
                 client.settimeout(None)
                 client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                label = self._client_label(peer) if self._client_label is not None else ""
                 with self._lock:
                     if self._stopped or self._closed:
                         client.close()
                         continue
                     self._numbered += 1
                     self._connection_count += 1
-                    conn = _Connection(self, client, self._numbered)
+                    conn = _Connection(self, client, self._numbered, label)
                     self._connections.add(conn)
                     thread = threading.Thread(target=conn.serve, name=f"net-proxy-req-{conn.number}", daemon=True)
                     self._threads.add(thread)
@@ -572,10 +584,12 @@ class NetProxy:
             time.sleep(delay)
         return status, reset
 
-    def _add_bytes(self, up: int = 0, down: int = 0) -> None:
+    def _add_bytes(self, up: int = 0, down: int = 0, label: str = "") -> None:
         with self._lock:
             self._up += up
             self._down += down
+            if down:
+                self._down_by[label] = self._down_by.get(label, 0) + down
 
     def _cut_all(self) -> None:
         with self._lock:

@@ -96,7 +96,7 @@ def standalone_cluster(root: Path, workers: int, worker_memory: str = "1g") -> I
     under ``root``; every process stopped on exit."""
     home = _spark_home()
     conf_dir = root / "conf"  # empty: no spark-env.sh or defaults from elsewhere
-    conf_dir.mkdir()
+    conf_dir.mkdir(parents=True)
     env = {
         **os.environ,
         "SPARK_HOME": str(home),
