@@ -829,7 +829,7 @@ def compact(
     as_json: Annotated[bool, typer.Option("--json", help="Print the figures as one JSON line per pass.")] = False,
     spark: Annotated[str | None, typer.Option(
         "--spark", metavar="MASTER", show_default=False,
-        help="Merge as a Spark job on this master (e.g. spark://host:7077, local[2]): a task per partition, on "
+        help="Merge as a Spark job on this master (e.g. spark://host:7077, local[2]): a task per unit, on "
              "the executors and through their file caches; this process plans and commits.")] = None,
 ) -> None:
     """Merge a state table's small segment files into fewer, larger ones, now or every few seconds.

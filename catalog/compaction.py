@@ -90,11 +90,12 @@ class CompactionPolicy:
         max_segments: a unit with this many segments (None: 4 x ``min_segments``) is merged
             even when the size ratio finds no run of ``min_segments`` (very uneven sizes).
         runs_on: where a stream's compactions merge: ``process`` (a compactor process beside the
-            driver), ``spark`` (Spark jobs of the stream's own session, a task per partition on
-            the executors, in the scheduler pool ``icestate-compaction``), or ``auto`` (default:
+            driver), ``spark`` (Spark jobs of the stream's own session, a task per unit on the
+            executors, in the scheduler pool ``icestate-compaction``), or ``auto`` (default:
             ``spark`` when the session's master is not ``local``, else ``process``).
-        max_partitions: at most this many partitions (Spark tasks) per compaction round (None:
-            every partition that needs it), to bound what a round takes from the stream.
+        max_units: at most this many units (Spark tasks) per compaction, those with the most
+            selected segments first (None: every unit that needs it), to bound what a round
+            takes from the stream.
     """
 
     min_segments: int = 8
@@ -102,7 +103,7 @@ class CompactionPolicy:
     max_merge: int | None = None
     max_segments: int | None = None
     runs_on: str = "auto"
-    max_partitions: int | None = None
+    max_units: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_segments, int) or self.min_segments < 2:
@@ -113,9 +114,8 @@ class CompactionPolicy:
             raise ValueError(f"CompactionPolicy.max_merge must be None or an int of at least 2, got {self.max_merge!r}")
         if self.runs_on not in RUNS_ON:
             raise ValueError(f"CompactionPolicy.runs_on must be one of {RUNS_ON}, got {self.runs_on!r}")
-        if self.max_partitions is not None and (not isinstance(self.max_partitions, int) or self.max_partitions < 1):
-            raise ValueError(f"CompactionPolicy.max_partitions must be None or a positive int, got "
-                             f"{self.max_partitions!r}")
+        if self.max_units is not None and (not isinstance(self.max_units, int) or self.max_units < 1):
+            raise ValueError(f"CompactionPolicy.max_units must be None or a positive int, got {self.max_units!r}")
         if self.max_segments is not None and (
                 not isinstance(self.max_segments, int) or self.max_segments < self.min_segments):
             raise ValueError(f"CompactionPolicy.max_segments must be None or an int of at least min_segments, got "
@@ -214,7 +214,7 @@ def compact(table: IcebergStateTable, *, policy: CompactionPolicy | None = None,
     never on the stream's). With a ``policy``, each unit merges what the policy selects;
     without one, every unit with two or more segments is merged whole. ``key_groups``
     limits the work to the units overlapping that range. With ``spark`` (a classic
-    SparkSession), the merges run as one Spark job, a task per partition to merge, on the
+    SparkSession), the merges run as one Spark job, a task per unit to merge, on the
     executors and through their file caches (``merge_on_executor``); this process plans and
     commits. Returns None when there is nothing to do (or every attempt lost its race with
     checkpoints).
@@ -327,31 +327,32 @@ def _plan_and_write(table: IcebergStateTable, policy: CompactionPolicy | None, k
     info = table.current_checkpoint()
     if head is None or info is None:
         return None
-    todo = [u for u in units(table) if key_groups is None or not u.intersection(key_groups).is_empty()]
-    chosen: dict[str, SegmentFile] = {}
+    every_unit = units(table)
+    todo = [u for u in every_unit if key_groups is None or not u.intersection(key_groups).is_empty()]
+    selected: dict[KeyGroupRange, list[SegmentFile]] = {}
     for u in todo:
         segments = table.segments(u)
         run = policy.select(segments) if policy is not None else (segments if len(segments) >= 2 else [])
-        chosen.update((s.path, s) for s in run)
+        if run:
+            selected[u] = run
+    if policy is not None and policy.max_units is not None:  # the units with the most inputs first
+        kept = sorted(selected, key=lambda u: (-len(selected[u]), u.start))[:policy.max_units]
+        selected = {u: selected[u] for u in kept}
+    chosen = {s.path: s for run in selected.values() for s in run}
     if not chosen:
         return None
-    if policy is not None and policy.max_partitions is not None:  # the partitions with the most inputs first
-        by_partition: dict[int, list[SegmentFile]] = {}
-        for seg in chosen.values():
-            by_partition.setdefault(table.partition_of(seg.key_group_min), []).append(seg)
-        kept = sorted(by_partition, key=lambda p: (-len(by_partition[p]), p))[:policy.max_partitions]
-        chosen = {seg.path: seg for p in kept for seg in by_partition[p]}
     inputs = sorted(chosen.values(), key=_age)
     base = newest_checkpoint_id(table.iceberg_table.metadata, table.branch)
     now = now_ms if now_ms is not None else info.timestamp_ms
     plan = _Plan(base_checkpoint_id=base, head_id=head.snapshot_id, inputs=inputs, outputs=[], units=[],
                  full_units=0, entries_in=0, partitions=[])
-    works = [_merge_work(table, plan, partition, now)
-             for partition in sorted({table.partition_of(s.key_group_min) for s in inputs})]
+    # One work per unit any input overlaps: a segment written at another parallelism spans units,
+    # and its rows in each of them are rewritten there.
+    works = [work for work in (_merge_work(table, plan, u, now) for u in every_unit) if work is not None]
     for work in works:
-        plan.partitions.append(work.partition)
         plan.units += [u for u, _, _ in work.units]
         plan.full_units += sum(full for _, full, _ in work.units)
+    plan.partitions = sorted({work.partition for work in works})
     try:
         merged = [(*_merge(table, work), os.getpid()) for work in works] if spark is None else _merge_on_spark(
             spark, table, works)
@@ -370,8 +371,8 @@ def _plan_and_write(table: IcebergStateTable, policy: CompactionPolicy | None, k
 
 @dataclass(frozen=True)
 class MergeWork:
-    """One partition's merge, planned where the compaction commits and run anywhere (this
-    process, or a Spark task): the partition's inputs, and per unit whether the merge holds all
+    """One unit's merge, planned where the compaction commits and run anywhere (this process,
+    or a Spark task): the inputs that overlap the unit's key groups, whether the merge holds all
     its segments and where its output goes."""
 
     partition: int
@@ -381,16 +382,15 @@ class MergeWork:
     now_ms: int
 
 
-def _merge_work(table: IcebergStateTable, plan: _Plan, partition: int, now_ms: int) -> MergeWork:
-    kgs = table.partition_key_groups(partition)
-    inputs = [s for s in plan.inputs if table.partition_of(s.key_group_min) == partition]
-    todo = []
-    for u in (u for u in units(table) if not u.intersection(kgs).is_empty()):
-        merged = [s for s in inputs if s.key_group_min <= u.end and s.key_group_max >= u.start]
-        if merged:
-            full = {s.path for s in table.segments(u)} <= {s.path for s in merged}
-            todo.append((u, full, table.new_compaction_path(plan.base_checkpoint_id, partition)))
-    return MergeWork(partition, kgs, tuple(inputs), tuple(todo), now_ms)
+def _merge_work(table: IcebergStateTable, plan: _Plan, unit: KeyGroupRange, now_ms: int) -> MergeWork | None:
+    """The merge of ``unit``: the plan's inputs that overlap it (None when none does)."""
+    merged = tuple(s for s in plan.inputs if s.key_group_min <= unit.end and s.key_group_max >= unit.start)
+    if not merged:
+        return None
+    full = {s.path for s in table.segments(unit)} <= {s.path for s in merged}
+    partition = table.partition_of(unit.start)
+    return MergeWork(partition, unit, merged, ((unit, full, table.new_compaction_path(plan.base_checkpoint_id,
+                                                                                       partition)),), now_ms)
 
 
 def _merge(table: Any, work: MergeWork, file_cache: Any = None) -> tuple[int, list[SegmentFile]]:

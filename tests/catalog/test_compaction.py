@@ -20,6 +20,7 @@ from statestore import (
     StateStore,
     TtlConfig,
     ValueStateDescriptor,
+    assign_key_groups,
 )
 from statestore.errors import CorruptMetadataError, CorruptSegmentError
 
@@ -382,4 +383,36 @@ def test_a_writer_told_of_a_compaction_commits_its_next_checkpoint_at_the_first_
     assert len(other.segments(ALL)) == 2  # the compaction's output and the checkpoint's segment
     other.close()
     store.close()
+    table.close()
+
+
+def test_a_merge_per_unit_and_at_most_max_units_of_them(tmp_path):
+    """A unit per task's key groups (one partition holds both here): each merges on its own
+    (a Spark task each), and ``max_units`` takes the units with the most segments first."""
+    table = IcebergStateTable.open(LAYOUT, warehouse=str(tmp_path / "wh"), table_name="op")
+    stores = [StateStore(table, task_index=t, parallelism=2) for t in range(2)]
+    ks = [f"k{i}" for i in range(40)]
+    groups = assign_key_groups(keys(ks), N)
+    for c in range(4):
+        cp = table.next_checkpoint_id()
+        segments = []
+        for t, store in enumerate(stores):
+            r = store.key_group_range
+            mine = [k for k, g in zip(ks, groups, strict=True) if r.start <= g <= r.end]
+            if t == 1 and c >= 2:
+                continue  # task 1's unit gets two segments, task 0's four
+            store.get_state("v").update_batch(keys(mine), [c] * len(mine))
+            segments += store.flush(cp)
+        table.commit_checkpoint(cp, segments, parallelism=2)
+        for store in stores[:1 if c >= 2 else 2]:
+            store.checkpoint_complete(cp)
+    before = snapshot_state(table, 0)
+    assert table.partition_count() == 1 and len(compaction_module.units(table)) == 2
+    first = compact(table, policy=CompactionPolicy(min_segments=2, max_units=1))
+    assert first is not None and first.units == (KeyGroupRange.of(0, 3),) and first.files_in == 4
+    rest = compact(table, policy=CompactionPolicy(min_segments=2))
+    assert rest is not None and rest.units == (KeyGroupRange.of(4, 7),) and rest.files_out == 1
+    assert snapshot_state(table, 0) == before
+    for store in stores:
+        store.close()
     table.close()

@@ -35,6 +35,7 @@ def test_compaction_runs_as_a_spark_job_and_the_stream_goes_on(spark, tmp_path):
         before, files = state(table), len(table.iceberg_table.scan().plan_files())
         result = compact(table, spark=spark)
         assert result is not None and result.files_in > result.files_out >= 1
+        assert len(result.units) == 2 == result.files_out  # a task per unit: both tasks' key groups
         assert os.getpid() not in result.processes and result.processes  # merged in Spark's workers
         assert state(table) == before == counts(batches[:4])
         assert len(table.iceberg_table.scan().plan_files()) == files - result.files_in + result.files_out
@@ -77,13 +78,13 @@ def test_a_stream_on_a_cluster_compacts_with_spark_jobs_of_its_own_session(spark
     input_dir, cp = tmp_path / "in", str(tmp_path / "cp")
     location = StateLocation(table="counts", warehouse=str(tmp_path / "wh"), parallelism=2, max_parallelism=16)
     write_batches(input_dir, batches)
-    policy = CompactionPolicy(min_segments=2, runs_on="spark", max_partitions=1)
+    policy = CompactionPolicy(min_segments=2, runs_on="spark", max_units=1)
     runner = run_to_end(spark, str(input_dir), CountProcessor(), "key string, count long", location=location,
                         checkpoint=cp, compaction=policy)
     compactor = runner.compactor
     assert isinstance(compactor, SparkCompactor) and compactor.results, compactor.results
     assert all(r["processes"] and os.getpid() not in r["processes"] for r in compactor.results)
-    assert all(r["files_in"] > r["files_out"] for r in compactor.results)
+    assert all(r["files_in"] > r["files_out"] and r["units"] == 1 for r in compactor.results)  # max_units
     with IcebergStateTable.open_existing(warehouse=location.warehouse, table_name="counts") as table:
         assert state(table) == counts(batches)
         # A full sweep as a Spark job: the checkpoint directories listed and swept in Spark's workers.

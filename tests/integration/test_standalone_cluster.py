@@ -292,7 +292,7 @@ def test_a_cluster_that_loses_executors_gives_every_output_once_and_the_uninterr
         "type": "sql", "uri": pg_uri, "warehouse": f"s3://{bucket}/{tmp_path.name}",
         **s3_server.properties(s3_server_endpoint)}}
     faults = {"markers": str(markers), "rows_per_file": ROWS_PER_FILE, "kill_executor": 1, "kill_worker": 2}
-    compaction = {"min_segments": 2, "runs_on": "spark", "max_partitions": 4}
+    compaction = {"min_segments": 2, "runs_on": "spark", "max_units": 4}
 
     def run(label: str, executors: int, query: dict) -> dict:
         where = tmp_path / label
