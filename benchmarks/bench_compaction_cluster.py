@@ -2,10 +2,11 @@
 
 One run starts moto's S3 server (``tests.s3_server``) behind our proxy (``tests.net_proxy``,
 ``latency_ms`` per request once the state is built) and a Spark standalone cluster of
-``workers`` workers of one core each on loopback (``tests.spark_cluster``); the catalog is
-SQLite on local disk, the state on S3. ``tasks`` task stores write a state of ``keys`` running
-counts (``benchmarks.harness.build_count_state``) over ``checkpoints`` checkpoints, so each unit
-holds that many segments, and three forks of it share its files. Measured, in the same run:
+``workers`` workers of ``slots`` task slots each on loopback (``tests.spark_cluster``; by
+default 2 x 2 slots on this 2-core machine, so that a compaction task does not take a stream's
+only slot); the catalog is SQLite on local disk, the state on S3. ``tasks`` task stores write a
+state of ``keys`` running counts (``benchmarks.harness.build_count_state``) over ``checkpoints``
+checkpoints, so each unit holds that many segments, and three forks of it share its files. Measured, in the same run:
 
 1. *A compaction of the whole state*: as one Spark job of a session on the cluster (``compact(table,
    spark=session)``, on a fork) and in this process as the local compactor does (on main): wall
@@ -16,9 +17,10 @@ holds that many segments, and three forks of it share its files. Measured, in th
 2. *A stream beside its compactions*: the same ``RunningAggregate("count")`` query on the cluster
    (``start_stateful_query``, ``batches`` batches of ``batch_events`` random keys of the state, one
    input file each), once without compaction and once with its compactions as Spark jobs of its
-   own session (``CompactionPolicy(runs_on="spark", min_segments=2, size_ratio=1e9)``: every unit
-   merged whole, so the first checkpoint starts a compaction of the whole state, a task per unit,
-   while the stream goes on, in the FAIR pool ``icestate-compaction``). Batch times after the
+   own session (``CompactionPolicy(runs_on="spark", min_segments=checkpoints, size_ratio=1e9)``:
+   every unit merged whole once it holds that many segments, so the first checkpoint starts a
+   compaction of the whole state, a task per unit, while the stream goes on, in the FAIR pool
+   ``icestate-compaction``, its merges at ``SCHED_IDLE`` priority). Batch times after the
    first (which loads the state) of each run, p50 and p99 (with this few batches, p99 is the
    slowest), and those of the batches that overlapped a compaction. Target: p99 with compaction at most 1.5x without.
 
@@ -91,7 +93,7 @@ def _client_label(driver_pids: list[int]):
     return label
 
 
-def _session(master: str, workers: int, tasks: int, scratch: Path):
+def _session(master: str, workers: int, slots: int, tasks: int, scratch: Path):
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
@@ -99,7 +101,7 @@ def _session(master: str, workers: int, tasks: int, scratch: Path):
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
              .config("spark.driver.memory", "2g").config("spark.executor.memory", "3g")
-             .config("spark.executor.cores", "1").config("spark.cores.max", str(workers))
+             .config("spark.executor.cores", str(slots)).config("spark.cores.max", str(workers * slots))
              .config("spark.scheduler.mode", "FAIR").config("spark.sql.shuffle.partitions", str(tasks))
              .config("spark.sql.adaptive.coalescePartitions.enabled", "false").config("spark.locality.wait", "0")
              .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
@@ -169,7 +171,8 @@ def main(
     keys: Annotated[int, typer.Option(help="Keys of the state.")] = 20_000_000,
     checkpoints: Annotated[int, typer.Option(help="Checkpoints that build it (segments per unit).")] = 8,
     tasks: Annotated[int, typer.Option(help="Tasks of the state (its parallelism).")] = 4,
-    workers: Annotated[int, typer.Option(help="Spark workers of one core each.")] = 2,
+    workers: Annotated[int, typer.Option(help="Spark workers (an executor each).")] = 2,
+    slots: Annotated[int, typer.Option(help="Task slots of each executor.")] = 2,
     latency_ms: Annotated[float, typer.Option(help="Added to each S3 request once the state is built.")] = 20.0,
     batches: Annotated[int, typer.Option(help="Micro-batches of each stream.")] = 12,
     batch_events: Annotated[int, typer.Option(help="Events per micro-batch.")] = 100_000,
@@ -182,7 +185,7 @@ def main(
         s3_server.create_bucket(server.endpoint, BUCKET)
         driver = [os.getpid()]  # and the driver JVM, once started
         with NetProxy(server.endpoint, client_label=_client_label(driver)) as proxy, \
-                standalone_cluster(scratch / "cluster", workers, "4g") as cluster:
+                standalone_cluster(scratch / "cluster", workers, "4g", slots) as cluster:
             props = {"type": "sql", "uri": f"sqlite:///{scratch}/catalog.db", "init_catalog_tables": "true",
                      "warehouse": f"s3://{BUCKET}/run", **s3_server.properties(proxy.endpoint)}
             ref = TableRef("state", catalog_name=CATALOG, catalog_properties=props)
@@ -192,7 +195,7 @@ def main(
                     table.fork(fork)
                 state_bytes = sum(s.size_bytes for s in table.segments(KeyGroupRange.of(0, MAX_PARALLELISM - 1)))
             proxy.latency_s = latency_ms / 1000
-            spark = _session(cluster.master_url, workers, tasks, scratch)
+            spark = _session(cluster.master_url, workers, slots, tasks, scratch)
             driver.append(int(spark.sparkContext._jvm.ProcessHandle.current().pid()))
 
             console.print("compaction as a Spark job ...")
@@ -206,7 +209,7 @@ def main(
             plain = _stream(spark, props, "plain", scratch, keys, batches, batch_events, tasks, None)
             console.print("the stream with its compactions as Spark jobs ...")
             compacting = _stream(spark, props, "compacting", scratch, keys, batches, batch_events, tasks,
-                                 CompactionPolicy(runs_on="spark", min_segments=2, size_ratio=1e9))
+                                 CompactionPolicy(runs_on="spark", min_segments=checkpoints, size_ratio=1e9))
             spark.stop()
     finally:
         server.stop()

@@ -420,10 +420,35 @@ def merge_on_executor(view: Any, layout: Any, work: MergeWork) -> tuple[int, lis
 
     table = TaskStateTable(view, layout)
     try:
-        entries_in, outputs = _merge(table, work, file_cache_for(StoreConfig(), table.filesystem))
+        with idle_priority():
+            entries_in, outputs = _merge(table, work, file_cache_for(StoreConfig(), table.filesystem))
     finally:
         table.close()
     return entries_in, outputs, os.getpid()
+
+
+@contextlib.contextmanager
+def idle_priority() -> Any:
+    """Every thread of this process at Linux's ``SCHED_IDLE`` policy while the block runs, then
+    back at ``SCHED_OTHER``: a merge in a Spark task (a Python worker runs one task at a time)
+    takes only the CPU the stream's tasks leave, as the niced compactor process does beside a
+    local stream. The threads Arrow and Polars start during the block are restored too. An
+    unprivileged process may leave ``SCHED_IDLE`` again (Linux 2.6.39 and later); elsewhere, or
+    when the system refuses, the merge runs at its usual priority."""
+    if not hasattr(os, "sched_setscheduler") or not os.path.isdir("/proc/self/task"):
+        yield
+        return
+
+    def every_thread(policy: int) -> None:
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError):
+                os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+
+    every_thread(os.SCHED_IDLE)
+    try:
+        yield
+    finally:
+        every_thread(os.SCHED_OTHER)
 
 
 def _merge_on_spark(spark: Any, table: IcebergStateTable, works: list[MergeWork]) -> list[tuple[int, list, int]]:

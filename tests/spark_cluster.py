@@ -46,6 +46,7 @@ class Cluster:
     driver_only: Path  # the workers (and their executors) see an empty directory here
     root: Path  # the daemons' logs and the workers' directories (executors' stdout and stderr)
     worker_memory: str = "1g"
+    worker_cores: int = 1  # task slots per worker (its executor's cores)
 
     def state(self) -> dict:
         with urllib.request.urlopen(f"{self.ui_url}/json/", timeout=5) as r:
@@ -70,9 +71,10 @@ class Cluster:
                 start_new_session=True))
 
     def add_worker(self, i: int) -> None:
-        """Worker ``i``: one core, its own directory, hidden from the driver's disk."""
+        """Worker ``i``: ``worker_cores`` task slots, its own directory, hidden from the driver's disk."""
         self.start(f"worker{i}", ["org.apache.spark.deploy.worker.Worker", self.master_url, "--host", "127.0.0.1",
-                                  "--cores", "1", "--memory", self.worker_memory, "--webui-port", str(free_port())],
+                                  "--cores", str(self.worker_cores), "--memory", self.worker_memory,
+                                  "--webui-port", str(free_port())],
                    {"SPARK_WORKER_DIR": str(self.root / f"work{i}")}, hidden=True)
 
     def wait_workers(self, n: int) -> None:
@@ -91,9 +93,10 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def standalone_cluster(root: Path, workers: int, worker_memory: str = "1g") -> Iterator[Cluster]:
-    """A master and ``workers`` workers (one core, ``worker_memory`` each) with their files
-    under ``root``; every process stopped on exit."""
+def standalone_cluster(root: Path, workers: int, worker_memory: str = "1g", worker_cores: int = 1
+                       ) -> Iterator[Cluster]:
+    """A master and ``workers`` workers (``worker_cores`` task slots and ``worker_memory`` each)
+    with their files under ``root``; every process stopped on exit."""
     home = _spark_home()
     conf_dir = root / "conf"  # empty: no spark-env.sh or defaults from elsewhere
     conf_dir.mkdir(parents=True)
@@ -115,7 +118,7 @@ def standalone_cluster(root: Path, workers: int, worker_memory: str = "1g") -> I
     master_url, ui_url = f"spark://127.0.0.1:{port}", f"http://127.0.0.1:{ui_port}"
     driver_only = root / "driver-only"
     driver_only.mkdir()
-    c = Cluster(master_url, ui_url, [], [], env, driver_only, root, worker_memory)
+    c = Cluster(master_url, ui_url, [], [], env, driver_only, root, worker_memory, worker_cores)
     try:
         c.start("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
                            "--webui-port", str(ui_port)])

@@ -4,13 +4,16 @@ commits again above it; crashed outputs are collected; forks compact on their ow
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pyarrow as pa
 import pytest
 
 from catalog import IcebergStateTable, connect
 from catalog import compaction as compaction_module
 from catalog import gc as gc_module
-from catalog.compaction import CompactionPolicy, compact, compact_partition
+from catalog.compaction import CompactionPolicy, compact, compact_partition, idle_priority
 from catalog.fileio import METADATA_FILES
 from statestore import (
     KeyGroupRange,
@@ -416,3 +419,20 @@ def test_a_merge_per_unit_and_at_most_max_units_of_them(tmp_path):
     for store in stores:
         store.close()
     table.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux scheduling policies")
+def test_a_merge_in_a_spark_task_runs_at_idle_priority_and_gives_it_back():
+    release = threading.Event()
+    with idle_priority():
+        assert os.sched_getscheduler(0) == os.SCHED_IDLE
+        started = threading.Thread(target=release.wait)  # as Arrow's and Polars' pools start theirs
+        started.start()
+        assert os.sched_getscheduler(started.native_id) == os.SCHED_IDLE
+    try:
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+        assert os.sched_getscheduler(started.native_id) == os.SCHED_OTHER
+        assert {os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")} == {os.SCHED_OTHER}
+    finally:
+        release.set()
+        started.join()

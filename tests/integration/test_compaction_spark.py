@@ -69,11 +69,14 @@ def test_a_stream_on_a_cluster_compacts_with_spark_jobs_of_its_own_session(spark
     compactions run as Spark jobs of its session, in its Python workers, between and beside
     its batches; the state stays exact."""
     from catalog.compaction import CompactionPolicy
-    from spark_integration.compaction_jobs import SparkCompactor, runs_on
+    from spark_integration.compaction_jobs import SparkCompactor, bounded, runs_on
 
     assert runs_on(CompactionPolicy(), "spark://127.0.0.1:7077") == "spark"
     assert runs_on(CompactionPolicy(), "local[2]") == "process"
     assert runs_on(CompactionPolicy(runs_on="spark"), "local[2]") == "spark"
+    # a round leaves the stream three quarters of the task slots, unless the policy says otherwise
+    assert [bounded(CompactionPolicy(), slots).max_units for slots in (1, 2, 8, 64)] == [1, 1, 2, 16]
+    assert bounded(CompactionPolicy(max_units=5), 64).max_units == 5
     batches = key_batches(8, 40, 31)
     input_dir, cp = tmp_path / "in", str(tmp_path / "cp")
     location = StateLocation(table="counts", warehouse=str(tmp_path / "wh"), parallelism=2, max_parallelism=16)
