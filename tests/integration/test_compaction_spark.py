@@ -90,14 +90,3 @@ def test_a_stream_on_a_cluster_compacts_with_spark_jobs_of_its_own_session(spark
     assert all(r["files_in"] > r["files_out"] and r["units"] == 1 for r in compactor.results)  # max_units
     with IcebergStateTable.open_existing(warehouse=location.warehouse, table_name="counts") as table:
         assert state(table) == counts(batches)
-        # A full sweep as a Spark job: the checkpoint directories listed and swept in Spark's workers.
-        data = tmp_path / "wh" / "state" / "counts" / "data"
-        stalled = data / "c000000000000" / segment_file_name(1, 9, 0)  # written long after checkpoint 1
-        legacy = data / segment_file_name(2, 9, 0)  # where an older version kept segments
-        for orphan in (stalled, legacy):
-            orphan.write_bytes(b"x")
-        swept = table.sweep(spark=spark)
-        assert not stalled.exists() and not legacy.exists()
-        assert swept.deleted >= 2 and swept.directories >= 1 and swept.listed >= 1
-        assert swept.processes and os.getpid() not in swept.processes
-        assert state(table) == counts(batches)
