@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -208,14 +208,15 @@ class GarbageCollector:
             flat, windows = {}, window_dirs(self._swept_below, newest)
         young = time.time() - COMPACTION_GRACE_SECONDS
         mtimes = {**metadata_files, **flat}
+        every_live = live_files(self._cache, metadata.snapshots)
         found = orphans(
             list(flat), [p for p in metadata_files if p not in unreadable], metadata,
             self._table.metadata_location, self._cache,
             operator_files=self._list_files(f"{data_dir}/{OPERATOR_DIR}"),
-            settled=lambda uri: mtimes.get(uri) is not None and mtimes[uri] < young,
+            settled=lambda uri: mtimes.get(uri) is not None and mtimes[uri] < young, live=every_live,
         )
         live: dict[str, set[str]] = {name: set() for name in windows}
-        for uri in live_files(self._cache, metadata.snapshots):
+        for uri in every_live:
             # by the directory's name: a fork's files of the same name only add to what is kept
             name = uri.rsplit("/", 2)[-2] if uri.count("/") >= 2 else ""
             if name in live:
@@ -308,9 +309,9 @@ class DirectorySweep:
     before when a compaction output counts as settled (epoch seconds)."""
 
     location: str
-    io: tuple[tuple[str, str], ...]
+    io: tuple[tuple[str, str], ...] = field(repr=False)  # storage settings: may hold secrets
     directory: str
-    live: frozenset[str]
+    live: frozenset[str] = field(repr=False)
     newest: int
     settled_before: float
 

@@ -152,7 +152,7 @@ def live_files(cache: ManifestCache, snapshots: Iterable[Snapshot]) -> set[str]:
 def orphans(
     data_files: Iterable[str], metadata_files: Iterable[str], metadata: TableMetadata,
     metadata_location: str, cache: ManifestCache, operator_files: Iterable[str] = (),
-    settled: Callable[[str], bool] = lambda uri: True,
+    settled: Callable[[str], bool] = lambda uri: True, live: set[str] | None = None,
 ) -> list[str]:
     """URIs among the listed files of the data and metadata directories that may be deleted.
 
@@ -160,12 +160,13 @@ def orphans(
     and metadata directories; see the module docstring for what counts as an orphan.
     ``settled(uri)`` says whether a compaction output, or a manifest or manifest list of a
     compaction's commit, is old enough to be past any commit attempt of its compaction
-    (``COMPACTION_GRACE_SECONDS``).
+    (``COMPACTION_GRACE_SECONDS``). ``live``: the data files of the snapshots, when the caller
+    has them already (``live_files``).
     """
     newest = newest_checkpoint_id(metadata)
     snapshots = metadata.snapshots
     past_grace = newest - COMPACTION_GRACE_CHECKPOINTS  # a compaction planned at or before it can no longer commit
-    found = data_orphans(data_files, live_files(cache, snapshots), newest, settled)
+    found = data_orphans(data_files, live_files(cache, snapshots) if live is None else live, newest, settled)
     referenced = cache.manifest_paths(snapshots) | {s.manifest_list for s in snapshots}
     found += [p for p in metadata_files if p not in referenced and (
         _is_old_commit_file(p, newest)
