@@ -43,6 +43,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -335,9 +336,8 @@ def _plan_and_write(table: IcebergStateTable, policy: CompactionPolicy | None, k
         run = policy.select(segments) if policy is not None else (segments if len(segments) >= 2 else [])
         if run:
             selected[u] = run
-    if policy is not None and policy.max_units is not None:  # the units with the most inputs first
-        kept = sorted(selected, key=lambda u: (-len(selected[u]), u.start))[:policy.max_units]
-        selected = {u: selected[u] for u in kept}
+    if policy is not None and policy.max_units is not None:
+        selected = _within(selected, every_unit, policy.max_units)
     chosen = {s.path: s for run in selected.values() for s in run}
     if not chosen:
         return None
@@ -367,6 +367,22 @@ def _plan_and_write(table: IcebergStateTable, policy: CompactionPolicy | None, k
         raise
     crash_point(faults.COMPACTION_OUTPUTS_WRITTEN)
     return plan
+
+
+def _within(selected: dict[KeyGroupRange, list[SegmentFile]], every_unit: list[KeyGroupRange],
+            max_units: int) -> dict[KeyGroupRange, list[SegmentFile]]:
+    """The selections to merge, the units with the most segments first, while the units their
+    segments touch (a segment of another parallelism spans several) stay within ``max_units``;
+    the first always (a merge must be able to make progress)."""
+    kept: dict[KeyGroupRange, list[SegmentFile]] = {}
+    touched: set[KeyGroupRange] = set()
+    for u in sorted(selected, key=lambda u: (-len(selected[u]), u.start)):
+        reach = {v for v in every_unit for s in selected[u] if s.key_group_min <= v.end and s.key_group_max >= v.start}
+        if kept and len(touched | reach) > max_units:
+            continue
+        kept[u] = selected[u]
+        touched |= reach
+    return kept
 
 
 @dataclass(frozen=True)
@@ -432,10 +448,10 @@ def idle_priority() -> Any:
     """Every thread of this process at Linux's ``SCHED_IDLE`` policy while the block runs, then
     back at ``SCHED_OTHER``: a merge in a Spark task (a Python worker runs one task at a time)
     takes only the CPU the stream's tasks leave, as the niced compactor process does beside a
-    local stream. The threads Arrow and Polars start during the block are restored too. An
-    unprivileged process may leave ``SCHED_IDLE`` again (Linux 2.6.39 and later); elsewhere, or
-    when the system refuses, the merge runs at its usual priority."""
-    if not hasattr(os, "sched_setscheduler") or not os.path.isdir("/proc/self/task"):
+    local stream. The threads Arrow and Polars start during the block are restored too. Only
+    where the process may leave ``SCHED_IDLE`` again (``_idle_is_reversible``); elsewhere the
+    merge runs at its usual priority."""
+    if not _idle_is_reversible():
         yield
         return
 
@@ -449,6 +465,35 @@ def idle_priority() -> Any:
         yield
     finally:
         every_thread(os.SCHED_OTHER)
+
+
+_IDLE_REVERSIBLE: list[bool] = []  # this process's answer, once found
+
+
+def _idle_is_reversible() -> bool:
+    """Whether this process may put its threads at ``SCHED_IDLE`` and back: tried once on a
+    thread of its own. Leaving ``SCHED_IDLE`` needs ``CAP_SYS_NICE`` or a high enough
+    ``RLIMIT_NICE`` (containers often have neither): a worker whose threads stayed idle would
+    slow every later task it runs, so without the way back a merge runs at normal priority."""
+    if not _IDLE_REVERSIBLE:
+        answer: list[bool] = []
+        if hasattr(os, "sched_setscheduler") and os.path.isdir("/proc/self/task"):
+            def trial() -> None:
+                try:
+                    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+                    answer.append(True)
+                except OSError:
+                    answer.append(False)  # the trial thread ends here, idle or not
+
+            thread = threading.Thread(target=trial, name="icestate-idle-trial")
+            thread.start()
+            thread.join()
+        _IDLE_REVERSIBLE.append(bool(answer and answer[0]))
+        if not _IDLE_REVERSIBLE[0]:
+            log.info("merges run at normal priority: this process may not leave SCHED_IDLE again "
+                     "(no CAP_SYS_NICE, RLIMIT_NICE below 20)")
+    return _IDLE_REVERSIBLE[0]
 
 
 def _merge_on_spark(spark: Any, table: IcebergStateTable, works: list[MergeWork]) -> list[tuple[int, list, int]]:

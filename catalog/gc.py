@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -78,10 +79,14 @@ from statestore.paths import (
 
 logger = logging.getLogger(__name__)
 
+_MARK = re.compile(r"[0-9]{1,18}")
+
 # Orphans appear only when a process crashes or a commit fails, so the directory listing
 # (a full listing of the table's data, costly on object stores) runs at the first commit
 # after open and then once per this many commits, not at every checkpoint.
 ORPHAN_SWEEP_INTERVAL_COMMITS = 100
+# Tries of a full sweep beside a writer whose retention deletes the metadata it started from.
+SWEEP_ATTEMPTS = 5
 
 
 class GarbageCollector:
@@ -195,8 +200,11 @@ class GarbageCollector:
         if foreign:
             # Another table's files share this location (a table created over one whose catalog
             # entry was lost): nothing here can be told apart from that table's.
-            logger.error("state table %s shares its location %s with another table (%s): the orphan sweep deletes "
-                         "nothing there; see `icestate recover`", self._name, location, foreign[0])
+            message = (f"state table {self._name} shares its location {location} with another table ({foreign[0]}): "
+                       "the orphan sweep deletes nothing there; see `icestate recover`")
+            if run is not None:  # a sweep asked for: say it did nothing
+                raise CorruptMetadataError(message)
+            logger.error("%s", message)
             return [], []
         metadata = self._table.metadata
         newest = newest_checkpoint_id(metadata)
@@ -241,7 +249,16 @@ class GarbageCollector:
         if self._branch != MAIN_BRANCH:
             raise ValueError(f"only main is swept; the files of fork {self._branch!r} of state table {self._name} go "
                              "with the fork")
-        here, done = self._orphans(full=True, run=run)
+        for attempt in range(SWEEP_ATTEMPTS):
+            try:
+                here, done = self._orphans(full=True, run=run)
+                break
+            except FileNotFoundError:
+                # The writer expired snapshots (and deleted their files) since this process read
+                # the metadata: read it again.
+                if attempt == SWEEP_ATTEMPTS - 1:
+                    raise
+                self._table.refresh()
         self._delete_later(here)
         wait_for_deletes()
         return SweepResult(directories=len(done), listed=sum(d.listed for d in done),
@@ -275,15 +292,19 @@ class GarbageCollector:
         except FileNotFoundError:
             return  # deleted by an earlier, interrupted collection: nothing left to do
         except OSError as e:
-            logger.warning("could not delete %s of state table %s (%s); the next sweep retries", uri, self._name, e)
+            logger.warning("could not delete %s of state table %s (%s); a full sweep (`icestate sweep`) takes it later",
+                           uri, self._name, e)
 
 
 def initial_sweep_start(metadata: TableMetadata) -> int | None:
     """Where main's incremental orphan sweep starts for a new writer: the mark the newest
-    checkpoints carry (``SUMMARY_SWEPT_BELOW``), or None when none does (sweep everything)."""
-    marks = [summary_value(s, stored_keys.SUMMARY_SWEPT_BELOW) for s in metadata.snapshots]
-    found = [int(m) for m in marks if m is not None and m.isdigit()]
-    return max(found) if found else None
+    checkpoint that carries one holds (``SUMMARY_SWEPT_BELOW``; it may have gone down since an
+    older one, for a compaction output still undecided), or None when none does (sweep
+    everything). A mark that is not a plain number is ignored."""
+    marked = [(s.sequence_number or 0, s.timestamp_ms, summary_value(s, stored_keys.SUMMARY_SWEPT_BELOW))
+              for s in metadata.snapshots]
+    marked = [m for m in marked if m[2] is not None and _MARK.fullmatch(m[2])]
+    return int(max(marked)[2]) if marked else None
 
 
 def next_sweep_start(newest: int, undecided: Iterable[int | None]) -> int:
@@ -362,10 +383,12 @@ def _sweep_listed(work: DirectorySweep, files: dict[str, float | None], delete: 
             except FileNotFoundError:
                 pass
             except OSError as e:
-                logger.warning("could not delete orphan %s (%s); the next sweep retries", uri, e)
+                logger.warning("could not delete orphan %s (%s); the next full sweep takes it", uri, e)
+    # A compaction output no checkpoint holds yet, too young to tell (committed ones are for
+    # expiry; without a modification time only a full sweep can tell).
     undecided = [parse_compaction_name(uri)[0] for uri, mtime in files.items()
-                 if parse_compaction_name(uri) is not None and uri not in found
-                 and (mtime is None or mtime >= work.settled_before)]
+                 if parse_compaction_name(uri) is not None and uri not in found and uri not in work.live
+                 and mtime is not None and mtime >= work.settled_before]
     return DirectoryFound(work.directory, len(files), tuple(found), min(undecided, default=None), os.getpid())
 
 

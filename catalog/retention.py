@@ -18,7 +18,9 @@ snapshot references, so the plan is computed over every retained snapshot:
 
 A crash between expiry and deletion loses the expired snapshots, and with them the list
 of files to delete. ``orphans`` finds such files (and those of crashed commits) again by
-name: segments carry their checkpoint id (``statestore.paths``), manifests and manifest
+name, among the files a sweep lists (the writer's own sweeps list the checkpoint
+directories written since their last pass, so older leftovers of this kind wait for a full
+sweep, ``catalog.gc``): segments carry their checkpoint id (``statestore.paths``), manifests and manifest
 lists of checkpoint commits carry it in their commit UUID (``catalog.naming``). A file is
 an orphan only when no snapshot in the metadata references it and its checkpoint id is
 at most the newest committed one, so files of a checkpoint being written now are safe. A

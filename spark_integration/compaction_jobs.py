@@ -7,7 +7,7 @@ writer's table (metadata it holds, no I/O) and no round is running, a round star
 the driver: ``catalog.compaction.compact(..., spark=session)`` on a table object of its own, again
 until the policy selects nothing (at most ``ROUNDS_MAX`` compactions), each merging as one Spark
 job (a task per unit, at most ``CompactionPolicy.max_units``, by default a quarter of the
-application's task slots: ``bounded``; each merge at ``SCHED_IDLE`` priority) in the scheduler pool
+application's task slots: ``bounded``; each merge at ``SCHED_IDLE`` priority where allowed) in the scheduler pool
 ``icestate-compaction`` (with ``spark.scheduler.mode=FAIR`` the stream's jobs and these share the
 executors; Spark's default FIFO runs them in turn), committed by the driver in its own snapshot.
 A round never blocks or fails a batch: its errors are logged, and the next checkpoint tries again.

@@ -436,3 +436,23 @@ def test_a_merge_in_a_spark_task_runs_at_idle_priority_and_gives_it_back():
     finally:
         release.set()
         started.join()
+
+
+def test_where_a_worker_may_not_leave_idle_priority_a_merge_keeps_its_own(monkeypatch):
+    monkeypatch.setattr(compaction_module, "_IDLE_REVERSIBLE", [False])  # as in a container without CAP_SYS_NICE
+    with idle_priority():
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+def test_max_units_counts_every_unit_a_selected_segment_reaches():
+    from statestore.table import SegmentFile
+
+    u = [KeyGroupRange.of(i, i + 3) for i in range(0, 16, 4)]
+
+    def seg(name, lo, hi):
+        return SegmentFile(name, 1, lo, hi, 1, 1)
+
+    selected = {u[0]: [seg("wide", 0, 7)], u[2]: [seg("c", 8, 11)], u[3]: [seg("d1", 12, 15), seg("d2", 12, 15)]}
+    assert list(compaction_module._within(selected, u, 2)) == [u[3], u[2]]  # the wide one would make three
+    assert list(compaction_module._within(selected, u, 3)) == [u[3], u[0]]
+    assert list(compaction_module._within({u[0]: selected[u[0]]}, u, 1)) == [u[0]]  # the first always

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
 
 from pyiceberg.table import TableProperties
 
 from catalog import properties as props
-from catalog.gc import DirectorySweep, next_sweep_start, sweep_directory
+from catalog.gc import DirectorySweep, initial_sweep_start, next_sweep_start, sweep_directory
 from catalog.naming import checkpoint_of_commit_file, commit_uuid
 from statestore.keygroups import KeyGroupRange
 from statestore.paths import (
@@ -227,6 +228,10 @@ def test_a_directory_sweep_deletes_exactly_its_orphans_and_keeps_an_unsettled_co
     assert sorted(p.name for p in directory.iterdir()) == sorted(
         names[k] for k in ("live", "in_flight", "young_cmp", "other"))
     assert (found.listed, found.undecided_from, found.pid) == (6, 120, os.getpid())
+    # a young compaction output a checkpoint already holds is for expiry: it keeps no directory in view
+    held = DirectorySweep(str(tmp_path / "t"), (), str(directory), frozenset(
+        {str(directory / names[k]) for k in ("live", "young_cmp")}), newest=500, settled_before=settled_before)
+    assert sweep_directory(held).undecided_from is None
     # the next incremental sweep starts at that compaction's directory until it settled
     assert next_sweep_start(500, [found.undecided_from, None]) == 120
     assert next_sweep_start(500, [None]) == 500 - COMPACTION_GRACE_CHECKPOINTS and next_sweep_start(3, []) == 0
@@ -234,3 +239,34 @@ def test_a_directory_sweep_deletes_exactly_its_orphans_and_keeps_an_unsettled_co
     assert window_dirs(0, 0) == ["c000000000000"] and window_dirs(5, 4) == []
     assert parse_window_dir("s3://b/t/data/c000000000300/") == 300
     assert parse_window_dir("c000000000301") is None and parse_window_dir("branches") is None
+
+
+def test_a_new_writer_starts_at_the_mark_of_the_newest_checkpoint_and_ignores_one_that_is_not_a_number():
+    def snapshot(seq: int, mark: str | None):
+        props = {} if mark is None else {SUMMARY_SWEPT_BELOW: mark}
+        return SimpleNamespace(sequence_number=seq, timestamp_ms=seq, summary=SimpleNamespace(
+            additional_properties=props))
+
+    def start(*marks):
+        return initial_sweep_start(SimpleNamespace(snapshots=[snapshot(i + 1, m) for i, m in enumerate(marks)]))
+
+    assert start() is None and start(None, None) is None
+    assert start("300", "284") == 284  # gone down (a compaction output still undecided): the newest says
+    assert start("284", None) == 284
+    assert start("7", "²") == 7 and start("x") is None and start("1" * 40) is None
+
+
+def test_a_full_sweep_beside_a_writer_whose_retention_deleted_what_it_read_reads_the_metadata_again(open_table):
+    writer = open_table(retain_checkpoints=2)
+    for _ in range(3):
+        commit_next(writer)
+    sweeper = open_table(retain_checkpoints=2)  # another process's view: checkpoints 2 and 3
+    for _ in range(4):
+        commit_next(writer)  # expires 2 and 3 and deletes their manifest lists
+    writer.wait_for_deletes()
+    orphan = os.path.join(os.path.dirname(writer.segments(ALL)[0].path), segment_file_name(1, 9, 0))
+    with open(orphan, "wb") as f:
+        f.write(b"x")
+    result = sweeper.sweep()
+    assert result.deleted >= 1 and not file_exists(orphan)
+    assert table_files(writer) == referenced_files(writer)
