@@ -193,7 +193,7 @@ class GarbageCollector:
         listed here and returned as orphans, or with ``run`` listed and deleted where ``run``
         sends each directory (``sweep_directory``: a thread, a Spark task)."""
         location = self._table.location().rstrip("/")
-        metadata_files = self._list_file_infos(f"{location}/{METADATA_DIR}")
+        metadata_files = list_dir(self._locations, f"{location}/{METADATA_DIR}")[0]
         logged = {e.metadata_file for e in self._table.metadata.metadata_log} | {self._table.metadata_location}
         foreign, unreadable = foreign_metadata(self._table, [
             p for p in metadata_files if p not in logged and metadata_json_version(p) >= 0])
@@ -220,7 +220,7 @@ class GarbageCollector:
         found = orphans(
             list(flat), [p for p in metadata_files if p not in unreadable], metadata,
             self._table.metadata_location, self._cache,
-            operator_files=self._list_files(f"{data_dir}/{OPERATOR_DIR}"),
+            operator_files=list(list_dir(self._locations, f"{data_dir}/{OPERATOR_DIR}")[0]),
             settled=lambda uri: mtimes.get(uri) is not None and mtimes[uri] < young, live=every_live,
         )
         live: dict[str, set[str]] = {name: set() for name in windows}
@@ -233,7 +233,7 @@ class GarbageCollector:
         works = [DirectorySweep(location, io, f"{data_dir}/{name}", frozenset(live[name]), newest, young)
                  for name in windows]
         if run is None:
-            done = [_sweep_listed(w, self._list_file_infos(w.directory), delete=None) for w in works]
+            done = [_sweep_listed(w, list_dir(self._locations, w.directory)[0], delete=None) for w in works]
             found += [uri for d in done for uri in d.orphans]
         else:
             done = run(works) if works else []
@@ -278,22 +278,8 @@ class GarbageCollector:
                 if i.type == pafs.FileType.File and parse_output_name(i.path) is not None
                 and i.mtime is not None and i.mtime.timestamp() < older_than]
 
-    def _list_files(self, directory_uri: str) -> list[str]:
-        return list(self._list_file_infos(directory_uri))
-
-    def _list_file_infos(self, directory_uri: str) -> dict[str, float | None]:
-        """URI -> modification time (epoch seconds; None when the filesystem has none)."""
-        return list_dir(self._locations, directory_uri)[0]
-
     def _delete_file(self, uri: str) -> None:
-        """Delete one file; a missing one is already deleted, a failure is logged."""
-        try:
-            self._locations.filesystem.delete_file(self._locations.to_path(uri))
-        except FileNotFoundError:
-            return  # deleted by an earlier, interrupted collection: nothing left to do
-        except OSError as e:
-            logger.warning("could not delete %s of state table %s (%s); a full sweep (`icestate sweep`) takes it later",
-                           uri, self._name, e)
+        delete_file(self._locations, uri, self._name)
 
 
 def initial_sweep_start(metadata: TableMetadata) -> int | None:
@@ -378,18 +364,25 @@ def _sweep_listed(work: DirectorySweep, files: dict[str, float | None], delete: 
                          lambda uri: files.get(uri) is not None and files[uri] < work.settled_before)
     if delete is not None:
         for uri in found:
-            try:
-                delete.filesystem.delete_file(delete.to_path(uri))
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                logger.warning("could not delete orphan %s (%s); the next full sweep takes it", uri, e)
+            delete_file(delete, uri, work.location)
     # A compaction output no checkpoint holds yet, too young to tell (committed ones are for
     # expiry; without a modification time only a full sweep can tell).
     undecided = [parse_compaction_name(uri)[0] for uri, mtime in files.items()
                  if parse_compaction_name(uri) is not None and uri not in found and uri not in work.live
                  and mtime is not None and mtime >= work.settled_before]
     return DirectoryFound(work.directory, len(files), tuple(found), min(undecided, default=None), os.getpid())
+
+
+def delete_file(locations: Locations, uri: str, table: str) -> None:
+    """Delete one file of ``table``; a missing one is already deleted (an earlier, interrupted
+    collection), a failure is logged: a full sweep (``icestate sweep``) takes it later."""
+    try:
+        locations.filesystem.delete_file(locations.to_path(uri))
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        logger.warning("could not delete %s of state table %s (%s); a full sweep (`icestate sweep`) takes it later",
+                       uri, table, e)
 
 
 def list_dir(locations: Locations, directory_uri: str) -> tuple[dict[str, float | None], list[str]]:
