@@ -163,9 +163,12 @@ _STORES: dict[tuple[str, int], _TaskStore] = {}
 
 def _open(plan: BatchPlan, task: int) -> _TaskStore:
     clock = _Clock()
+    clock.now_ms = plan.processing_time_ms  # the host's shared views resolved later than this are not this batch's
     config = dataclasses.replace(plan.store_config, clock_ms=clock)
     if config.count_live_rows is None:  # Spark's numRowsTotal (``statestore.live_rows``)
         config = dataclasses.replace(config, count_live_rows=True)
+    if config.host_views is None:  # one copy of a task's views per host, whichever worker runs it
+        config = dataclasses.replace(config, host_views=True)
     table = TaskStateTable(plan.view, plan.layout)
     store = StateStore(table, task_index=task, parallelism=plan.parallelism, config=config)
     timers = TimerService(store) if plan.time_mode != "none" else None
@@ -173,6 +176,7 @@ def _open(plan: BatchPlan, task: int) -> _TaskStore:
 
 
 def _reset(ts: _TaskStore, plan: BatchPlan, task: int) -> None:
+    ts.clock.now_ms = plan.processing_time_ms
     ts.store.table.advance(plan.view)
     ts.store.restore(plan.base_checkpoint_id)
     ts.token = plan.task_tokens.get(task)
@@ -307,8 +311,8 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
     store = ts.store
     ts.clock.now_ms = plan.processing_time_ms
     token = uuid.uuid4().hex
-    if ts is not kept:
-        before = store.stats()
+    if ts is not kept:  # a new store: what its opening read (mapping the host's views, catching up) counts
+        before = dict.fromkeys(store.stats(), 0)
     fired_before = ts.timers.fired if ts.timers is not None else 0
     if plan.operator_state:
         _operator_state(ts, plan, task)
@@ -350,6 +354,9 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
         "files_opened": after["segment_files_opened"] - before["segment_files_opened"],
         "cache_size_bytes": after["cache_size_bytes"],
         "cache_evictions": after["cache_evictions"] - before["cache_evictions"],
+        # key groups mapped from the host's shared views (``statestore.host_views``) and written there
+        "views_mapped": after["host_views_mapped"] - before["host_views_mapped"],
+        "views_published": after["host_views_published"] - before["host_views_published"],
         **{name: after[name] - before[name] for name in FILE_CACHE_STATS},
         "segments": len(segments), "segment_bytes": sum(s.size_bytes for s in segments),
         "timers": ts.timers.count() if ts.timers is not None else 0,

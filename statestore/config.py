@@ -56,6 +56,15 @@ class StoreConfig:
         (``live_rows.LiveRowCounter``; ``StateStore.live_row_change``): each key's state is
         read before its first write since the last flush, and at the flush. None: the runner
         decides (the Spark runner counts, for ``numRowsTotal``; the store alone does not).
+    host_views: share resolved views with the other processes of the host
+        (``host_views.HostViews``): whole key groups a store resolves from a committed
+        checkpoint are written once as memory-mapped files, and a store of those key groups
+        opened in any process of the host maps them and reads only what was committed since,
+        instead of loading them again (a Spark task moved to another Python worker). None: the
+        runner decides (the Spark runner shares, the store alone does not).
+    host_views_dir: where the shared views live; None: ``<file cache directory>/views``.
+    host_views_bytes_max: bound of the shared views of every process of the host together
+        (least recently used first out); the file cache's reserved free bytes are kept free too.
     """
 
     cache_size_bytes_max: int = 512 * 1024 * 1024
@@ -72,10 +81,13 @@ class StoreConfig:
     view_partial_share_max: float = 0.5
     view_index_rows_min: int = 16384
     count_live_rows: bool | None = None
+    host_views: bool | None = None
+    host_views_dir: str | None = None
+    host_views_bytes_max: int = 8 * 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
         for name in ("cache_size_bytes_max", "row_group_rows_min", "row_group_rows_max", "footer_cache_entries_max",
-                     "file_cache_bytes_max"):
+                     "file_cache_bytes_max", "host_views_bytes_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"StoreConfig.{name} must be a positive int, got {value!r}")
@@ -99,5 +111,7 @@ class StoreConfig:
                 f"StoreConfig.file_cache_mode must be one of {FILE_CACHE_MODES}, got {self.file_cache_mode!r}")
         if self.file_cache_dir is not None and (not isinstance(self.file_cache_dir, str) or not self.file_cache_dir):
             raise ValueError(f"StoreConfig.file_cache_dir must be a non-empty str or None, got {self.file_cache_dir!r}")
+        if self.host_views_dir is not None and (not isinstance(self.host_views_dir, str) or not self.host_views_dir):
+            raise ValueError(f"StoreConfig.host_views_dir must be a non-empty str or None, got {self.host_views_dir!r}")
         if self.row_group_rows_min > self.row_group_rows_max:
             raise ValueError("StoreConfig.row_group_rows_min must not exceed row_group_rows_max")

@@ -469,19 +469,9 @@ class FileCache:
         with contextlib.suppress(OSError):
             os.utime(local, ns=(entry.used_ns, os.stat(local).st_mtime_ns))
 
-    @contextlib.contextmanager
     def _evict_lock(self):
-        """The host's eviction lock (``flock`` on ``<directory>/.evict.lock``; none without fcntl)."""
-        fd = None
-        if fcntl is not None:
-            with contextlib.suppress(OSError):
-                fd = os.open(os.path.join(self.root, _EVICT_LOCK_FILE), os.O_CREAT | os.O_RDWR, 0o600)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            if fd is not None:
-                os.close(fd)  # releases the lock
+        """The host's eviction lock (``flock`` on ``<directory>/.evict.lock``)."""
+        return host_lock(os.path.join(self.root, _EVICT_LOCK_FILE))
 
     def _disk_has_room(self, n: int) -> bool:
         try:
@@ -494,6 +484,22 @@ class FileCache:
         self._size_bytes -= entry.size
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.path, entry.name))
+
+
+@contextlib.contextmanager
+def host_lock(path: str):
+    """An exclusive ``flock`` on the file ``path`` (made if missing) while inside: one process of
+    the host at a time (none without fcntl, or when the file cannot be made)."""
+    fd = None
+    if fcntl is not None:
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def _evict_foreign(f: _Foreign) -> bool:

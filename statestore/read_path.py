@@ -65,6 +65,7 @@ from statestore.config import StoreConfig
 from statestore.descriptors import StateDescriptor, StateKind
 from statestore.entries import read_entries, variable_entry_schema
 from statestore.file_cache import FileCache, FileCacheCounters, file_cache_for
+from statestore.host_views import HostViews, Snapshot, SnapshotDamaged, host_views_for, slot_name
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import CHECKPOINT_ID, EXPIRE_AT_MS, KEY_GROUP, OP, OP_DELETE, STATE
 from statestore.memtable import KG, Memtable
@@ -148,6 +149,7 @@ def _index_map(keys: Iterable[tuple], rows: Iterable[tuple], hashed: Iterable[An
 
 
 _NOT_PREFETCHED = object()
+_AFTER = "__after"  # a key group's checkpoint its views hold, while catching up
 
 
 @dataclass
@@ -251,6 +253,11 @@ class StateReader:
         # since (``recorded``): the live row count then needs no second read of keys just read.
         self.record_lookups = False
         self._last_lookup: tuple[str, pl.DataFrame, pl.DataFrame] | None = None
+        # The host's shared views (``host_views``), when the config shares them.
+        self._host: HostViews | None = host_views_for(config)
+        self._slot = slot_name(self.layout, table.filesystem.type_name) if self._host is not None else ""
+        self.host_views_mapped = 0  # key groups mapped from the host's views
+        self.host_views_published = 0  # key groups written to them
 
     # ---------------------------------------------------------------- lifecycle events
 
@@ -291,13 +298,15 @@ class StateReader:
         self._forget_indexes()
         self._forget_dead_footers()
         self._trim()
+        self._publish_committed()
 
-    def catch_up(self, newer: Sequence[SegmentFile], after_checkpoint_id: int) -> None:
+    def catch_up(self, newer: Sequence[SegmentFile], after_checkpoint_id: int | dict[int, int]) -> None:
         """Bring the cached views forward by the entries of ``newer``: segments of the task's
         key groups that the checkpoint the views hold exactly (``after_checkpoint_id``) did not
         have, all written after it (``StateStore.catch_up`` checks that). Their entries become
         ``pending`` parts of the views they touch, applied at the next read as a committed
-        flush of this store's own would be."""
+        flush of this store's own would be. ``after_checkpoint_id`` may be given per key group
+        (views mapped from the host's snapshots of several checkpoints)."""
         self._forget_indexes()
         cached = sorted(self._cache.key_groups())
         if not newer or not cached:
@@ -306,7 +315,12 @@ class StateReader:
         # (``committed``): the newer segments' entries join them and the views take all at their
         # next read, in one refresh.
         entries = read_entries(self._segments, newer, np.asarray(cached, dtype=np.int64), self._entry_schema)
-        entries = entries.filter(pl.col(CHECKPOINT_ID) > after_checkpoint_id)
+        if isinstance(after_checkpoint_id, dict):
+            after = pl.DataFrame({KEY_GROUP: list(after_checkpoint_id), _AFTER: list(after_checkpoint_id.values())},
+                                 schema={KEY_GROUP: entries.schema[KEY_GROUP], _AFTER: pl.Int64})
+            entries = entries.join(after, on=KEY_GROUP).filter(pl.col(CHECKPOINT_ID) > pl.col(_AFTER)).drop(_AFTER)
+        else:
+            entries = entries.filter(pl.col(CHECKPOINT_ID) > after_checkpoint_id)
         for desc in self.layout.descriptors:
             part = entries.filter(pl.col(STATE) == desc.name)
             if not part.height:
@@ -347,6 +361,8 @@ class StateReader:
             "cache_misses": self._cache.misses,
             "cache_partial_reads": self.partial_reads,
             "cache_evictions": self._cache.evictions,
+            "host_views_mapped": self.host_views_mapped,
+            "host_views_published": self.host_views_published,
             "segment_bytes_read": sum(r.bytes_read for r in self._readers()),
             "segment_files_opened": sum(r.files_opened for r in self._readers()),
             # This store's share of the process's file cache (zeros without one): a fetch is
@@ -1095,6 +1111,123 @@ class StateReader:
                 groups[kg].applied[desc.name] = len(self._memtable.parts(desc.name, kg))
         for kg, group in groups.items():
             self._cache.put(kg, group)
+        self._publish(kgs)
+
+    # ---------------------------------------------------------------- the host's shared views
+
+    def adopt_host_views(self) -> int:
+        """Fill an empty cache with the host's shared views (``host_views``) of this reader's
+        key groups that the opened checkpoint descends from, the newest of each, within the
+        cache's bound, and catch them up with the entries committed since (read at the next
+        read, as ``catch_up`` does); how many key groups were mapped. Nothing is read but the
+        snapshots' manifests, and their files once per process (their digests)."""
+        host, info = self._host, self._table.current_checkpoint()
+        if host is None or info is None or len(self._cache) or self._unsettled or self._memtable.entry_count():
+            return 0
+        now, wanted = self._now_ms(), set(range(self.key_group_range.start, self.key_group_range.end + 1))
+        budget = self._config.cache_size_bytes_max
+        chosen: dict[int, Snapshot] = {}
+        for snap in host.snapshots(self._slot):
+            kgs = [kg for kg in snap.key_groups if kg in wanted and kg not in chosen]
+            if not kgs:
+                continue
+            span = self._table.segments(KeyGroupRange.of(snap.key_groups[0], snap.key_groups[-1]))
+            if not snap.usable(info.checkpoint_id, ((s.path, s.size_bytes, s.record_count) for s in span), now):
+                continue
+            for kg in kgs:
+                size = sum(f[1] for runs in snap.views[kg].values() for run in runs for f in run.files)
+                if size > budget:
+                    break
+                budget -= size
+                chosen[kg] = snap
+        if not chosen:
+            return 0
+        groups = self._map_snapshots(chosen)
+        if not groups:
+            return 0
+        self._installs += 1
+        self._forget_view_indexes()
+        for kg, group in groups.items():
+            self._cache.put(kg, group)
+        snaps = {chosen[kg].path: chosen[kg] for kg in groups}
+        common = frozenset.intersection(*(frozenset(p for p, _, _ in s.segments) for s in snaps.values()))
+        newer = [s for s in self._table.segments(self.key_group_range) if s.path not in common]
+        self.catch_up(newer, {kg: chosen[kg].checkpoint_id for kg in groups})
+        self.host_views_mapped += len(groups)
+        return len(groups)
+
+    def _map_snapshots(self, chosen: dict[int, Snapshot]) -> dict[int, CachedKeyGroup]:
+        """The cached groups of ``chosen`` (key group -> snapshot), mapped; a damaged
+        snapshot's are left out (and the snapshot deleted)."""
+        groups: dict[int, CachedKeyGroup] = {}
+        damaged: set[str] = set()
+        for kg in sorted(chosen):
+            snap = chosen[kg]
+            if snap.path in damaged:
+                continue
+            try:
+                group = CachedKeyGroup()
+                for desc in self.layout.descriptors:
+                    runs = snap.views[kg].get(desc.name)
+                    if runs is None:
+                        raise SnapshotDamaged(f"{snap.path}: no view of {desc.name!r} in key group {kg}")
+                    parts = self._host.open_runs(snap, runs, self._empty_view(desc).schema)
+                    group.views[desc.name] = KeyedView.of_parts(parts, self.key_names, self._index_rows_min,
+                                                                self.merge_ratio)
+                    group.applied[desc.name] = 0
+                groups[kg] = group
+            except SnapshotDamaged as e:
+                log.warning("shared state views: %s; its key groups load from the table", e)
+                damaged.add(snap.path)
+                self._host.discard(snap)
+        for kg in [kg for kg in groups if chosen[kg].path in damaged]:
+            del groups[kg]
+        for snap in {chosen[kg].path: chosen[kg] for kg in groups}.values():
+            self._host.used(snap)
+        return groups
+
+    def _publish_committed(self) -> None:
+        """After a commit with nothing written since: bring the whole cached key groups to the
+        committed checkpoint (their pending entries applied, as their next read would) and write
+        them to the host's shared views, linking the runs they already share from there."""
+        if self._host is None or self._unsettled or self._memtable.entry_count():
+            return
+        kgs = sorted(kg for kg in self._cache.key_groups() if self._is_whole(kg))
+        if kgs:
+            self._refresh_all(kgs)
+            self._publish(kgs)
+
+    def _publish(self, kgs: Sequence[int]) -> None:
+        """Write the views of ``kgs`` just resolved whole to the host's shared views, when they
+        are exactly the opened checkpoint's (no unsettled flush, no memtable entry of theirs),
+        and keep them mapped from there (one copy on the host)."""
+        host, info = self._host, self._table.current_checkpoint()
+        if host is None or info is None or self._unsettled or any(
+                self._memtable.parts(d.name, kg) for d in self.layout.descriptors for kg in kgs):
+            return
+        kgs = sorted(kgs)
+        views = {}
+        for kg in kgs:
+            group = self._cache.peek(kg)
+            if group is None or group.covered is not None or group.pending:
+                return
+            views[kg] = {name: view.parts() for name, view in group.views.items()}
+        span = self._table.segments(KeyGroupRange.of(int(kgs[0]), int(kgs[-1])))
+        try:
+            snap = host.publish(self._slot, info.checkpoint_id, self._now_ms(),
+                                [(s.path, s.size_bytes, s.record_count) for s in span], views)
+        except OSError as e:
+            log.warning("shared state views: cannot write to %s (%s); views stay private", host.root, e)
+            return
+        if snap is None:
+            return
+        self.host_views_published += len(kgs)
+        mapped = self._map_snapshots(dict.fromkeys(kgs, snap))
+        for kg, group in mapped.items():
+            cached = self._cache.peek(kg)
+            cached.views = group.views  # the same rows, now the host's pages instead of this process's
+            self._cache.resized(kg)
+        self._forget_view_indexes()
 
     def _read(self, kgs: Sequence[int], schema: pa.Schema, state: str | None = None,
               keys: pl.DataFrame | None = None) -> pl.DataFrame:

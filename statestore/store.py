@@ -94,6 +94,7 @@ class StateStore:
         # The keys ``prepare_keys`` prepared last, normalized, with their key groups.
         self._prepared: tuple[pa.Table, np.ndarray] | None = None
         self._closed = False
+        self.reader.adopt_host_views()  # the host's shared views of the opened checkpoint, if any
 
     # ---------------------------------------------------------------- state handles
 
@@ -359,6 +360,7 @@ class StateStore:
         info = self._table.restore(checkpoint_id)
         self._reset()
         self._exact = self._exact_now()
+        self.reader.adopt_host_views()
         return info
 
     def catch_up(self) -> bool:

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 import polars as pl
 
+from statestore.host_views import RunPart
 from statestore.layout import EXPIRE_AT_MS
 from statestore.resolve import ORD, live_rows
 
@@ -80,7 +81,7 @@ def _min_expiry(frame: pl.DataFrame, alive: np.ndarray | None) -> int | None:
 class _Run:
     """Rows that never change, their key hashes sorted, and which rows are still live."""
 
-    __slots__ = ("alive", "dead", "frame", "frame_bytes", "hashes", "min_expiry", "order", "top_ord")
+    __slots__ = ("alive", "dead", "frame", "frame_bytes", "hashes", "min_expiry", "order", "source", "top_ord")
 
     def __init__(self, frame: pl.DataFrame, key_names: Sequence[str], hashes: np.ndarray | None = None,
                  order: np.ndarray | None = None, unsorted: np.ndarray | None = None):
@@ -99,6 +100,7 @@ class _Run:
         self.dead = 0
         self.min_expiry = _min_expiry(frame, None)
         self.top_ord: int | None = None  # a list's greatest ord, dead rows included (made when asked)
+        self.source = None  # the host's snapshot run it is mapped from (``RunPart.source``)
 
     @property
     def live(self) -> int:
@@ -149,6 +151,17 @@ class _Run:
     def live_frame(self) -> pl.DataFrame:
         return self.frame if self.alive is None else self.frame.filter(pl.Series(self.alive))
 
+    @classmethod
+    def of_part(cls, part: RunPart, key_names: Sequence[str]) -> _Run:
+        """A run of ``part`` (an indexed one: its hashes and order kept as they are, mapped or not)."""
+        run = cls(part.frame, key_names, part.hashes, part.order)
+        run.source = part.source
+        if part.alive is not None:
+            run.alive = part.alive
+            run.dead = int(part.alive.size - np.count_nonzero(part.alive))
+            run.min_expiry = _min_expiry(part.frame, part.alive)
+        return run
+
     def live_index(self) -> tuple[np.ndarray, np.ndarray]:
         """The sorted hashes and their rows, of the live rows only, rows numbered as in ``live_frame``."""
         if self.alive is None:
@@ -186,6 +199,26 @@ class KeyedView:
         self._plain: pl.DataFrame | None = frame  # the view as one frame, while not indexed
         self._runs: list[_Run] = []
         self._frame: pl.DataFrame | None = frame  # the materialized frame, while current
+
+    @classmethod
+    def of_parts(cls, parts: Sequence[RunPart], key_names: Sequence[str], index_rows_min: int,
+                 merge_ratio: float = MERGE_RATIO) -> KeyedView:
+        """The view kept as ``parts`` (``parts()`` of a view: one plain frame, or indexed runs)."""
+        if len(parts) == 1 and parts[0].hashes is None:
+            return cls(parts[0].frame, key_names, index_rows_min, merge_ratio)
+        view = cls(parts[0].frame.clear(), key_names, index_rows_min, merge_ratio)
+        view._plain = view._frame = None
+        view._runs = [_Run.of_part(p, view.key_names) for p in parts]
+        return view
+
+    def parts(self, index: bool = True) -> list[RunPart]:
+        """The view as it is kept: one plain frame, or its runs (indexed first when ``index``
+        and large enough, as its first change would)."""
+        if index:
+            self._index()
+        if self._plain is not None:
+            return [RunPart(self._plain)]
+        return [RunPart(r.frame, r.hashes, r.order, r.alive, r.source) for r in self._runs]
 
     @property
     def indexed(self) -> bool:

@@ -243,6 +243,28 @@ def test_a_task_staying_in_its_worker_keeps_its_store_and_cache(location, worker
     assert state_counts(location, driver.layout, all_keys()) == [4] * 6
 
 
+def test_a_task_in_a_fresh_worker_maps_the_views_another_worker_committed(location, drivers, monkeypatch):
+    """One copy of the state per host: a worker's commits write its views to the host's shared
+    views, and a worker that never ran the task maps them and reads only the segment committed
+    since (not the task's whole state); a third worker too, and the state stays exact."""
+    workers = Workers(monkeypatch, 3)
+    try:
+        driver = drivers(location, RunningAggregate("count"))
+        for _ in range(3):  # each batch commits the one before it in the worker: published there
+            stats = run_batch(driver, workers, all_keys(), worker_of=lambda t: 0)
+        assert all(s["views_published"] > 0 for s in stats.values()), stats
+        stats = run_batch(driver, workers, all_keys(), worker_of=lambda t: 1)
+        assert all(s["views_mapped"] > 0 and s["files_opened"] == 1 for s in stats.values()), stats
+        stats = run_batch(driver, workers, all_keys(), worker_of=lambda t: 2)
+        assert all(s["views_mapped"] > 0 and s["files_opened"] <= 2 for s in stats.values()), stats
+        stats = run_batch(driver, workers, all_keys(), worker_of=lambda t: 0)  # back: its own store catches up
+        assert all(s["views_mapped"] == 0 for s in stats.values()), stats
+        assert state_counts(location, driver.layout, all_keys()) == [6] * 6
+        assert sql_counts(location) == dict.fromkeys(all_keys(), 6)
+    finally:
+        workers.close()
+
+
 def test_a_task_back_in_a_worker_reads_only_the_segments_written_since(location, workers, drivers):
     """Spark gives a task to any idle worker: a store whose task ran elsewhere meanwhile
     catches up from the checkpoint it holds, reading only the segments its task wrote since

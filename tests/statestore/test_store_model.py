@@ -580,6 +580,57 @@ class TwoWorkersMachine(StoreMachine):
         self.states = {d.name: store.get_state(d.name) for d in DESCRIPTORS}
 
 
+class HostWorkersMachine(StoreMachine):
+    """Three stores over one table taking turns, as three Spark Python workers of one host
+    sharing its views (``StoreConfig.host_views``): every whole load at an exact checkpoint is
+    written to the host's snapshots, and a store opened or restored maps the newest snapshot
+    each key group descends from, then catches up with the entries committed since. On a switch
+    the next worker either keeps its own store (catching up, or restoring when its checkpoint is
+    off the newest line: a restore maps too) or starts a new one (mapping). Restores to older
+    checkpoints, reopens and TTL meet snapshots of other checkpoints and resolution times: every
+    invariant reads through the store that took over."""
+
+    CONFIG: ClassVar[dict] = {"view_index_rows_min": 0, "view_partial_reads_max": 0, "host_views": True}
+    WORKERS = 3
+
+    def __init__(self) -> None:
+        self.workers: dict[int, tuple] = {}  # worker -> (table, store, checkpoint it holds exactly)
+        self.worker = 0
+        super().__init__()
+
+    def new_store(self, table) -> StateStore:
+        store = StateStore(table, config=StoreConfig(clock_ms=lambda: self.now_ms, host_views_dir=f"{self.dir}.views",
+                                                     **self.CONFIG))
+        store.reader.restrict_ratio = store.reader.replace_ratio = store.reader.replace_ratio_indexed = 0
+        store.reader.merge_ratio = 1
+        event(f"store opened with {store.stats()['host_views_mapped'] > 0} mapped views")
+        return store
+
+    def teardown(self) -> None:
+        super().teardown()
+        shutil.rmtree(f"{self.dir}.views", ignore_errors=True)
+
+    @rule(data=st.data())
+    def switch_worker(self, data):
+        self.checkpoint(data)
+        self.workers[self.worker] = (self.table, self.store, self.head)
+        self.worker = data.draw(st.sampled_from([w for w in range(self.WORKERS) if w != self.worker]))
+        kept = self.workers.get(self.worker)
+        if kept is None or data.draw(st.booleans()):
+            table = DirectoryStateTable(self.dir, self.layout(), retain_checkpoints=RETAIN_CHECKPOINTS)
+            store = self.new_store(table)
+        else:
+            table, store, at = kept
+            table.restore(self.head)
+            if at in self.line(self.head) and store.catch_up():
+                event("switch: caught up")
+            else:
+                store.restore(self.head)
+                event(f"switch: restored, mapped {store.stats()['host_views_mapped'] > 0}")
+        self.table, self.store = table, store
+        self.states = {d.name: store.get_state(d.name) for d in DESCRIPTORS}
+
+
 MODEL_SETTINGS = settings(
     max_examples=8, stateful_step_count=50, derandomize=True, database=None, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -599,6 +650,8 @@ TestUnhashedLookups = UnhashedLookupsMachine.TestCase
 TestUnhashedLookups.settings = settings(MODEL_SETTINGS, max_examples=6)
 TestTwoWorkers = TwoWorkersMachine.TestCase
 TestTwoWorkers.settings = settings(MODEL_SETTINGS, max_examples=8)
+TestHostWorkers = HostWorkersMachine.TestCase
+TestHostWorkers.settings = settings(MODEL_SETTINGS, max_examples=8)
 
 
 

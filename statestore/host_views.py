@@ -1,0 +1,521 @@
+"""``HostViews``: resolved key-group views written once per host and memory-mapped by every
+process of it (every Python worker of an executor).
+
+Spark hands a task to whichever idle Python worker comes first. Each worker resolving the
+task's views itself would load the same state again (seconds for millions of keys) and hold
+a copy per worker. Instead, a store that resolved whole key groups from a committed
+checkpoint writes their views here, and any process of the host that opens a store of those
+key groups maps them (no read, no copy: the pages are the kernel's page cache, shared by
+every process that maps the file) and catches up with the segments committed since.
+
+A *snapshot* is a directory ``<root>/<slot>/<checkpoint id>-<pid>-<random>/`` holding the
+views of some key groups exactly as of one committed checkpoint (no uncommitted write):
+
+* ``manifest.json``: the format, the checkpoint id, the processing time the views were
+  resolved at, the segments (path, size, record count) of the snapshot's key-group span at
+  that checkpoint, and per key group and variable the view's *runs* (``views.KeyedView``):
+  each run's files with their sizes and xxh3-64 digests;
+* per run ``<run>.arrow`` (the rows: Arrow IPC, uncompressed, strings as views, so that polars
+  maps them without a copy) and, for an indexed run, ``<run>.hashes.npy`` / ``<run>.order.npy``
+  (the sorted key hashes and the row of each) and, when some rows are dead,
+  ``<run>.alive.npy``.
+
+The *slot* names what every snapshot in it is a view of: the format, polars' version (the
+key hashes are polars' row hashes), the filesystem's type and the state layout (key and
+entry schemas, variables, key groups). Which table a snapshot belongs to is said by its
+segments: a segment's path is unique (it carries a random part), so a snapshot may serve a
+store exactly when every segment it lists is among the store's checkpoint's segments of the
+same key groups (then the store's checkpoint descends from it, and what it lacks are the
+entries of newer checkpoints, read by ``StateReader.catch_up``), its checkpoint is not
+newer than the store's, and it was resolved at a time not after the store's clock (a view
+drops rows expired at its resolution time).
+
+Crash safety: a snapshot is written under ``.tmp-<pid>-<random>`` and renamed into place
+complete, so no process ever sees a partial one; a writer killed midway leaves a temporary
+directory that the next writer removes (its pid gone). A file is mapped only after its size
+and digest were checked (once per process and file: device, inode, size and mtime); a
+snapshot that fails any check is deleted and its key groups load from the table as without
+it. Files are never changed in place; a deleted or replaced file stays readable by the
+processes that mapped it (POSIX unlink), so eviction never pulls a run from under a reader.
+
+Bound: every snapshot of the host together stays within ``bytes_max`` and leaves
+``reserved_free_bytes`` free on its disk: a writer that needs room deletes the least
+recently used snapshots first (a use stamps the snapshot directory's modification time),
+under an ``flock`` on ``<root>/.evict.lock``; a snapshot replaced by a newer one of the same
+key groups is deleted when the newer one is written.
+
+Threat model (``docs/reliability.md``): the root is a directory of this user's alone
+(``private_directory``); the manifest is JSON checked field by field, file names in it must
+be plain names, arrays are loaded with ``allow_pickle=False``; nothing in a snapshot is
+executed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import mmap
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import xxhash
+
+from statestore.layout import StateLayout
+from statestore.private_dir import private_directory
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+_EVICT_LOCK = ".evict.lock"
+_SNAPSHOT = re.compile(r"^(\d{12})-(\d+)-[0-9a-f]{8}$")
+_TMP = re.compile(r"^\.tmp-(\d+)-[0-9a-f]{8}$")
+_SLOT = re.compile(r"^[0-9a-f]{32}$")
+_FILE = re.compile(r"^r\d{1,6}\.(arrow|hashes\.npy|order\.npy|alive\.npy)$")
+_SUFFIXES = ("arrow", "hashes.npy", "order.npy", "alive.npy")
+# A temporary directory older than this is removed even when its writer's pid is alive (pid reuse).
+_TMP_STALE_S = 3600
+_DIGEST_CHUNK = 16 * 1024 * 1024
+
+
+def default_directory(file_cache_dir: str | None) -> str:
+    """``<the file cache's directory>/views`` (see ``file_cache.default_directory``)."""
+    from statestore.file_cache import default_directory as file_cache_directory
+
+    return os.path.join(file_cache_dir or file_cache_directory(), "views")
+
+
+def slot_name(layout: StateLayout, filesystem_type: str) -> str:
+    """The slot of snapshots of ``layout``'s state on a filesystem of ``filesystem_type``."""
+    h = hashlib.sha256()
+    for part in (str(FORMAT), pl.__version__, filesystem_type, str(layout.max_parallelism),
+                 ",".join(layout.key_names), ";".join(f"{d.name}:{d.kind.name}" for d in layout.descriptors)):
+        h.update(part.encode())
+        h.update(b"\0")
+    h.update(layout.entry_schema.serialize().to_pybytes())
+    return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    name: str  # the run's file stem in the snapshot, r<n>
+    rows: int
+    files: tuple[tuple[str, int, int], ...]  # (suffix, size, digest) of each of its files
+
+    def has(self, suffix: str) -> bool:
+        return any(s == suffix for s, _, _ in self.files)
+
+
+@dataclass(frozen=True)
+class RunPart:
+    """One run of a view as it lies in memory: ``frame`` and, for an indexed run, its sorted key
+    hashes, the row of each and which rows are live (None: all)."""
+
+    frame: pl.DataFrame
+    hashes: np.ndarray | None = None
+    order: np.ndarray | None = None
+    alive: np.ndarray | None = None
+    # The snapshot (directory) and run this one was mapped from: its files never change, so a
+    # later snapshot links them instead of writing the rows again (the same pages on the host).
+    source: tuple[str, RunFiles] | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A snapshot's manifest, as read and checked."""
+
+    path: str
+    checkpoint_id: int
+    resolved_at_ms: int
+    segments: frozenset[tuple[str, int, int]]  # (path, size, record count)
+    views: Mapping[int, Mapping[str, tuple[RunFiles, ...]]]  # key group -> variable -> runs
+    bytes: int
+
+    @property
+    def key_groups(self) -> list[int]:
+        return sorted(self.views)
+
+    def usable(self, checkpoint_id: int, segments: Iterable[tuple[str, int, int]], now_ms: int) -> bool:
+        """Whether the snapshot's views are those of a checkpoint ``checkpoint_id`` descends from
+        (``segments``: that checkpoint's of the snapshot's key groups at least) at ``now_ms``."""
+        return (self.checkpoint_id <= checkpoint_id and self.resolved_at_ms <= now_ms
+                and self.segments <= frozenset(segments))
+
+
+class SnapshotDamaged(Exception):
+    """A snapshot's files are not what its manifest says (lost, truncated, altered)."""
+
+
+class HostViews:
+    """The host's snapshots under ``root`` (see the module docstring). Thread safe."""
+
+    def __init__(self, root: str, bytes_max: int, reserved_free_bytes: int):
+        self.root = private_directory(root, what="the host's shared state views")
+        self.bytes_max = bytes_max
+        self.reserved_free_bytes = reserved_free_bytes
+        self._lock = threading.Lock()
+        # Files this process checked, as (device, inode, size, mtime_ns): a file linked into a
+        # later snapshot is the same file.
+        self._checked: set[tuple[int, int, int, int]] = set()
+        self.published = 0
+        self.mapped = 0
+        self.damaged = 0
+
+    # ------------------------------------------------------------------ writing
+
+    def publish(self, slot: str, checkpoint_id: int, resolved_at_ms: int,
+                segments: Iterable[tuple[str, int, int]],
+                views: Mapping[int, Mapping[str, Sequence[RunPart]]]) -> Snapshot | None:
+        """Write ``views`` (key group -> variable -> runs) as the snapshot of ``checkpoint_id``;
+        None when it does not fit the bound (nothing written). Replaced snapshots of the slot
+        (older, of no other key group) are deleted."""
+        slot_dir = os.path.join(self.root, slot)
+        os.makedirs(slot_dir, mode=0o700, exist_ok=True)
+        _remove_stale_temporaries(slot_dir)
+        tmp = os.path.join(slot_dir, f".tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        os.mkdir(tmp, 0o700)
+        try:
+            manifest_views, total, n = {}, 0, 0
+            for kg in sorted(views):
+                per_var = {}
+                for name, runs in views[kg].items():
+                    entries = []
+                    for run in runs:
+                        files = _write_run(tmp, f"r{n}", run)
+                        n += 1
+                        total += sum(size for _, size, _ in files)
+                        entries.append({"name": f"r{n - 1}", "rows": run.frame.height,
+                                        "files": [list(f) for f in files]})
+                    per_var[name] = entries
+                manifest_views[str(kg)] = per_var
+            manifest = {"format": FORMAT, "checkpoint_id": int(checkpoint_id), "resolved_at_ms": int(resolved_at_ms),
+                        "segments": sorted([list(s) for s in segments]), "views": manifest_views, "bytes": total}
+            with open(os.path.join(tmp, MANIFEST), "w") as f:
+                json.dump(manifest, f)
+            if not self._make_room(total, keep=slot_dir):
+                shutil.rmtree(tmp, ignore_errors=True)
+                return None
+            final = os.path.join(slot_dir, f"{checkpoint_id:012d}-{os.getpid()}-{secrets.token_hex(4)}")
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        snapshot = self._read_manifest(final)
+        for views_of in snapshot.views.values():  # digested as written: no need to read them again
+            for runs in views_of.values():
+                for run in runs:
+                    for suffix, _, _ in run.files:
+                        self._remember(os.path.join(final, f"{run.name}.{suffix}"))
+        self._drop_replaced(slot_dir, snapshot)
+        self.published += 1
+        return snapshot
+
+    # ------------------------------------------------------------------ reading
+
+    def snapshots(self, slot: str) -> list[Snapshot]:
+        """The slot's snapshots, newest checkpoint first (a manifest that does not parse is
+        deleted: a snapshot is renamed into place whole, so it was damaged)."""
+        slot_dir = os.path.join(self.root, slot)
+        try:
+            children = [c for c in os.scandir(slot_dir) if _SNAPSHOT.match(c.name) and c.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return []
+        found = []
+        for child in children:
+            try:
+                found.append(self._read_manifest(child.path))
+            except FileNotFoundError:
+                continue  # evicted meanwhile
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("shared state views: %s is damaged (%s); deleted", child.path, e)
+                self.damaged += 1
+                shutil.rmtree(child.path, ignore_errors=True)
+        found.sort(key=lambda s: (s.checkpoint_id, s.path), reverse=True)
+        return found
+
+    def open_runs(self, snapshot: Snapshot, runs: Sequence[RunFiles], schema: pl.Schema) -> list[RunPart]:
+        """The runs mapped (frames and hash arrays backed by the snapshot's files), each file
+        checked first. Raises SnapshotDamaged when a file is not as recorded or its frame's
+        schema is not ``schema``."""
+        out = []
+        for run in runs:
+            paths = {suffix: os.path.join(snapshot.path, f"{run.name}.{suffix}") for suffix, _, _ in run.files}
+            for suffix, size, dig in run.files:
+                self._check(paths[suffix], size, dig)
+            frame = _map_frame(paths["arrow"])
+            if frame.height != run.rows or frame.schema != schema:
+                raise SnapshotDamaged(f"{paths['arrow']}: {frame.height} rows of {frame.schema}, expected "
+                                      f"{run.rows} of {schema}")
+            hashes = order = alive = None
+            if "hashes.npy" in paths:
+                hashes = _load_array(paths["hashes.npy"], np.uint64, run.rows, mapped=True)
+                order = _load_array(paths["order.npy"], np.int64, run.rows, mapped=True)
+            if "alive.npy" in paths:
+                alive = np.array(_load_array(paths["alive.npy"], np.bool_, run.rows, mapped=True))  # changes in place
+            out.append(RunPart(frame, hashes, order, alive, (snapshot.path, run)))
+        return out
+
+    def used(self, snapshot: Snapshot) -> None:
+        """Stamp ``snapshot`` as used now (the eviction's order)."""
+        with contextlib.suppress(OSError):
+            os.utime(snapshot.path)
+        self.mapped += 1
+
+    def discard(self, snapshot: Snapshot) -> None:
+        """Delete a snapshot found damaged."""
+        self.damaged += 1
+        shutil.rmtree(snapshot.path, ignore_errors=True)
+
+    def size_bytes(self) -> int:
+        return sum(s for _, s, _ in self._all_snapshots())
+
+    # ------------------------------------------------------------------ internals
+
+    def _remember(self, path: str) -> None:
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            with self._lock:
+                self._checked.add((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+
+    def _check(self, path: str, size: int, dig: int) -> None:
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise SnapshotDamaged(f"{path}: {e}") from e
+        stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if st.st_size != size:
+            raise SnapshotDamaged(f"{path} is {st.st_size} bytes, its manifest says {size}")
+        with self._lock:
+            if stamp in self._checked:
+                return
+        if _file_digest(path) != dig:
+            raise SnapshotDamaged(f"{path}: its digest is not its manifest's")
+        with self._lock:
+            self._checked.add(stamp)
+
+    def _read_manifest(self, directory: str) -> Snapshot:
+        with open(os.path.join(directory, MANIFEST), "rb") as f:
+            raw = json.loads(f.read(16 * 1024 * 1024))
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise ValueError(f"format {raw.get('format') if isinstance(raw, dict) else None!r}, expected {FORMAT}")
+        segments = frozenset((_str(p), _int(s), _int(r)) for p, s, r in raw["segments"])
+        views: dict[int, dict[str, tuple[RunFiles, ...]]] = {}
+        for kg, per_var in _dict(raw["views"]).items():
+            views[int(kg)] = {_str(name): tuple(_run_files(r) for r in _list(runs))
+                              for name, runs in _dict(per_var).items()}
+        return Snapshot(directory, _int(raw["checkpoint_id"]), _int(raw["resolved_at_ms"]), segments, views,
+                        _int(raw["bytes"]))
+
+    def _drop_replaced(self, slot_dir: str, newest: Snapshot) -> None:
+        """Delete the slot's snapshots that ``newest`` replaces: not newer, and of none but its
+        key groups (a snapshot of other key groups may still serve another store)."""
+        mine = set(newest.views)
+        for other in self.snapshots(os.path.basename(slot_dir)):
+            if other.path != newest.path and other.checkpoint_id <= newest.checkpoint_id and set(other.views) <= mine:
+                shutil.rmtree(other.path, ignore_errors=True)
+
+    def _all_snapshots(self) -> list[tuple[str, int, int]]:
+        """Every snapshot of the host: (path, bytes, last use in ns)."""
+        out = []
+        with contextlib.suppress(OSError):
+            for slot in os.scandir(self.root):
+                if not (_SLOT.match(slot.name) and slot.is_dir(follow_symlinks=False)):
+                    continue
+                with contextlib.suppress(OSError):
+                    for snap in os.scandir(slot.path):
+                        if _SNAPSHOT.match(snap.name):
+                            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                                out.append((snap.path, self._read_manifest(snap.path).bytes,
+                                            snap.stat(follow_symlinks=False).st_mtime_ns))
+        return out
+
+    def _make_room(self, n: int, keep: str) -> bool:
+        """Delete least recently used snapshots until ``n`` more bytes fit; False if they cannot."""
+        if n > self.bytes_max:
+            return False
+        with self._evict_lock():
+            snaps = sorted(self._all_snapshots(), key=lambda s: s[2])
+            total = sum(s for _, s, _ in snaps)
+            for path, size, _ in snaps:
+                if total + n <= self.bytes_max and self._disk_has_room(n):
+                    break
+                shutil.rmtree(path, ignore_errors=True)
+                total -= size
+            return total + n <= self.bytes_max and self._disk_has_room(n)
+
+    def _disk_has_room(self, n: int) -> bool:
+        try:
+            return shutil.disk_usage(self.root).free - n >= self.reserved_free_bytes
+        except OSError:
+            return False
+
+    def _evict_lock(self):
+        from statestore.file_cache import host_lock
+
+        return host_lock(os.path.join(self.root, _EVICT_LOCK))
+
+
+def _write_run(directory: str, stem: str, run: RunPart) -> list[tuple[str, int, int]]:
+    """Write one run's files (link them, for a run mapped from a snapshot still there; its
+    live rows' mask is the only file written again); (suffix, size, digest) of each."""
+    if run.source is not None:
+        linked = _link_run(directory, stem, run)
+        if linked is not None:
+            return linked
+    files = []
+    path = os.path.join(directory, f"{stem}.arrow")
+    table = run.frame.to_arrow(compat_level=pl.CompatLevel.newest())
+    with ipc.new_file(path, table.schema) as writer:
+        writer.write_table(table)
+    files.append(("arrow", os.path.getsize(path), _file_digest(path)))
+    arrays = [("hashes.npy", run.hashes, np.uint64), ("order.npy", run.order, np.int64),
+              ("alive.npy", run.alive, np.bool_)]
+    for suffix, array, dtype in arrays:
+        if array is None:
+            continue
+        path = os.path.join(directory, f"{stem}.{suffix}")
+        np.save(path, np.ascontiguousarray(array, dtype=dtype), allow_pickle=False)
+        files.append((suffix, os.path.getsize(path), _file_digest(path)))
+    return files
+
+
+def _link_run(directory: str, stem: str, run: RunPart) -> list[tuple[str, int, int]] | None:
+    """Link the immutable files of ``run``'s source into ``directory``; None when they are gone."""
+    src_dir, src = run.source
+    files = []
+    try:
+        for suffix, size, dig in src.files:
+            if suffix != "alive.npy":
+                os.link(os.path.join(src_dir, f"{src.name}.{suffix}"), os.path.join(directory, f"{stem}.{suffix}"))
+                files.append((suffix, size, dig))
+    except OSError:
+        for suffix, _, _ in files:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, f"{stem}.{suffix}"))
+        return None
+    if run.alive is not None:
+        path = os.path.join(directory, f"{stem}.alive.npy")
+        np.save(path, np.ascontiguousarray(run.alive, dtype=np.bool_), allow_pickle=False)
+        files.append(("alive.npy", os.path.getsize(path), _file_digest(path)))
+    return files
+
+
+def _map_frame(path: str) -> pl.DataFrame:
+    """The Arrow IPC file at ``path`` as a frame over its memory-mapped bytes."""
+    try:
+        source = pa.memory_map(path)
+        table = ipc.open_file(source).read_all()
+        return pl.from_arrow(table, rechunk=False)
+    except (OSError, pa.ArrowException, ValueError, TypeError) as e:
+        raise SnapshotDamaged(f"{path}: {e}") from e
+
+
+def _load_array(path: str, dtype: type, rows: int, mapped: bool) -> np.ndarray:
+    try:
+        array = np.load(path, mmap_mode="r" if mapped else None, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise SnapshotDamaged(f"{path}: {e}") from e
+    if array.dtype != np.dtype(dtype) or array.shape != (rows,):
+        raise SnapshotDamaged(f"{path}: {array.dtype} of shape {array.shape}, expected {np.dtype(dtype)} of ({rows},)")
+    return array
+
+
+def _file_digest(path: str) -> int:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                for start in range(0, size, _DIGEST_CHUNK):
+                    h.update(m[start:start + _DIGEST_CHUNK])
+    return h.intdigest()
+
+
+def _remove_stale_temporaries(slot_dir: str) -> None:
+    """Remove the temporary directories of writers that died (or are an hour old)."""
+    from statestore.file_cache import _pid_alive
+
+    with contextlib.suppress(OSError):
+        for child in os.scandir(slot_dir):
+            m = _TMP.match(child.name)
+            if m is None:
+                continue
+            with contextlib.suppress(OSError):
+                if not _pid_alive(int(m.group(1))) or time.time() - child.stat().st_mtime > _TMP_STALE_S:
+                    shutil.rmtree(child.path, ignore_errors=True)
+
+
+def _run_files(raw: object) -> RunFiles:
+    raw = _dict(raw)
+    name = _str(raw["name"])
+    files = []
+    for suffix, size, dig in _list(raw["files"]):
+        if _str(suffix) not in _SUFFIXES or not _FILE.match(f"{name}.{suffix}"):
+            raise ValueError(f"file {name}.{suffix} is not a snapshot's")
+        files.append((suffix, _int(size), _int(dig)))
+    if not any(s == "arrow" for s, _, _ in files) or (
+            any(s == "hashes.npy" for s, _, _ in files) != any(s == "order.npy" for s, _, _ in files)):
+        raise ValueError(f"run {name} lacks files")
+    return RunFiles(name, _int(raw["rows"]), tuple(files))
+
+
+def _typed(v: object, kind: type, what: str):
+    if not isinstance(v, kind) or isinstance(v, bool) or (kind is int and v < 0):
+        raise ValueError(f"{v!r} is not {what}")
+    return v
+
+
+def _int(v: object) -> int:
+    return _typed(v, int, "a non-negative integer")
+
+
+def _str(v: object) -> str:
+    return _typed(v, str, "a string")
+
+
+def _dict(v: object) -> dict:
+    return _typed(v, dict, "an object")
+
+
+def _list(v: object) -> list:
+    return _typed(v, list, "a list")
+
+
+_HOSTS: dict[tuple[str, int, int], HostViews] = {}
+_HOSTS_LOCK = threading.Lock()
+
+
+def host_views(root: str, bytes_max: int, reserved_free_bytes: int) -> HostViews:
+    """The process's ``HostViews`` of ``root`` (one per root and bounds)."""
+    key = (root, bytes_max, reserved_free_bytes)
+    with _HOSTS_LOCK:
+        found = _HOSTS.get(key)
+        if found is None:
+            found = _HOSTS[key] = HostViews(root, bytes_max, reserved_free_bytes)
+        return found
+
+
+def host_views_for(config) -> HostViews | None:
+    """The process's ``HostViews`` for a store of ``config``, or None when it does not share
+    views (``StoreConfig.host_views`` not True). A directory that cannot be used is logged and
+    means no sharing: the shared views never fail a store."""
+    if not config.host_views:
+        return None
+    root = config.host_views_dir or default_directory(config.file_cache_dir)
+    try:
+        return host_views(root, config.host_views_bytes_max, config.file_cache_reserved_free_bytes)
+    except OSError as e:
+        log.warning("shared state views: cannot use %s (%s); views stay private", root, e)
+        return None
