@@ -334,6 +334,8 @@ class StateReader:
                     self._cache.resized(kg)
         self._forget_dead_footers()
         self._trim()
+        # The host's next reader of these key groups starts here, not where these views started.
+        self._publish_committed()
 
     def reset(self) -> None:
         """Forget every view, point index and unsettled flush: after a restore or a close, or
@@ -1187,9 +1189,10 @@ class StateReader:
         return groups
 
     def _publish_committed(self) -> None:
-        """After a commit with nothing written since: bring the whole cached key groups to the
-        committed checkpoint (their pending entries applied, as their next read would) and write
-        them to the host's shared views, linking the runs they already share from there."""
+        """After a commit or a catch-up, with nothing written since: bring the whole cached key
+        groups to the opened checkpoint (their pending entries applied, as their next read
+        would) and write them to the host's shared views, linking the runs they already share
+        from there."""
         if self._host is None or self._unsettled or self._memtable.entry_count():
             return
         kgs = sorted(kg for kg in self._cache.key_groups() if self._is_whole(kg))

@@ -20,7 +20,7 @@ from pyspark import cloudpickle
 from pyspark.sql import Row, SparkSession
 from pyspark.sql.streaming import StatefulProcessor
 
-from spark_integration import StateLocation, runner_of, start_stateful_query
+from spark_integration import RunningAggregate, StateLocation, runner_of, start_stateful_query
 
 INPUT_SCHEMA = "key string, v long"
 ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
@@ -219,3 +219,21 @@ class BadOutputProcessor(CountProcessor):
     def handleInputRows(self, key, rows, timerValues):
         list(CountProcessor.handleInputRows(self, key, rows, timerValues))
         yield Row(key=key[0], count="not a number")
+
+
+class ForgetfulCount(RunningAggregate):
+    """``RunningAggregate("count")`` whose Python workers forget their task stores in every batch
+    on an odd base checkpoint: the next batch's tasks then run as in workers that never ran them
+    (Spark gives a task to any idle worker), and the batch after that in the same stores again."""
+
+    def __init__(self) -> None:
+        super().__init__("count")
+
+    def process(self, batch):
+        from spark_integration import tasks
+
+        result = super().process(batch)
+        base = batch.store.table.current_checkpoint()
+        if base is not None and base.checkpoint_id % 2 == 1:
+            tasks._STORES.clear()  # the running task keeps its own reference, and flushes as usual
+        return result

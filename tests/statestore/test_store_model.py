@@ -651,7 +651,7 @@ TestUnhashedLookups.settings = settings(MODEL_SETTINGS, max_examples=6)
 TestTwoWorkers = TwoWorkersMachine.TestCase
 TestTwoWorkers.settings = settings(MODEL_SETTINGS, max_examples=8)
 TestHostWorkers = HostWorkersMachine.TestCase
-TestHostWorkers.settings = settings(MODEL_SETTINGS, max_examples=8)
+TestHostWorkers.settings = settings(MODEL_SETTINGS, max_examples=5)
 
 
 
