@@ -298,7 +298,9 @@ class StateReader:
         self._forget_indexes()
         self._forget_dead_footers()
         self._trim()
-        self._publish_committed()
+        info = self._table.current_checkpoint()
+        if info is not None and info.checkpoint_id == checkpoint_id:  # else the views are behind the table's
+            self._publish_committed()
 
     def catch_up(self, newer: Sequence[SegmentFile], after_checkpoint_id: int | dict[int, int]) -> None:
         """Bring the cached views forward by the entries of ``newer``: segments of the task's

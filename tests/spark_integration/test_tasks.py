@@ -265,6 +265,32 @@ def test_a_task_in_a_fresh_worker_maps_the_views_another_worker_committed(locati
         workers.close()
 
 
+def test_a_store_completing_an_older_flush_after_a_compaction_shares_no_views_behind_the_table(location, drivers,
+                                                                                               monkeypatch):
+    """A worker whose store's last flush was committed, but is not its task's newest (the task
+    ran in another worker since), completes it with the table already further: its views then
+    hold the older checkpoint, and must not be written to the host's shared views as the newer
+    one. With a compaction since, the store cannot catch up and restores, mapping what the host
+    has: a snapshot labelled with the wrong checkpoint would lose the other worker's batch."""
+    from catalog.compaction import compact
+
+    workers = Workers(monkeypatch, 3)
+    try:
+        driver = drivers(location, RunningAggregate("count"))
+        run_batch(driver, workers, all_keys(), worker_of=lambda t: 0)
+        run_batch(driver, workers, all_keys(), worker_of=lambda t: 0)  # commits the first: published there
+        run_batch(driver, workers, all_keys(), worker_of=lambda t: 1)
+        with location.open(driver.layout) as table:
+            assert compact(table) is not None
+        driver.table.restore()  # the driver sees the compaction, as a stream's next plan does
+        run_batch(driver, workers, all_keys(), worker_of=lambda t: 0)
+        run_batch(driver, workers, all_keys(), worker_of=lambda t: 2)  # a fresh worker maps the host's views
+        assert state_counts(location, driver.layout, all_keys()) == [5] * 6
+        assert sql_counts(location) == dict.fromkeys(all_keys(), 5)
+    finally:
+        workers.close()
+
+
 def test_a_task_back_in_a_worker_reads_only_the_segments_written_since(location, workers, drivers):
     """Spark gives a task to any idle worker: a store whose task ran elsewhere meanwhile
     catches up from the checkpoint it holds, reading only the segments its task wrote since
