@@ -260,10 +260,10 @@ class HostViews:
                                       f"{run.rows} of {schema}")
             hashes = order = alive = None
             if "hashes.npy" in paths:
-                hashes = _load_array(paths["hashes.npy"], np.uint64, run.rows, mapped=True)
-                order = _load_array(paths["order.npy"], np.int64, run.rows, mapped=True)
+                hashes = _load_array(paths["hashes.npy"], np.uint64, run.rows)
+                order = _load_array(paths["order.npy"], np.int64, run.rows)
             if "alive.npy" in paths:
-                alive = np.array(_load_array(paths["alive.npy"], np.bool_, run.rows, mapped=True))  # changes in place
+                alive = _load_array(paths["alive.npy"], np.bool_, run.rows).copy()  # changes in place
             out.append(RunPart(frame, hashes, order, alive, (snapshot.path, run)))
         return out
 
@@ -414,22 +414,32 @@ def _link_run(directory: str, stem: str, run: RunPart) -> list[tuple[str, int, i
 
 def _map_frame(path: str) -> pl.DataFrame:
     """The Arrow IPC file at ``path`` as a frame over its memory-mapped bytes."""
-    try:
-        source = pa.memory_map(path)
-        table = ipc.open_file(source).read_all()
+    try:  # (Arrow's mapping keeps no file descriptor open: a host maps thousands of runs)
+        table = ipc.open_file(pa.memory_map(path)).read_all()
         return pl.from_arrow(table, rechunk=False)
     except (OSError, pa.ArrowException, ValueError, TypeError) as e:
         raise SnapshotDamaged(f"{path}: {e}") from e
 
 
-def _load_array(path: str, dtype: type, rows: int, mapped: bool) -> np.ndarray:
+def _load_array(path: str, dtype: type, rows: int) -> np.ndarray:
+    """The ``.npy`` array at ``path`` (one dimension, ``rows`` of ``dtype``, never objects), read
+    only, over its memory-mapped bytes (numpy's own memmap keeps a file descriptor per array)."""
     try:
-        array = np.load(path, mmap_mode="r" if mapped else None, allow_pickle=False)
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"npy format {version}")
+            reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, found = reader(f)
+            offset = f.tell()
+        if found != np.dtype(dtype) or shape != (rows,) or fortran:
+            raise ValueError(f"{found} of shape {shape}, expected {np.dtype(dtype)} of ({rows},)")
+        buffer = pa.memory_map(path).read_buffer()
+        if buffer.size != offset + rows * found.itemsize:
+            raise ValueError(f"{buffer.size} bytes, expected {offset + rows * found.itemsize}")
+        return np.frombuffer(buffer, dtype=found, count=rows, offset=offset)
     except (OSError, ValueError) as e:
         raise SnapshotDamaged(f"{path}: {e}") from e
-    if array.dtype != np.dtype(dtype) or array.shape != (rows,):
-        raise SnapshotDamaged(f"{path}: {array.dtype} of shape {array.shape}, expected {np.dtype(dtype)} of ({rows},)")
-    return array
 
 
 def _file_digest(path: str) -> int:

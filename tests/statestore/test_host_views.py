@@ -222,3 +222,17 @@ sys.stdin.read()
     finally:
         first.communicate("")
     assert rss > 4_000 and pss < 0.6 * rss, (rss, pss)
+
+
+def test_mapped_runs_hold_no_file_descriptor(tmp_path):
+    """A host's workers map thousands of runs (key groups x variables x runs x tasks): each
+    mapping must not keep a file open (the process's descriptor limit is often 1024)."""
+    host = HostViews(str(tmp_path / "views"), 1 << 30, 0)
+    frame = pl.DataFrame({"k": ["a", "b"], "v": [1, 2]})
+    parts = RunPart(frame, np.array([1, 2], dtype=np.uint64), np.array([0, 1], dtype=np.int64),
+                    np.array([True, True]))
+    snap = host.publish("7" * 32, 1, 1, [], {0: {"v": [parts]}})
+    before = len(os.listdir("/proc/self/fd"))
+    runs = [host.open_runs(snap, snap.views[0]["v"], frame.schema)[0] for _ in range(300)]
+    assert len(os.listdir("/proc/self/fd")) < before + 10
+    assert runs[-1].frame.equals(frame) and runs[-1].order.tolist() == [0, 1]
