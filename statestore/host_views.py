@@ -22,13 +22,17 @@ views of some key groups exactly as of one committed checkpoint (no uncommitted 
 
 The *slot* names what every snapshot in it is a view of: the format, polars' version (the
 key hashes are polars' row hashes), the filesystem's type and the state layout (key and
-entry schemas, variables, key groups). Which table a snapshot belongs to is said by its
-segments: a segment's path is unique (it carries a random part), so a snapshot may serve a
-store exactly when every segment it lists is among the store's checkpoint's segments of the
-same key groups (then the store's checkpoint descends from it, and what it lacks are the
-entries of newer checkpoints, read by ``StateReader.catch_up``), its checkpoint is not
-newer than the store's, and it was resolved at a time not after the store's clock (a view
-drops rows expired at its resolution time).
+entry schemas, variables, key groups). Which table and line a snapshot belongs to is said by
+its segments: a segment's path is unique (it carries a random part). A snapshot's views are
+the resolution of exactly the segments it lists (of its key groups), so it serves a store
+whose checkpoint has every one of them and, beside them, only segments written by a flush
+after the newest of them (a flush's entries all carry its checkpoint id, newer than any
+entry of the snapshot's segments): the store applies those segments' entries on top
+(``StateReader.catch_up``), which is their resolution. Checkpoint ids alone say nothing (a
+fork, a restore to an older checkpoint, another table of the same layout number theirs
+anew); a compaction output beside them, or any file not named as a flush's segment, makes the
+snapshot unusable. It must also have been resolved at a time not after the store's clock (a
+view drops rows expired at its resolution time).
 
 Crash safety: a snapshot is written under ``.tmp-<pid>-<random>`` and renamed into place
 complete, so no process ever sees a partial one; a writer killed midway leaves a temporary
@@ -38,7 +42,8 @@ snapshot that fails any check is deleted and its key groups load from the table 
 it. Files are never changed in place; a deleted or replaced file stays readable by the
 processes that mapped it (POSIX unlink), so eviction never pulls a run from under a reader.
 
-Bound: every snapshot of the host together stays within ``bytes_max`` and leaves
+Bound: every snapshot of the host together stays within ``bytes_max`` (a snapshot's size is
+in its directory's name, ``<checkpoint id>-<bytes>-<pid>-<random>``) and leaves
 ``reserved_free_bytes`` free on its disk: a writer that needs room deletes the least
 recently used snapshots first (a use stamps the snapshot directory's modification time),
 under an ``flock`` on ``<root>/.evict.lock``; a snapshot replaced by a newer one of the same
@@ -46,8 +51,11 @@ key groups is deleted when the newer one is written.
 
 Threat model (``docs/reliability.md``): the root is a directory of this user's alone
 (``private_directory``); the manifest is JSON checked field by field, file names in it must
-be plain names, arrays are loaded with ``allow_pickle=False``; nothing in a snapshot is
-executed.
+be plain names, every file must be a regular file (no link, no pipe), arrays are read with
+their header checked (no objects, no pickle), and each file is checked once per process
+before its first use: size and digest (accidents: the digest sits in the same directory),
+Arrow's full validation of the rows, the hash index's order (sorted hashes, rows in range).
+Nothing in a snapshot is executed.
 """
 
 from __future__ import annotations
@@ -61,9 +69,10 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,14 +82,16 @@ import pyarrow.ipc as ipc
 import xxhash
 
 from statestore.layout import StateLayout
+from statestore.paths import parse_segment_name
 from statestore.private_dir import private_directory
+from statestore.table import SegmentFile
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
 MANIFEST = "manifest.json"
 _EVICT_LOCK = ".evict.lock"
-_SNAPSHOT = re.compile(r"^(\d{12})-(\d+)-[0-9a-f]{8}$")
+_SNAPSHOT = re.compile(r"^(\d{12})-(\d{1,15})-(\d+)-[0-9a-f]{8}$")
 _TMP = re.compile(r"^\.tmp-(\d+)-[0-9a-f]{8}$")
 _SLOT = re.compile(r"^[0-9a-f]{32}$")
 _FILE = re.compile(r"^r\d{1,6}\.(arrow|hashes\.npy|order\.npy|alive\.npy)$")
@@ -88,6 +99,8 @@ _SUFFIXES = ("arrow", "hashes.npy", "order.npy", "alive.npy")
 # A temporary directory older than this is removed even when its writer's pid is alive (pid reuse).
 _TMP_STALE_S = 3600
 _DIGEST_CHUNK = 16 * 1024 * 1024
+_MANIFEST_BYTES_MAX = 64 * 1024 * 1024
+_CHECKED_MAX = 1 << 16  # files remembered as checked, per process (then forgotten, checked again)
 
 
 def default_directory(file_cache_dir: str | None) -> str:
@@ -140,6 +153,7 @@ class Snapshot:
     checkpoint_id: int
     resolved_at_ms: int
     segments: frozenset[tuple[str, int, int]]  # (path, size, record count)
+    top_checkpoint_id: int  # the newest checkpoint id of its segments' entries (-1: none)
     views: Mapping[int, Mapping[str, tuple[RunFiles, ...]]]  # key group -> variable -> runs
     bytes: int
 
@@ -147,11 +161,25 @@ class Snapshot:
     def key_groups(self) -> list[int]:
         return sorted(self.views)
 
-    def usable(self, checkpoint_id: int, segments: Iterable[tuple[str, int, int]], now_ms: int) -> bool:
-        """Whether the snapshot's views are those of a checkpoint ``checkpoint_id`` descends from
-        (``segments``: that checkpoint's of the snapshot's key groups at least) at ``now_ms``."""
-        return (self.checkpoint_id <= checkpoint_id and self.resolved_at_ms <= now_ms
-                and self.segments <= frozenset(segments))
+    def newer_segments(self, segments: Sequence[SegmentFile], now_ms: int) -> list[SegmentFile] | None:
+        """What a store whose checkpoint has ``segments`` (of the snapshot's key groups at least)
+        applies on top of the snapshot's views at ``now_ms`` to hold its state: the segments
+        beside the snapshot's, each written by a flush after them; None when the snapshot is not
+        the state of an ancestor of that checkpoint (see the module docstring)."""
+        if self.resolved_at_ms > now_ms:
+            return None
+        have = {(s.path, s.size_bytes, s.record_count): s for s in segments}
+        if not self.segments <= have.keys():
+            return None
+        newer = []
+        for key, segment in have.items():
+            if key in self.segments:
+                continue
+            flushed = parse_segment_name(segment.path)
+            if flushed is None or flushed[0] != segment.checkpoint_id or flushed[0] <= self.top_checkpoint_id:
+                return None  # a compaction output, a foreign file, or entries not newer than the snapshot's
+            newer.append(segment)
+        return newer
 
 
 class SnapshotDamaged(Exception):
@@ -169,20 +197,22 @@ class HostViews:
         # Files this process checked, as (device, inode, size, mtime_ns): a file linked into a
         # later snapshot is the same file.
         self._checked: set[tuple[int, int, int, int]] = set()
+        # Manifests read, by snapshot directory (a directory's name is never reused: pid and random).
+        self._manifests: dict[str, Snapshot] = {}
         self.published = 0
         self.mapped = 0
         self.damaged = 0
 
     # ------------------------------------------------------------------ writing
 
-    def publish(self, slot: str, checkpoint_id: int, resolved_at_ms: int,
-                segments: Iterable[tuple[str, int, int]],
+    def publish(self, slot: str, checkpoint_id: int, resolved_at_ms: int, segments: Sequence[SegmentFile],
                 views: Mapping[int, Mapping[str, Sequence[RunPart]]]) -> Snapshot | None:
-        """Write ``views`` (key group -> variable -> runs) as the snapshot of ``checkpoint_id``;
-        None when it does not fit the bound (nothing written). Replaced snapshots of the slot
-        (older, of no other key group) are deleted."""
+        """Write ``views`` (key group -> variable -> runs: the resolution of exactly
+        ``segments`` at ``resolved_at_ms``, as of ``checkpoint_id``) as a snapshot; None when it
+        does not fit the bound (nothing written). Replaced snapshots of the slot are deleted."""
         slot_dir = os.path.join(self.root, slot)
-        os.makedirs(slot_dir, mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(slot_dir, 0o700)
         _remove_stale_temporaries(slot_dir)
         tmp = os.path.join(slot_dir, f".tmp-{os.getpid()}-{secrets.token_hex(4)}")
         os.mkdir(tmp, 0o700)
@@ -194,26 +224,29 @@ class HostViews:
                     entries = []
                     for run in runs:
                         files = _write_run(tmp, f"r{n}", run)
-                        n += 1
+                        entries.append({"name": f"r{n}", "rows": run.frame.height, "files": [list(f) for f in files]})
                         total += sum(size for _, size, _ in files)
-                        entries.append({"name": f"r{n - 1}", "rows": run.frame.height,
-                                        "files": [list(f) for f in files]})
+                        n += 1
                     per_var[name] = entries
                 manifest_views[str(kg)] = per_var
             manifest = {"format": FORMAT, "checkpoint_id": int(checkpoint_id), "resolved_at_ms": int(resolved_at_ms),
-                        "segments": sorted([list(s) for s in segments]), "views": manifest_views, "bytes": total}
+                        "segments": sorted([s.path, s.size_bytes, s.record_count] for s in segments),
+                        "top_checkpoint_id": max((s.checkpoint_id for s in segments), default=-1),
+                        "views": manifest_views, "bytes": total}
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump(manifest, f)
-            if not self._make_room(total, keep=slot_dir):
+            if not self._make_room(total):
                 shutil.rmtree(tmp, ignore_errors=True)
                 return None
-            final = os.path.join(slot_dir, f"{checkpoint_id:012d}-{os.getpid()}-{secrets.token_hex(4)}")
+            final = os.path.join(slot_dir, f"{checkpoint_id:012d}-{total}-{os.getpid()}-{secrets.token_hex(4)}")
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        snapshot = self._read_manifest(final)
-        for views_of in snapshot.views.values():  # digested as written: no need to read them again
+        snapshot = _parse(manifest, final)
+        with self._lock:
+            self._manifests[final] = snapshot
+        for views_of in snapshot.views.values():  # checked as written: no need to read them again
             for runs in views_of.values():
                 for run in runs:
                     for suffix, _, _ in run.files:
@@ -229,19 +262,31 @@ class HostViews:
         deleted: a snapshot is renamed into place whole, so it was damaged)."""
         slot_dir = os.path.join(self.root, slot)
         try:
+            if not stat.S_ISDIR(os.lstat(slot_dir).st_mode):
+                return []
             children = [c for c in os.scandir(slot_dir) if _SNAPSHOT.match(c.name) and c.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
+        except OSError:
             return []
         found = []
         for child in children:
+            known = self._manifests.get(child.path)
+            if known is not None:
+                found.append(known)
+                continue
             try:
-                found.append(self._read_manifest(child.path))
+                found.append(_read_manifest(child.path))
+                with self._lock:
+                    self._manifests[child.path] = found[-1]
             except FileNotFoundError:
                 continue  # evicted meanwhile
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except (OSError, ValueError, KeyError, TypeError, RecursionError, MemoryError) as e:
                 log.warning("shared state views: %s is damaged (%s); deleted", child.path, e)
                 self.damaged += 1
                 shutil.rmtree(child.path, ignore_errors=True)
+        listed = {c.path for c in children}
+        with self._lock:
+            for path in [p for p in self._manifests if os.path.dirname(p) == slot_dir and p not in listed]:
+                del self._manifests[path]
         found.sort(key=lambda s: (s.checkpoint_id, s.path), reverse=True)
         return found
 
@@ -252,9 +297,8 @@ class HostViews:
         out = []
         for run in runs:
             paths = {suffix: os.path.join(snapshot.path, f"{run.name}.{suffix}") for suffix, _, _ in run.files}
-            for suffix, size, dig in run.files:
-                self._check(paths[suffix], size, dig)
-            frame = _map_frame(paths["arrow"])
+            fresh = [self._check(paths[suffix], size, dig) for suffix, size, dig in run.files]
+            frame = _map_frame(paths["arrow"], validate=any(fresh))
             if frame.height != run.rows or frame.schema != schema:
                 raise SnapshotDamaged(f"{paths['arrow']}: {frame.height} rows of {frame.schema}, expected "
                                       f"{run.rows} of {schema}")
@@ -262,6 +306,9 @@ class HostViews:
             if "hashes.npy" in paths:
                 hashes = _load_array(paths["hashes.npy"], np.uint64, run.rows)
                 order = _load_array(paths["order.npy"], np.int64, run.rows)
+                if any(fresh) and run.rows and (
+                        bool((hashes[1:] < hashes[:-1]).any()) or int(order.min()) < 0 or int(order.max()) >= run.rows):
+                    raise SnapshotDamaged(f"{paths['hashes.npy']}: not a sorted index of the run's rows")
             if "alive.npy" in paths:
                 alive = _load_array(paths["alive.npy"], np.bool_, run.rows).copy()  # changes in place
             out.append(RunPart(frame, hashes, order, alive, (snapshot.path, run)))
@@ -285,49 +332,42 @@ class HostViews:
 
     def _remember(self, path: str) -> None:
         with contextlib.suppress(OSError):
-            st = os.stat(path)
+            st = os.lstat(path)
             with self._lock:
+                if len(self._checked) >= _CHECKED_MAX:
+                    self._checked.clear()
                 self._checked.add((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
-    def _check(self, path: str, size: int, dig: int) -> None:
+    def _check(self, path: str, size: int, dig: int) -> bool:
+        """Check the file at ``path`` (a regular file of ``size`` bytes and digest ``dig``) unless
+        this process checked it before; whether it was checked now."""
         try:
-            st = os.stat(path)
-        except OSError as e:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise SnapshotDamaged(f"{path} is not a regular file")
+            if st.st_size != size:
+                raise SnapshotDamaged(f"{path} is {st.st_size} bytes, its manifest says {size}")
+            with self._lock:
+                if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) in self._checked:
+                    return False
+            if _file_digest(path) != dig:
+                raise SnapshotDamaged(f"{path}: its digest is not its manifest's")
+        except OSError as e:  # gone meanwhile (evicted by another process), unreadable
             raise SnapshotDamaged(f"{path}: {e}") from e
-        stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        if st.st_size != size:
-            raise SnapshotDamaged(f"{path} is {st.st_size} bytes, its manifest says {size}")
-        with self._lock:
-            if stamp in self._checked:
-                return
-        if _file_digest(path) != dig:
-            raise SnapshotDamaged(f"{path}: its digest is not its manifest's")
-        with self._lock:
-            self._checked.add(stamp)
-
-    def _read_manifest(self, directory: str) -> Snapshot:
-        with open(os.path.join(directory, MANIFEST), "rb") as f:
-            raw = json.loads(f.read(16 * 1024 * 1024))
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise ValueError(f"format {raw.get('format') if isinstance(raw, dict) else None!r}, expected {FORMAT}")
-        segments = frozenset((_str(p), _int(s), _int(r)) for p, s, r in raw["segments"])
-        views: dict[int, dict[str, tuple[RunFiles, ...]]] = {}
-        for kg, per_var in _dict(raw["views"]).items():
-            views[int(kg)] = {_str(name): tuple(_run_files(r) for r in _list(runs))
-                              for name, runs in _dict(per_var).items()}
-        return Snapshot(directory, _int(raw["checkpoint_id"]), _int(raw["resolved_at_ms"]), segments, views,
-                        _int(raw["bytes"]))
+        self._remember(path)
+        return True
 
     def _drop_replaced(self, slot_dir: str, newest: Snapshot) -> None:
-        """Delete the slot's snapshots that ``newest`` replaces: not newer, and of none but its
-        key groups (a snapshot of other key groups may still serve another store)."""
+        """Delete the slot's snapshots that ``newest`` replaces: of none but its key groups, and
+        neither of a newer checkpoint nor over newer segments."""
         mine = set(newest.views)
         for other in self.snapshots(os.path.basename(slot_dir)):
-            if other.path != newest.path and other.checkpoint_id <= newest.checkpoint_id and set(other.views) <= mine:
+            if other.path != newest.path and set(other.views) <= mine and other.checkpoint_id <= newest.checkpoint_id \
+                    and other.top_checkpoint_id <= newest.top_checkpoint_id:
                 shutil.rmtree(other.path, ignore_errors=True)
 
     def _all_snapshots(self) -> list[tuple[str, int, int]]:
-        """Every snapshot of the host: (path, bytes, last use in ns)."""
+        """Every snapshot of the host: (path, bytes, last use in ns), from the directories' names."""
         out = []
         with contextlib.suppress(OSError):
             for slot in os.scandir(self.root):
@@ -335,29 +375,30 @@ class HostViews:
                     continue
                 with contextlib.suppress(OSError):
                     for snap in os.scandir(slot.path):
-                        if _SNAPSHOT.match(snap.name):
-                            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                                out.append((snap.path, self._read_manifest(snap.path).bytes,
-                                            snap.stat(follow_symlinks=False).st_mtime_ns))
+                        m = _SNAPSHOT.match(snap.name)
+                        if m is not None:
+                            with contextlib.suppress(OSError):
+                                out.append((snap.path, int(m.group(2)), snap.stat(follow_symlinks=False).st_mtime_ns))
         return out
 
-    def _make_room(self, n: int, keep: str) -> bool:
-        """Delete least recently used snapshots until ``n`` more bytes fit; False if they cannot."""
+    def _make_room(self, n: int) -> bool:
+        """Delete least recently used snapshots until ``n`` more bytes (already written, under a
+        temporary name) fit; False if they cannot."""
         if n > self.bytes_max:
             return False
         with self._evict_lock():
             snaps = sorted(self._all_snapshots(), key=lambda s: s[2])
             total = sum(s for _, s, _ in snaps)
             for path, size, _ in snaps:
-                if total + n <= self.bytes_max and self._disk_has_room(n):
+                if total + n <= self.bytes_max and self._disk_has_room():
                     break
                 shutil.rmtree(path, ignore_errors=True)
                 total -= size
-            return total + n <= self.bytes_max and self._disk_has_room(n)
+            return total + n <= self.bytes_max and self._disk_has_room()
 
-    def _disk_has_room(self, n: int) -> bool:
+    def _disk_has_room(self) -> bool:
         try:
-            return shutil.disk_usage(self.root).free - n >= self.reserved_free_bytes
+            return shutil.disk_usage(self.root).free >= self.reserved_free_bytes
         except OSError:
             return False
 
@@ -412,10 +453,13 @@ def _link_run(directory: str, stem: str, run: RunPart) -> list[tuple[str, int, i
     return files
 
 
-def _map_frame(path: str) -> pl.DataFrame:
-    """The Arrow IPC file at ``path`` as a frame over its memory-mapped bytes."""
+def _map_frame(path: str, validate: bool = True) -> pl.DataFrame:
+    """The Arrow IPC file at ``path`` as a frame over its memory-mapped bytes, fully validated
+    first when ``validate`` (offsets and string views in bounds: bad ones would crash a reader)."""
     try:  # (Arrow's mapping keeps no file descriptor open: a host maps thousands of runs)
         table = ipc.open_file(pa.memory_map(path)).read_all()
+        if validate:
+            table.validate(full=True)
         return pl.from_arrow(table, rechunk=False)
     except (OSError, pa.ArrowException, ValueError, TypeError) as e:
         raise SnapshotDamaged(f"{path}: {e}") from e
@@ -465,6 +509,33 @@ def _remove_stale_temporaries(slot_dir: str) -> None:
             with contextlib.suppress(OSError):
                 if not _pid_alive(int(m.group(1))) or time.time() - child.stat().st_mtime > _TMP_STALE_S:
                     shutil.rmtree(child.path, ignore_errors=True)
+
+
+def _read_manifest(directory: str) -> Snapshot:
+    fd = os.open(os.path.join(directory, MANIFEST), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError("the manifest is not a regular file")
+        data = f.read(_MANIFEST_BYTES_MAX + 1)
+    if len(data) > _MANIFEST_BYTES_MAX:
+        raise ValueError(f"the manifest is over {_MANIFEST_BYTES_MAX} bytes")
+    return _parse(json.loads(data), directory)
+
+
+def _parse(raw: object, directory: str) -> Snapshot:
+    raw = _dict(raw)
+    if raw.get("format") != FORMAT:
+        raise ValueError(f"format {raw.get('format')!r}, expected {FORMAT}")
+    segments = frozenset((_str(p), _int(s), _int(r)) for p, s, r in _list(raw["segments"]))
+    views: dict[int, dict[str, tuple[RunFiles, ...]]] = {}
+    for kg, per_var in _dict(raw["views"]).items():
+        views[int(kg)] = {_str(name): tuple(_run_files(r) for r in _list(runs))
+                          for name, runs in _dict(per_var).items()}
+    top = raw["top_checkpoint_id"]
+    if top != -1:
+        _int(top)
+    return Snapshot(directory, _int(raw["checkpoint_id"]), _int(raw["resolved_at_ms"]), segments, top, views,
+                    _int(raw["bytes"]))
 
 
 def _run_files(raw: object) -> RunFiles:

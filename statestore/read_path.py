@@ -149,7 +149,13 @@ def _index_map(keys: Iterable[tuple], rows: Iterable[tuple], hashed: Iterable[An
 
 
 _NOT_PREFETCHED = object()
-_AFTER = "__after"  # a key group's checkpoint its views hold, while catching up
+# The host's shared views of a reader's key groups are written at its first commit (or load),
+# then again once they are this many
+# checkpoints behind the reader's (a task moved to another worker reads at most about as many
+# checkpoints' segments to catch up), or once this share of the views' bytes is the process's
+# own (new runs, merges: one copy on the host again).
+HOST_VIEWS_LAG_MAX = 4
+HOST_VIEWS_PRIVATE_SHARE_MAX = 0.25
 
 
 @dataclass
@@ -230,6 +236,7 @@ class StateReader:
         self._installs = 0  # changes of the cached key groups (see ``CoverPlan.installs``)
         self._entry_schema = self.layout.entry_schema
         self._entry_schemas = self._polars_entry_schemas()
+        self._view_schemas = {d.name: self._empty_view(d).schema for d in self.layout.descriptors}
         self._indexable = all(
             pa.types.is_string(f.type) or pa.types.is_binary(f.type) or pa.types.is_integer(f.type)
             or pa.types.is_boolean(f.type) or pa.types.is_date32(f.type) for f in self.layout.key_schema)
@@ -258,6 +265,8 @@ class StateReader:
         self._slot = slot_name(self.layout, table.filesystem.type_name) if self._host is not None else ""
         self.host_views_mapped = 0  # key groups mapped from the host's views
         self.host_views_published = 0  # key groups written to them
+        self._host_lag = 0  # checkpoints the host's views of the cached key groups are behind them
+        self._host_has = False  # whether the host has views of them (written or mapped here)
 
     # ---------------------------------------------------------------- lifecycle events
 
@@ -298,30 +307,29 @@ class StateReader:
         self._forget_indexes()
         self._forget_dead_footers()
         self._trim()
+        self._host_lag += 1
         info = self._table.current_checkpoint()
         if info is not None and info.checkpoint_id == checkpoint_id:  # else the views are behind the table's
             self._publish_committed()
 
-    def catch_up(self, newer: Sequence[SegmentFile], after_checkpoint_id: int | dict[int, int]) -> None:
-        """Bring the cached views forward by the entries of ``newer``: segments of the task's
-        key groups that the checkpoint the views hold exactly (``after_checkpoint_id``) did not
-        have, all written after it (``StateStore.catch_up`` checks that). Their entries become
-        ``pending`` parts of the views they touch, applied at the next read as a committed
-        flush of this store's own would be. ``after_checkpoint_id`` may be given per key group
-        (views mapped from the host's snapshots of several checkpoints)."""
+    def catch_up(self, newer: Sequence[SegmentFile], after_checkpoint_id: int | None,
+                 key_groups: Sequence[int] | None = None, publish: bool = True) -> None:
+        """Bring the cached views (of ``key_groups`` only, when given) forward by the entries of
+        ``newer``: segments of the task's key groups that the views' checkpoint did not have, all
+        written after it (``StateStore.catch_up`` checks that; entries of checkpoints up to
+        ``after_checkpoint_id`` are skipped, None: none is). Their entries become ``pending``
+        parts of the views they touch, applied at the next read as a committed flush of this
+        store's own would be; the views are then shared with the host (``publish``, see
+        ``_publish_committed``)."""
         self._forget_indexes()
-        cached = sorted(self._cache.key_groups())
+        cached = sorted(self._cache.key_groups() if key_groups is None else key_groups)
         if not newer or not cached:
             return
         # The store's own committed entries still pending carry their segment's ords
         # (``committed``): the newer segments' entries join them and the views take all at their
         # next read, in one refresh.
         entries = read_entries(self._segments, newer, np.asarray(cached, dtype=np.int64), self._entry_schema)
-        if isinstance(after_checkpoint_id, dict):
-            after = pl.DataFrame({KEY_GROUP: list(after_checkpoint_id), _AFTER: list(after_checkpoint_id.values())},
-                                 schema={KEY_GROUP: entries.schema[KEY_GROUP], _AFTER: pl.Int64})
-            entries = entries.join(after, on=KEY_GROUP).filter(pl.col(CHECKPOINT_ID) > pl.col(_AFTER)).drop(_AFTER)
-        else:
+        if after_checkpoint_id is not None:
             entries = entries.filter(pl.col(CHECKPOINT_ID) > after_checkpoint_id)
         for desc in self.layout.descriptors:
             part = entries.filter(pl.col(STATE) == desc.name)
@@ -336,8 +344,9 @@ class StateReader:
                     self._cache.resized(kg)
         self._forget_dead_footers()
         self._trim()
-        # The host's next reader of these key groups starts here, not where these views started.
-        self._publish_committed()
+        self._host_lag += len({s.checkpoint_id for s in newer})
+        if publish:
+            self._publish_committed()
 
     def reset(self) -> None:
         """Forget every view, point index and unsettled flush: after a restore or a close, or
@@ -346,6 +355,7 @@ class StateReader:
         self._prefetched = None
         self._cache.clear()
         self._unsettled.clear()
+        self._host_lag, self._host_has = 0, False
 
     def _forget_dead_footers(self) -> None:
         """Keep the footers of the table's live segments of this reader's key groups only: the
@@ -1131,13 +1141,16 @@ class StateReader:
         now, wanted = self._now_ms(), set(range(self.key_group_range.start, self.key_group_range.end + 1))
         budget = self._config.cache_size_bytes_max
         chosen: dict[int, Snapshot] = {}
+        newer_of: dict[str, list[SegmentFile]] = {}
         for snap in host.snapshots(self._slot):
             kgs = [kg for kg in snap.key_groups if kg in wanted and kg not in chosen]
             if not kgs:
                 continue
-            span = self._table.segments(KeyGroupRange.of(snap.key_groups[0], snap.key_groups[-1]))
-            if not snap.usable(info.checkpoint_id, ((s.path, s.size_bytes, s.record_count) for s in span), now):
+            newer = snap.newer_segments(self._table.segments(KeyGroupRange.of(snap.key_groups[0], snap.key_groups[-1])),
+                                        now)
+            if newer is None:
                 continue
+            newer_of[snap.path] = newer
             for kg in kgs:
                 size = sum(f[1] for runs in snap.views[kg].values() for run in runs for f in run.files)
                 if size > budget:
@@ -1153,11 +1166,11 @@ class StateReader:
         self._forget_view_indexes()
         for kg, group in groups.items():
             self._cache.put(kg, group)
-        snaps = {chosen[kg].path: chosen[kg] for kg in groups}
-        common = frozenset.intersection(*(frozenset(p for p, _, _ in s.segments) for s in snaps.values()))
-        newer = [s for s in self._table.segments(self.key_group_range) if s.path not in common]
-        self.catch_up(newer, {kg: chosen[kg].checkpoint_id for kg in groups})
+        for path in {chosen[kg].path for kg in groups}:  # each snapshot's key groups take its newer segments
+            self.catch_up(newer_of[path], None, [kg for kg in groups if chosen[kg].path == path], publish=False)
         self.host_views_mapped += len(groups)
+        self._host_has = True
+        self._publish_committed()
         return len(groups)
 
     def _map_snapshots(self, chosen: dict[int, Snapshot]) -> dict[int, CachedKeyGroup]:
@@ -1175,7 +1188,7 @@ class StateReader:
                     runs = snap.views[kg].get(desc.name)
                     if runs is None:
                         raise SnapshotDamaged(f"{snap.path}: no view of {desc.name!r} in key group {kg}")
-                    parts = self._host.open_runs(snap, runs, self._empty_view(desc).schema)
+                    parts = self._host.open_runs(snap, runs, self._view_schemas[desc.name])
                     group.views[desc.name] = KeyedView.of_parts(parts, self.key_names, self._index_rows_min,
                                                                 self.merge_ratio)
                     group.applied[desc.name] = 0
@@ -1198,9 +1211,16 @@ class StateReader:
         if self._host is None or self._unsettled or self._memtable.entry_count():
             return
         kgs = sorted(kg for kg in self._cache.key_groups() if self._is_whole(kg))
-        if kgs:
-            self._refresh_all(kgs)
-            self._publish(kgs)
+        if not kgs:
+            return
+        # (plain views, below ``view_index_rows_min`` rows, are a new frame at any change: only the lag
+        # writes them again)
+        views = [v for kg in kgs for v in self._cache.peek(kg).views.values() if v.indexed]
+        private, size = sum(v.private_bytes() for v in views), sum(v.estimated_size() for v in views)
+        if self._host_has and self._host_lag < HOST_VIEWS_LAG_MAX and private <= HOST_VIEWS_PRIVATE_SHARE_MAX * size:
+            return
+        self._refresh_all(kgs)
+        self._publish(kgs)
 
     def _publish(self, kgs: Sequence[int]) -> None:
         """Write the views of ``kgs`` just resolved whole to the host's shared views, when they
@@ -1219,19 +1239,26 @@ class StateReader:
             views[kg] = {name: view.parts() for name, view in group.views.items()}
         span = self._table.segments(KeyGroupRange.of(int(kgs[0]), int(kgs[-1])))
         try:
-            snap = host.publish(self._slot, info.checkpoint_id, self._now_ms(),
-                                [(s.path, s.size_bytes, s.record_count) for s in span], views)
-        except OSError as e:
+            snap = host.publish(self._slot, info.checkpoint_id, self._now_ms(), span, views)
+        except (OSError, ValueError) as e:
             log.warning("shared state views: cannot write to %s (%s); views stay private", host.root, e)
             return
         if snap is None:
             return
         self.host_views_published += len(kgs)
-        mapped = self._map_snapshots(dict.fromkeys(kgs, snap))
-        for kg, group in mapped.items():
-            cached = self._cache.peek(kg)
-            cached.views = group.views  # the same rows, now the host's pages instead of this process's
-            self._cache.resized(kg)
+        self._host_lag, self._host_has = 0, True
+        # The runs this process held of its own now come from the host's pages (one copy on the
+        # host); the runs it mapped already are the same files, linked: only their source moves.
+        try:
+            for kg in kgs:
+                for name, view in self._cache.peek(kg).views.items():
+                    files = snap.views[kg][name]
+                    own = [i for i, part in enumerate(view.parts(index=False)) if part.source is None]
+                    mapped = host.open_runs(snap, [files[i] for i in own], self._view_schemas[name]) if own else []
+                    view.shared_as(snap.path, files, dict(zip(own, mapped, strict=True)))
+                self._cache.resized(kg)
+        except SnapshotDamaged as e:  # removed meanwhile (another process made room): the views stay private
+            log.warning("shared state views: %s; views stay private", e)
         self._forget_view_indexes()
 
     def _read(self, kgs: Sequence[int], schema: pa.Schema, state: str | None = None,

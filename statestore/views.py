@@ -189,7 +189,7 @@ def _merged(runs: Sequence[_Run], key_names: Sequence[str]) -> _Run:
 class KeyedView:
     """The view of one key group and variable (see the module docstring)."""
 
-    __slots__ = ("_frame", "_plain", "_runs", "index_rows_min", "key_names", "merge_ratio")
+    __slots__ = ("_frame", "_plain", "_plain_source", "_runs", "index_rows_min", "key_names", "merge_ratio")
 
     def __init__(self, frame: pl.DataFrame, key_names: Sequence[str], index_rows_min: int,
                  merge_ratio: float = MERGE_RATIO):
@@ -197,6 +197,7 @@ class KeyedView:
         self.index_rows_min = index_rows_min
         self.merge_ratio = merge_ratio  # see MERGE_RATIO
         self._plain: pl.DataFrame | None = frame  # the view as one frame, while not indexed
+        self._plain_source = None  # the host's snapshot run ``_plain`` is mapped from, while unchanged
         self._runs: list[_Run] = []
         self._frame: pl.DataFrame | None = frame  # the materialized frame, while current
 
@@ -205,7 +206,9 @@ class KeyedView:
                  merge_ratio: float = MERGE_RATIO) -> KeyedView:
         """The view kept as ``parts`` (``parts()`` of a view: one plain frame, or indexed runs)."""
         if len(parts) == 1 and parts[0].hashes is None:
-            return cls(parts[0].frame, key_names, index_rows_min, merge_ratio)
+            view = cls(parts[0].frame, key_names, index_rows_min, merge_ratio)
+            view._plain_source = parts[0].source
+            return view
         view = cls(parts[0].frame.clear(), key_names, index_rows_min, merge_ratio)
         view._plain = view._frame = None
         view._runs = [_Run.of_part(p, view.key_names) for p in parts]
@@ -217,8 +220,31 @@ class KeyedView:
         if index:
             self._index()
         if self._plain is not None:
-            return [RunPart(self._plain)]
+            return [RunPart(self._plain, source=self._plain_source)]
         return [RunPart(r.frame, r.hashes, r.order, r.alive, r.source) for r in self._runs]
+
+    def shared_as(self, snapshot: str, files: Sequence, mapped: dict[int, RunPart]) -> None:
+        """The view was written to the host's ``snapshot`` as ``files`` (one per part of
+        ``parts()``, in order): its parts take that snapshot as their source, and those in
+        ``mapped`` (index -> the part mapped from there: the same rows) their mapped frames and
+        arrays instead of this process's."""
+        if self._plain is not None:
+            if 0 in mapped:
+                self._plain = self._frame = mapped[0].frame
+            self._plain_source = (snapshot, files[0])
+            return
+        for i, run in enumerate(self._runs):
+            if i in mapped:
+                run.frame, run.hashes, run.order = mapped[i].frame, mapped[i].hashes, mapped[i].order
+                run.frame_bytes = int(run.frame.estimated_size())
+            run.source = (snapshot, files[i])
+        self._frame = None
+
+    def private_bytes(self) -> int:
+        """The bytes of the view that are this process's own (not mapped from the host's views)."""
+        if self._plain is not None:
+            return 0 if self._plain_source is not None else int(self._plain.estimated_size())
+        return sum(r.nbytes() for r in self._runs if r.source is None)
 
     @property
     def indexed(self) -> bool:
@@ -249,7 +275,7 @@ class KeyedView:
         """Index the view if it is large enough (it stays indexed); whether it is indexed."""
         if self._plain is not None and self._plain.height >= self.index_rows_min and self._plain.height:
             self._runs = [_Run(self._plain.rechunk(), self.key_names)]
-            self._plain = None
+            self._plain = self._plain_source = None
         return self._plain is None
 
     def candidates(self, needles: np.ndarray) -> pl.DataFrame | None:
@@ -287,6 +313,7 @@ class KeyedView:
         if self._plain is not None:
             self._plain = rows if self._plain.height == 0 else pl.concat([self._plain, rows], how="vertical")
             self._frame = self._plain
+            self._plain_source = None
             return
         self._runs.append(_Run(rows, self.key_names))
         self._settle()
@@ -311,6 +338,8 @@ class KeyedView:
                 view = live_rows(view, now_ms)  # as a resolution would: expired rows leave the view
         if added is not None and added.height:
             view = pl.concat([view, added], how="vertical", rechunk=view.n_chunks() >= _CHUNKS_MAX)
+        if view is not self._plain:
+            self._plain_source = None
         self._plain = self._frame = view
 
     def _settle(self) -> None:

@@ -37,6 +37,7 @@ from statestore.errors import (
     StateTableMismatchError,
     UnsupportedKeyTypeError,
 )
+from statestore.read_path import HOST_VIEWS_LAG_MAX
 from tests.hostile import forged_envelopes
 from tests.integration.streaming_helpers import (
     PROFILE_OUTPUT,
@@ -200,11 +201,12 @@ def test_tasks_in_workers_that_never_ran_them_map_the_views_of_the_host(spark, t
                         checkpoint=str(tmp_path / "cp"), foreach_batch=collect)
     reports = [r for r in runner.reports if not r.skipped]
     assert [r.checkpoint_id for r in reports] == [1, 2, 3, 4, 5, 6]
+    assert all(t["views_published"] > 0 for t in reports[1].tasks.values())  # each store's first commit, or load
     for r in reports[2:]:
-        # Spark moves tasks between its workers too: a task maps and catches up (then writes its
-        # views at the checkpoint it reached), or completes its own commit (and writes them), and
-        # reads at most the one segment committed since
-        assert all(t["files_opened"] <= 1 and (t["views_mapped"] > 0 or t["views_published"] > 0)
+        # Spark moves tasks between its workers too: a task in a worker without its store maps
+        # the host's views and reads only the checkpoints they are behind (they are written
+        # again once HOST_VIEWS_LAG_MAX behind); one that kept its store reads nothing
+        assert all((t["views_mapped"] > 0 and t["files_opened"] <= HOST_VIEWS_LAG_MAX) or t["files_opened"] == 0
                    for t in r.tasks.values()), (r.checkpoint_id, r.tasks)
         if r.checkpoint_id % 2 == 1:  # on an even base: in workers that forgot every store
             assert all(t["views_mapped"] > 0 for t in r.tasks.values()), (r.checkpoint_id, r.tasks)

@@ -73,15 +73,21 @@ def test_a_store_maps_what_another_published_and_catches_up(env):
     writer = store(tmp_path, config)
     write(writer, KEYS, 1)
     assert values(writer, KEYS)[0] == [1] * N  # loads every key group whole: published
-    write(writer, KEYS[:10], 2)  # the commit publishes again, linking the runs it shares
-    write(writer, KEYS[:5], 3)   # ... and again
-    assert writer.stats()["host_views_published"] == 3 * 16
+    assert writer.stats()["host_views_published"] == 16
+    write(writer, KEYS[:10], 2)
+    write(writer, KEYS[:5], 3)  # two checkpoints behind: not written again yet
+    assert writer.stats()["host_views_published"] == 16
     reader = store(tmp_path, config)
-    stats = reader.stats()
-    assert stats["host_views_mapped"] == 16 and stats["segment_files_opened"] == 0
+    assert reader.stats()["host_views_mapped"] == 16
     assert values(reader, KEYS[:12]) == (
         [3] * 5 + [2] * 5 + [1] * 2, [[1, 2, 3]] * 5 + [[1, 2]] * 5 + [[1]] * 2)
-    assert reader.stats()["segment_files_opened"] == 0  # nothing read: the views were the newest checkpoint's
+    assert reader.stats()["segment_files_opened"] == 2  # the two checkpoints since, not the state
+    for value in (4, 5, 6, 7):  # the fourth checkpoint behind writes the views again (links, new runs)
+        write(writer, KEYS[:1], value)
+    assert writer.stats()["host_views_published"] == 32  # at the fifth checkpoint
+    again = store(tmp_path, config)
+    assert values(again, KEYS[:2]) == ([7, 3], [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3]])
+    assert again.stats()["segment_files_opened"] == 2
 
 
 def test_a_snapshot_off_the_line_or_resolved_later_is_not_used(env):
@@ -102,10 +108,77 @@ def test_a_snapshot_off_the_line_or_resolved_later_is_not_used(env):
     clock.now_ms = 5_000
     late = store(tmp_path, config)
     write(late, KEYS[:1], 8)
-    values(late, KEYS[:3])  # published at 5,000 ms
-    clock.now_ms = 4_000  # a store whose clock is earlier: rows expired at 5,000 may be live for it
-    early = store(tmp_path, config)
-    assert early.stats()["host_views_mapped"] < late.stats()["host_views_published"]
+    late.restore()  # maps the 6 key groups published at 1,000 ms
+    values(late, KEYS)  # loads the other 10 at 5,000 ms: published
+    clock.now_ms = 4_999  # a store whose clock is earlier: rows expired at 5,000 may be live for it
+    assert store(tmp_path, config).stats()["host_views_mapped"] == 6
+    clock.now_ms = 5_000
+    assert store(tmp_path, config).stats()["host_views_mapped"] == 16
+
+
+def store_at(warehouse: str, config: StoreConfig) -> StateStore:
+    from catalog import IcebergStateTable
+
+    return StateStore(IcebergStateTable.open_existing(warehouse=warehouse, table_name="op"), config=config)
+
+
+def test_checkpoint_ids_are_no_ancestry_a_line_restored_past_a_snapshot(env):
+    """Ids are per line: after a restore to 1, the abandoned line's checkpoint 2 and the kept
+    line's checkpoint 3 share no state beyond 1. A snapshot taken on the kept line at 3 (nothing
+    written since 1) serves a store back on the abandoned line's savepoint only with checkpoint
+    2's entries applied on top, although 2 is below 3."""
+    tmp_path, config, _ = env
+    from catalog import IcebergStateTable
+
+    warehouse = str(tmp_path / "wh")
+    s = StateStore(IcebergStateTable.open(LAYOUT, table_name="op", warehouse=warehouse), config=config)
+    write(s, KEYS[:200], 1)
+    write(s, KEYS[:200], 2)
+    s.table.savepoint("sp")
+    s.restore(1)
+    s.checkpoint()  # 3, on 1: the same state
+    assert values(store_at(warehouse, config), KEYS[:3])[0] == [1, 1, 1]  # loaded at 3: published
+    on_savepoint = StateStore(IcebergStateTable.open_existing(warehouse=warehouse, table_name="op", savepoint="sp"),
+                              config=config)
+    on_savepoint.checkpoint()  # 4, on 1 -> 2 -> 4
+    fresh = store_at(warehouse, config)
+    assert fresh.table.current_checkpoint().checkpoint_id == 4 and fresh.stats()["host_views_mapped"] > 0
+    assert values(fresh, KEYS[:3]) == ([2, 2, 2], [[1, 2]] * 3)
+
+
+def test_a_snapshot_of_another_table_of_the_same_layout_is_not_its_state(env):
+    """A table whose key groups held nothing gives snapshots of no segment: another table of
+    the same layout (the same slot) must not take them for an ancestor of its own state."""
+    tmp_path, config, _ = env
+    other = StateStore(DirectoryStateTable(tmp_path / "t2", LAYOUT), config=config)
+    write(other, KEYS[:200], 42)
+    other.checkpoint()
+    empty = StateStore(DirectoryStateTable(tmp_path / "t1", LAYOUT), config=config)
+    empty.checkpoint()
+    empty.checkpoint()
+    assert values(empty, KEYS[:3])[0] == [None] * 3 and empty.stats()["host_views_published"] > 0
+    fresh = StateStore(DirectoryStateTable(tmp_path / "t2", LAYOUT), config=config)
+    assert values(fresh, KEYS[:200])[0] == [42] * 200
+
+
+def test_a_compaction_beside_a_snapshot_makes_it_unusable(env):
+    """A compaction output's entries may be older than a snapshot's: beside its segments it
+    makes the snapshot unusable (the state loads from the table)."""
+    tmp_path, config, _ = env
+    from catalog import IcebergStateTable
+    from catalog.compaction import compact
+
+    warehouse = str(tmp_path / "wh")
+    s = StateStore(IcebergStateTable.open(LAYOUT, table_name="op", warehouse=warehouse), config=config)
+    write(s, KEYS[:300], 1)
+    write(s, KEYS[:300], 2)
+    values(s, KEYS[:300])  # published over checkpoints 1 and 2's segments
+    write(s, KEYS[:300], 3)
+    with IcebergStateTable.open_existing(warehouse=warehouse, table_name="op") as table:
+        assert compact(table, policy=None) is not None
+    fresh = StateStore(IcebergStateTable.open_existing(warehouse=warehouse, table_name="op"), config=config)
+    assert fresh.stats()["host_views_mapped"] == 0
+    assert values(fresh, KEYS[:2]) == ([3, 3], [[1, 2, 3]] * 2)
 
 
 def test_a_damaged_snapshot_is_deleted_and_the_state_loads_from_the_table(env):
@@ -132,7 +205,7 @@ def test_open_runs_checks_sizes_digests_and_schemas(tmp_path):
     hashes = np.array([1, 2, 3], dtype=np.uint64)
     order = np.array([2, 0, 1], dtype=np.int64)
     alive = np.array([True, False, True])
-    snap = host.publish("0" * 32, 4, 10, [("seg", 1, 1)], {0: {"v": [RunPart(frame, hashes, order, alive)]}})
+    snap = host.publish("0" * 32, 4, 10, [], {0: {"v": [RunPart(frame, hashes, order, alive)]}})
     fresh = HostViews(str(tmp_path / "views"), 1 << 30, 0)
     (run,) = fresh.open_runs(snap, snap.views[0]["v"], frame.schema)
     assert run.frame.equals(frame) and (run.hashes == hashes).all() and (run.order == order).all()
@@ -150,12 +223,15 @@ def test_open_runs_checks_sizes_digests_and_schemas(tmp_path):
     "not json",
     json.dumps({"format": 99}),
     json.dumps({"format": 1, "checkpoint_id": 1, "resolved_at_ms": 1, "segments": [], "bytes": 1,
+                "top_checkpoint_id": -1,
                 "views": {"0": {"v": [{"name": "../../x", "rows": 1, "files": [["arrow", 1, 1]]}]}}}),
-    json.dumps({"format": 1, "checkpoint_id": -1, "resolved_at_ms": 1, "segments": [], "bytes": 1, "views": {}}),
+    json.dumps({"format": 1, "checkpoint_id": -1, "resolved_at_ms": 1, "segments": [], "bytes": 1, "views": {},
+                "top_checkpoint_id": -1}),
+    "[" * 100_000,
 ])
 def test_a_manifest_that_is_not_ours_is_never_used(tmp_path, manifest):
     host = HostViews(str(tmp_path / "views"), 1 << 30, 0)
-    bad = tmp_path / "views" / ("a" * 32) / "000000000001-1-0000abcd"
+    bad = tmp_path / "views" / ("a" * 32) / "000000000001-1-1-0000abcd"
     bad.mkdir(parents=True)
     (bad / MANIFEST).write_text(manifest)
     assert host.snapshots("a" * 32) == []
@@ -236,3 +312,39 @@ def test_mapped_runs_hold_no_file_descriptor(tmp_path):
     runs = [host.open_runs(snap, snap.views[0]["v"], frame.schema)[0] for _ in range(300)]
     assert len(os.listdir("/proc/self/fd")) < before + 10
     assert runs[-1].frame.equals(frame) and runs[-1].order.tolist() == [0, 1]
+
+
+def test_a_snapshot_serves_only_checkpoints_whose_other_segments_are_later_flushes():
+    from statestore.host_views import Snapshot
+    from statestore.paths import compaction_file_name, segment_file_name
+    from statestore.table import SegmentFile
+
+    def seg(name: str, checkpoint_id: int) -> SegmentFile:
+        return SegmentFile(f"/t/data/{name}", checkpoint_id, 0, 15, 10, 100)
+
+    a, b = seg(segment_file_name(1, 0, 0), 1), seg(segment_file_name(2, 0, 0), 2)
+    snap = Snapshot("/v/s", 2, 1_000, frozenset((s.path, s.size_bytes, s.record_count) for s in (a, b)), 2, {}, 0)
+    later = seg(segment_file_name(3, 0, 0), 3)
+    assert snap.newer_segments([a, b], 1_000) == []
+    assert snap.newer_segments([a, b, later], 1_000) == [later]
+    assert snap.newer_segments([a, b, later], 999) is None  # resolved after the store's clock
+    assert snap.newer_segments([a, later], 1_000) is None  # one of its segments is not the checkpoint's
+    assert snap.newer_segments([a, b, seg(segment_file_name(2, 1, 0), 2)], 1_000) is None  # not newer: another line
+    assert snap.newer_segments([a, b, seg(compaction_file_name(3, 0), 3)], 1_000) is None  # may hold older entries
+    assert snap.newer_segments([a, b, seg("imported.parquet", 3)], 1_000) is None
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_run_file_that_is_not_a_regular_file_is_not_opened(tmp_path, kind):
+    host = HostViews(str(tmp_path / "views"), 1 << 30, 0)
+    frame = pl.DataFrame({"v": [1, 2]})
+    snap = host.publish("6" * 32, 1, 1, [], {0: {"v": [RunPart(frame)]}})
+    run = os.path.join(snap.path, "r0.arrow")
+    os.unlink(run)
+    if kind == "symlink":
+        (tmp_path / "elsewhere.arrow").write_bytes(b"x" * 10)
+        os.symlink(tmp_path / "elsewhere.arrow", run)
+    else:
+        os.mkfifo(run)
+    with pytest.raises(SnapshotDamaged, match="not a regular file"):
+        HostViews(str(tmp_path / "views"), 1 << 30, 0).open_runs(snap, snap.views[0]["v"], frame.schema)
