@@ -9,7 +9,8 @@ One run: a state of ``keys`` running counts (``benchmarks.harness.build_count_st
 catalog and table on local disk, parallelism ``tasks``), forked once per stream below so every
 stream starts from the same state; the same input (``batches`` files of ``batch_events``
 uniform random keys) read by the same ``RunningAggregate("count")`` query
-(``start_stateful_query``, ``maxFilesPerTrigger=1``, availableNow) in a local Spark session of
+(``start_stateful_query``, ``maxFilesPerTrigger=1``, availableNow; views of whole key groups from
+the first batch on, as a long-running stream's are) in a local Spark session of
 ``local[W]`` (W task slots, so up to W Python workers) for each W of ``--workers``, with the
 shared views off and on (``StoreConfig(host_views=...)``, each run with a directory of its own).
 Measured per stream:
@@ -175,7 +176,10 @@ def _stream(spark: Any, props: dict, branch: str, scratch: Path, input_dir: Path
         df = spark.readStream.schema("user string").option("maxFilesPerTrigger", 1).parquet(str(input_dir))
         location = StateLocation(table="state", catalog_name=CATALOG, catalog_properties=props, branch=branch,
                                  parallelism=tasks, max_parallelism=MAX_PARALLELISM)
-        config = StoreConfig(host_views=host_views, host_views_dir=str(scratch / f"views-{branch}"))
+        # Views of whole key groups from the first batch on, as a long-running stream's are once its
+        # key groups were read often enough (``StoreConfig.view_partial_reads_max``)
+        config = StoreConfig(host_views=host_views, host_views_dir=str(scratch / f"views-{branch}"),
+                             view_partial_reads_max=0)
         query = start_stateful_query(df, ["user"], RunningAggregate("count"), location=location,
                                      checkpoint_location=str(scratch / f"cp-{branch}"), trigger={"availableNow": True},
                                      compaction=None, store_config=config, query_name=f"bench_{branch}")
@@ -243,8 +247,8 @@ def main(
             path = input_dir / f"part-{b:04d}.parquet"
             pq.write_table(user_keys(rng.integers(0, keys, batch_events)), path)
             os.utime(path, (1_700_000_000 + b, 1_700_000_000 + b))
-        for w in slots:
-            for on in (False, True):
+        for i, w in enumerate(slots):
+            for on in ((False, True) if i % 2 == 0 else (True, False)):  # alternating: neither always first
                 name = f"w{w}_{'shared' if on else 'private'}"
                 console.print(f"local[{w}], shared views {'on' if on else 'off'} ...")
                 spark = _session(w, tasks, scratch)

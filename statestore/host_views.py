@@ -417,7 +417,7 @@ def _write_run(directory: str, stem: str, run: RunPart) -> list[tuple[str, int, 
             return linked
     files = []
     path = os.path.join(directory, f"{stem}.arrow")
-    table = run.frame.to_arrow(compat_level=pl.CompatLevel.newest())
+    table = _compact(run.frame)
     with ipc.new_file(path, table.schema) as writer:
         writer.write_table(table)
     files.append(("arrow", os.path.getsize(path), _file_digest(path)))
@@ -430,6 +430,17 @@ def _write_run(directory: str, stem: str, run: RunPart) -> list[tuple[str, int, 
         np.save(path, np.ascontiguousarray(array, dtype=dtype), allow_pickle=False)
         files.append((suffix, os.path.getsize(path), _file_digest(path)))
     return files
+
+
+def _compact(frame: pl.DataFrame) -> pa.Table:
+    """``frame`` as Arrow with polars' own string and binary views (mapped back without a copy),
+    holding only its own bytes: a frame cut from a larger one (a key group's view out of a
+    resolution of many) shares the larger one's string buffers, which a view of its own would
+    write whole (32 key groups of a task: 32 copies of the task's strings)."""
+    table = frame.to_arrow(compat_level=pl.CompatLevel.newest())
+    if "_view" not in str(table.schema):  # no string or binary views (nested ones included)
+        return table
+    return frame.to_arrow(compat_level=pl.CompatLevel.oldest()).cast(table.schema)
 
 
 def _link_run(directory: str, stem: str, run: RunPart) -> list[tuple[str, int, int]] | None:
