@@ -348,3 +348,15 @@ def test_a_run_file_that_is_not_a_regular_file_is_not_opened(tmp_path, kind):
         os.mkfifo(run)
     with pytest.raises(SnapshotDamaged, match="not a regular file"):
         HostViews(str(tmp_path / "views"), 1 << 30, 0).open_runs(snap, snap.views[0]["v"], frame.schema)
+
+
+def test_a_view_cut_from_a_larger_frame_is_written_with_its_own_bytes(tmp_path):
+    """Polars' string views of a frame cut from a larger one share the larger one's buffers: a
+    key group's view of a task's resolution must not write the whole task's strings."""
+    big = pl.DataFrame({"k": [f"a-key-longer-than-twelve-{i:09d}" for i in range(200_000)], "v": np.arange(200_000)})
+    part = big.with_columns(g=pl.col("v") % 100).partition_by("g", as_dict=True, include_key=False)[(7,)]
+    host = HostViews(str(tmp_path / "views"), 1 << 30, 0)
+    snap = host.publish("5" * 32, 1, 1, [], {0: {"v": [RunPart(part)]}})
+    assert snap.bytes < 2_000 * 64
+    (run,) = host.open_runs(snap, snap.views[0]["v"], part.schema)
+    assert run.frame.equals(part)
