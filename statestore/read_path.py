@@ -156,6 +156,7 @@ _NOT_PREFETCHED = object()
 # own (new runs, merges: one copy on the host again).
 HOST_VIEWS_LAG_MAX = 4
 HOST_VIEWS_PRIVATE_SHARE_MAX = 0.25
+_AFTER = "__after"  # a key group's newest checkpoint already in its views, while catching up
 
 
 @dataclass
@@ -265,8 +266,9 @@ class StateReader:
         self._slot = slot_name(self.layout, table.filesystem.type_name) if self._host is not None else ""
         self.host_views_mapped = 0  # key groups mapped from the host's views
         self.host_views_published = 0  # key groups written to them
-        self._host_lag = 0  # checkpoints the host's views of the cached key groups are behind them
-        self._host_has = False  # whether the host has views of them (written or mapped here)
+        # Per cached key group whose views the host has (written or mapped here): how many
+        # checkpoints those are behind this reader's.
+        self._host_lag: dict[int, int] = {}
 
     # ---------------------------------------------------------------- lifecycle events
 
@@ -307,17 +309,18 @@ class StateReader:
         self._forget_indexes()
         self._forget_dead_footers()
         self._trim()
-        self._host_lag += 1
+        for kg in self._host_lag:
+            self._host_lag[kg] += 1
         info = self._table.current_checkpoint()
         if info is not None and info.checkpoint_id == checkpoint_id:  # else the views are behind the table's
             self._publish_committed()
 
-    def catch_up(self, newer: Sequence[SegmentFile], after_checkpoint_id: int | None,
+    def catch_up(self, newer: Sequence[SegmentFile], after_checkpoint_id: int | dict[int, int] | None,
                  key_groups: Sequence[int] | None = None, publish: bool = True) -> None:
         """Bring the cached views (of ``key_groups`` only, when given) forward by the entries of
         ``newer``: segments of the task's key groups that the views' checkpoint did not have, all
         written after it (``StateStore.catch_up`` checks that; entries of checkpoints up to
-        ``after_checkpoint_id`` are skipped, None: none is). Their entries become ``pending``
+        ``after_checkpoint_id`` are skipped, per key group when a dict, None: none is). Their entries become ``pending``
         parts of the views they touch, applied at the next read as a committed flush of this
         store's own would be; the views are then shared with the host (``publish``, see
         ``_publish_committed``)."""
@@ -329,7 +332,11 @@ class StateReader:
         # (``committed``): the newer segments' entries join them and the views take all at their
         # next read, in one refresh.
         entries = read_entries(self._segments, newer, np.asarray(cached, dtype=np.int64), self._entry_schema)
-        if after_checkpoint_id is not None:
+        if isinstance(after_checkpoint_id, dict):
+            after = pl.DataFrame({KEY_GROUP: list(after_checkpoint_id), _AFTER: list(after_checkpoint_id.values())},
+                                 schema={KEY_GROUP: entries.schema[KEY_GROUP], _AFTER: pl.Int64})
+            entries = entries.join(after, on=KEY_GROUP).filter(pl.col(CHECKPOINT_ID) > pl.col(_AFTER)).drop(_AFTER)
+        elif after_checkpoint_id is not None:
             entries = entries.filter(pl.col(CHECKPOINT_ID) > after_checkpoint_id)
         for desc in self.layout.descriptors:
             part = entries.filter(pl.col(STATE) == desc.name)
@@ -344,7 +351,10 @@ class StateReader:
                     self._cache.resized(kg)
         self._forget_dead_footers()
         self._trim()
-        self._host_lag += len({s.checkpoint_id for s in newer})
+        behind = len({s.checkpoint_id for s in newer})
+        for kg in cached:
+            if kg in self._host_lag:
+                self._host_lag[kg] += behind
         if publish:
             self._publish_committed()
 
@@ -355,7 +365,7 @@ class StateReader:
         self._prefetched = None
         self._cache.clear()
         self._unsettled.clear()
-        self._host_lag, self._host_has = 0, False
+        self._host_lag.clear()
 
     def _forget_dead_footers(self) -> None:
         """Keep the footers of the table's live segments of this reader's key groups only: the
@@ -1166,10 +1176,13 @@ class StateReader:
         self._forget_view_indexes()
         for kg, group in groups.items():
             self._cache.put(kg, group)
-        for path in {chosen[kg].path for kg in groups}:  # each snapshot's key groups take its newer segments
-            self.catch_up(newer_of[path], None, [kg for kg in groups if chosen[kg].path == path], publish=False)
+        self._host_lag.update(dict.fromkeys(groups, 0))
+        # One read of every snapshot's newer segments (each a flush after its snapshot's newest
+        # entry: ``Snapshot.newer_segments``); a key group takes the entries after its own snapshot's.
+        newer = {s.path: s for path in {chosen[kg].path for kg in groups} for s in newer_of[path]}
+        self.catch_up(sorted(newer.values(), key=lambda s: s.checkpoint_id),
+                      {kg: chosen[kg].top_checkpoint_id for kg in groups}, sorted(groups), publish=False)
         self.host_views_mapped += len(groups)
-        self._host_has = True
         self._publish_committed()
         return len(groups)
 
@@ -1210,17 +1223,27 @@ class StateReader:
         from there."""
         if self._host is None or self._unsettled or self._memtable.entry_count():
             return
-        kgs = sorted(kg for kg in self._cache.key_groups() if self._is_whole(kg))
+        whole = [kg for kg in self._cache.key_groups() if self._is_whole(kg)]
+        new = sorted(kg for kg in whole if kg not in self._host_lag)  # the host has none of theirs: all now
+        due = sorted((kg for kg in whole if kg in self._host_lag and (
+            self._host_lag[kg] >= HOST_VIEWS_LAG_MAX or self._mostly_private(kg))),
+            key=lambda kg: -self._host_lag[kg])
+        # At most a quarter (1 / HOST_VIEWS_LAG_MAX) of the key groups a time: a batch never pays
+        # for writing all of them at once (each is written again about every HOST_VIEWS_LAG_MAX
+        # checkpoints).
+        kgs = sorted(new + due[:max(1, -(-len(whole) // HOST_VIEWS_LAG_MAX))])
         if not kgs:
-            return
-        # (plain views, below ``view_index_rows_min`` rows, are a new frame at any change: only the lag
-        # writes them again)
-        views = [v for kg in kgs for v in self._cache.peek(kg).views.values() if v.indexed]
-        private, size = sum(v.private_bytes() for v in views), sum(v.estimated_size() for v in views)
-        if self._host_has and self._host_lag < HOST_VIEWS_LAG_MAX and private <= HOST_VIEWS_PRIVATE_SHARE_MAX * size:
             return
         self._refresh_all(kgs)
         self._publish(kgs)
+
+    def _mostly_private(self, kg: int) -> bool:
+        """Whether more than ``HOST_VIEWS_PRIVATE_SHARE_MAX`` of the bytes of ``kg``'s indexed views
+        are this process's own (plain views, below ``view_index_rows_min`` rows, are a new frame
+        at any change: only the lag writes them again)."""
+        views = [v for v in self._cache.peek(kg).views.values() if v.indexed]
+        return sum(v.private_bytes() for v in views) > HOST_VIEWS_PRIVATE_SHARE_MAX * sum(
+            v.estimated_size() for v in views)
 
     def _publish(self, kgs: Sequence[int]) -> None:
         """Write the views of ``kgs`` just resolved whole to the host's shared views, when they
@@ -1246,7 +1269,7 @@ class StateReader:
         if snap is None:
             return
         self.host_views_published += len(kgs)
-        self._host_lag, self._host_has = 0, True
+        self._host_lag.update(dict.fromkeys(kgs, 0))
         # The runs this process held of its own now come from the host's pages (one copy on the
         # host); the runs it mapped already are the same files, linked: only their source moves.
         try:

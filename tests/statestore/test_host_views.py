@@ -82,12 +82,13 @@ def test_a_store_maps_what_another_published_and_catches_up(env):
     assert values(reader, KEYS[:12]) == (
         [3] * 5 + [2] * 5 + [1] * 2, [[1, 2, 3]] * 5 + [[1, 2]] * 5 + [[1]] * 2)
     assert reader.stats()["segment_files_opened"] == 2  # the two checkpoints since, not the state
-    for value in (4, 5, 6, 7):  # the fourth checkpoint behind writes the views again (links, new runs)
+    for value in (4, 5, 6, 7):  # four checkpoints behind: written again (links, new runs), a quarter a time
         write(writer, KEYS[:1], value)
-    assert writer.stats()["host_views_published"] == 32  # at the fifth checkpoint
+    assert writer.stats()["host_views_published"] == 16 + 3 * 4  # at the fifth, sixth and seventh
     again = store(tmp_path, config)
+    assert again.stats()["host_views_mapped"] == 16
     assert values(again, KEYS[:2]) == ([7, 3], [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3]])
-    assert again.stats()["segment_files_opened"] == 2
+    assert again.stats()["segment_files_opened"] == 6  # the checkpoints its oldest snapshot is behind, read once
 
 
 def test_a_snapshot_off_the_line_or_resolved_later_is_not_used(env):
