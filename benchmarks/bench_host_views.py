@@ -98,9 +98,9 @@ def _python_workers(root_pid: int) -> list[int]:
     return out
 
 
-def _memory(pids: list[int]) -> tuple[int, int]:
-    """(Pss, Rss) of ``pids`` together, in bytes."""
-    pss = rss = 0
+def _memory(pids: list[int]) -> tuple[int, int, int]:
+    """(Pss, Rss, Pss of file-backed pages: the mapped views among them) of ``pids`` together, in bytes."""
+    pss = rss = pss_file = 0
     for pid in pids:
         try:
             with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -109,9 +109,11 @@ def _memory(pids: list[int]) -> tuple[int, int]:
                         pss += int(line.split()[1]) * 1024
                     elif line.startswith("Rss:"):
                         rss += int(line.split()[1]) * 1024
+                    elif line.startswith("Pss_File:"):
+                        pss_file += int(line.split()[1]) * 1024
         except OSError:
             continue
-    return pss, rss
+    return pss, rss, pss_file
 
 
 class Sampler:
@@ -119,7 +121,7 @@ class Sampler:
 
     def __init__(self, jvm_pid: int) -> None:
         self.jvm_pid = jvm_pid
-        self.samples: list[tuple[float, int, int, int]] = []  # (epoch ms, pss, rss, processes)
+        self.samples: list[tuple[float, int, int, int, int]] = []  # (epoch ms, pss, rss, processes, pss of files)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -127,8 +129,8 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             pids = _python_workers(self.jvm_pid)
-            pss, rss = _memory(pids)
-            self.samples.append((time.time() * 1000, pss, rss, len(pids)))
+            pss, rss, pss_file = _memory(pids)
+            self.samples.append((time.time() * 1000, pss, rss, len(pids), pss_file))
             self._stop.wait(SAMPLE_S)
 
     def stop(self) -> None:
@@ -164,7 +166,7 @@ def _baseline(spark: Any, workers: int) -> int:
 
     spark.range(workers, numPartitions=workers).mapInArrow(touch, "id long").collect()
     jvm = int(spark.sparkContext._jvm.ProcessHandle.current().pid())
-    return _memory(_python_workers(jvm))[0]
+    return _memory(_python_workers(jvm))[0]  # Pss
 
 
 def _stream(spark: Any, props: dict, branch: str, scratch: Path, input_dir: Path, tasks: int, workers: int,
@@ -209,8 +211,9 @@ def _stream(spark: Any, props: dict, branch: str, scratch: Path, input_dir: Path
     # settled: the median over the second half of the steady batches (the peak is the first
     # batches' loads: segments decoded and resolved, transient)
     half = steady[len(steady) // 2]["started_ms"]
-    settled = int(statistics.median(s[1] for s in sampler.samples if s[0] >= half) if any(
-        s[0] >= half for s in sampler.samples) else pss)
+    late = [s for s in sampler.samples if s[0] >= half] or sampler.samples[-1:]
+    settled = int(statistics.median(s[1] for s in late))
+    settled_file = int(statistics.median(s[4] for s in late))  # of it, file-backed (the mapped views, libraries)
     state_bytes = batches[-1]["cache_size_bytes"]
     return {
         "workers": workers, "host_views": host_views, "batches": batches, "baseline_pss": baseline,
@@ -218,7 +221,8 @@ def _stream(spark: Any, props: dict, branch: str, scratch: Path, input_dir: Path
         "max_over_median": max(durations) / median,
         "steady_events_per_s": batch_events * len(steady) / (sum(durations) / 1000),
         "processes": len({pid for b in batches for pid in b["pids"]}),
-        "peak_pss": pss, "peak_rss": rss, "settled_pss": settled, "state_view_bytes": state_bytes,
+        "peak_pss": pss, "peak_rss": rss, "settled_pss": settled, "settled_pss_file": settled_file,
+        "state_view_bytes": state_bytes,
         "pss_over_state": ratio(pss, state_bytes), "pss_less_baseline_over_state": ratio(pss - baseline, state_bytes),
         "settled_less_baseline_over_state": ratio(settled - baseline, state_bytes),
         "memory_samples": sampler.samples,
@@ -292,13 +296,14 @@ def _report(results: dict) -> None:
     table = Table(title=f"A stream whose tasks move between Python workers ({results['config']['keys']:,} keys, "
                         f"{results['config']['batch_events']:,} events a batch)")
     for col in ("run", "processes", "first batch s", "steady median s", "slowest / median", "events/s",
-                "workers' Pss MB: peak", "settled", "less their own", "one copy MB", "settled less own / copy"):
+                "workers' Pss MB: peak", "settled", "of it files", "less their own", "one copy MB",
+                "settled less own / copy"):
         table.add_column(col, justify="right")
     for r in results["runs"]:
         table.add_row(f"local[{r['workers']}], shared {'on' if r['host_views'] else 'off'}", str(r["processes"]),
                       fmt(r["first_ms"] / 1000, ".1f"), fmt(r["steady_median_ms"] / 1000, ".2f"),
                       fmt(r["max_over_median"], ".2f"), fmt(r["steady_events_per_s"]),
-                      fmt(r["peak_pss"] / 1e6), fmt(r["settled_pss"] / 1e6),
+                      fmt(r["peak_pss"] / 1e6), fmt(r["settled_pss"] / 1e6), fmt(r["settled_pss_file"] / 1e6),
                       fmt((r["settled_pss"] - r["baseline_pss"]) / 1e6), fmt(r["state_view_bytes"] / 1e6),
                       fmt(r["settled_less_baseline_over_state"], ".2f"))
     console.print(table)
