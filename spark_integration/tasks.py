@@ -233,7 +233,9 @@ def _evict(plan: BatchPlan) -> None:
     """Close stores this worker no longer needs: those of other runs (a restarted query) and
     those of this run whose flush is older than the plan's history of their task (they
     would restore rather than catch up). A store whose task ran in another worker since
-    stays: it catches up when its task comes back."""
+    stays, to catch up when its task comes back, unless it shares the host's views: then the
+    task's store, wherever it comes back, maps those (as cheap as catching up), and the copies
+    this one holds of its own (merged runs, pending entries, indexes) are freed now."""
     for key, ts in list(_STORES.items()):
         run, task = key
         if run != plan.run_id:
@@ -242,7 +244,7 @@ def _evict(plan: BatchPlan) -> None:
         elif ts.pending is not None and ts.pending[0] >= plan.checkpoint_id:
             continue  # flushed in this batch: its commit is still to come
         elif not ts.dirty and (latest := ts.pending or ts.token) != plan.task_tokens.get(task) \
-                and latest not in plan.task_history.get(task, ()):
+                and (latest not in plan.task_history.get(task, ()) or ts.store.config.host_views):
             _drop(key)
 
 
