@@ -372,7 +372,9 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
         "flush_ms": _ms(processed, flushed), "output_ms": _ms(flushed),
         "cpu_ms": round((time.process_time() - cpu_started) * 1000, 1),  # the worker's, all its threads
     }
-    trimmed = _return_freed_memory()
+    # A batch that wrote views to the host's shared views has just swapped its own copies for
+    # the host's pages: what it freed goes back at once, not at the next minute's trim.
+    trimmed = _return_freed_memory(now=stats["views_published"] > 0)
     if trimmed is not None:
         stats["trimmed_mb"] = trimmed
     report = [(task, "task", json.dumps(stats))]
@@ -454,8 +456,8 @@ TRIM_EVERY_S = 60.0
 _trimmed_at = time.monotonic()
 
 
-def _return_freed_memory() -> float | None:
-    """Once a minute, after a task, hand the memory the worker's allocators hold free back to
+def _return_freed_memory(now: bool = False) -> float | None:
+    """Once a minute (or at once, ``now``), after a task, hand the memory the worker's allocators hold free back to
     the system (``statestore.memory.return_freed_memory``) and return the megabytes the worker's
     RSS fell by. A reused worker allocates and frees per task (Arrow buffers, decoded pages,
     per-row Python objects) from several threads' arenas, and glibc gives back only the top of
@@ -463,7 +465,7 @@ def _return_freed_memory() -> float | None:
     Python objects, caches and Arrow pool stayed flat. None where it did not run (not due yet,
     or not glibc)."""
     global _trimmed_at
-    if time.monotonic() - _trimmed_at < TRIM_EVERY_S:
+    if not now and time.monotonic() - _trimmed_at < TRIM_EVERY_S:
         return None
     freed = memory.return_freed_memory()
     _trimmed_at = time.monotonic()
