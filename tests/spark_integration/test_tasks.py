@@ -572,17 +572,26 @@ def test_a_worker_returns_freed_memory_at_most_once_per_interval(location, worke
         getattr(ctypes.CDLL(None), "malloc_trim")  # noqa: B009 (an attribute lookup that raises)
     except AttributeError:
         pytest.skip("not glibc: nothing to trim")
-    driver = drivers(location, RunningAggregate("count"))
+    def run(driver: Driver, batches: int) -> list[dict]:
+        reported = []
+        for _ in range(batches):
+            plan = driver.plan()
+            workers.use(0)
+            rows = split_by_task(input_rows(KEYS[0][:2]))
+            reported.append(driver.commit(plan, [tasks.run_task(plan, (0,), rows[0])])[0])
+        return reported
+
+    driver = drivers(location, RunningAggregate("count"), store_config=StoreConfig(host_views=False))
     monkeypatch.setattr(tasks, "_trimmed_at", float("-inf"))  # due now
-    reported = []
-    for _ in range(2):
-        plan = driver.plan()
-        workers.use(0)
-        rows = split_by_task(input_rows(KEYS[0][:2]))
-        reported.append(driver.commit(plan, [tasks.run_task(plan, (0,), rows[0])])[0])
+    reported = run(driver, 2)
     assert isinstance(reported[0]["trimmed_mb"], float) and reported[0]["trimmed_mb"] >= -1.0
     assert "trimmed_mb" not in reported[1]  # not due again within the interval
     assert state_counts(location, driver.layout, KEYS[0][:2]) == [2, 2]
+    # A batch that wrote views to the host's shared views (here the store's first commit, at the
+    # second batch) trims at once: its own copies were just swapped for the host's pages.
+    shared = drivers(dataclasses.replace(location, table="shared"), RunningAggregate("count"), run_id="run-2")
+    reported = run(shared, 2)
+    assert reported[1]["views_published"] > 0 and isinstance(reported[1]["trimmed_mb"], float)
 
 
 def test_a_worker_pins_glibcs_mmap_threshold_so_a_freed_large_block_does_not_move_it():
