@@ -127,9 +127,6 @@ class RunFiles:
     rows: int
     files: tuple[tuple[str, int, int], ...]  # (suffix, size, digest) of each of its files
 
-    def has(self, suffix: str) -> bool:
-        return any(s == suffix for s, _, _ in self.files)
-
 
 @dataclass(frozen=True)
 class RunPart:
@@ -199,9 +196,6 @@ class HostViews:
         self._checked: set[tuple[int, int, int, int]] = set()
         # Manifests read, by snapshot directory (a directory's name is never reused: pid and random).
         self._manifests: dict[str, Snapshot] = {}
-        self.published = 0
-        self.mapped = 0
-        self.damaged = 0
 
     # ------------------------------------------------------------------ writing
 
@@ -252,7 +246,6 @@ class HostViews:
                     for suffix, _, _ in run.files:
                         self._remember(os.path.join(final, f"{run.name}.{suffix}"))
         self._drop_replaced(slot_dir, snapshot)
-        self.published += 1
         return snapshot
 
     # ------------------------------------------------------------------ reading
@@ -281,7 +274,6 @@ class HostViews:
                 continue  # evicted meanwhile
             except (OSError, ValueError, KeyError, TypeError, RecursionError, MemoryError) as e:
                 log.warning("shared state views: %s is damaged (%s); deleted", child.path, e)
-                self.damaged += 1
                 shutil.rmtree(child.path, ignore_errors=True)
         listed = {c.path for c in children}
         with self._lock:
@@ -318,11 +310,9 @@ class HostViews:
         """Stamp ``snapshot`` as used now (the eviction's order)."""
         with contextlib.suppress(OSError):
             os.utime(snapshot.path)
-        self.mapped += 1
 
     def discard(self, snapshot: Snapshot) -> None:
         """Delete a snapshot found damaged."""
-        self.damaged += 1
         shutil.rmtree(snapshot.path, ignore_errors=True)
 
     def size_bytes(self) -> int:
