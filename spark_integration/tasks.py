@@ -474,7 +474,9 @@ def _return_freed_memory(now: bool = False) -> float | None:
 
 def _pin_mmap_threshold() -> bool:
     """At a worker's first task: glibc's mmap threshold stays at its start
-    (``statestore.memory.pin_mmap_threshold``)."""
+    (``statestore.memory.pin_mmap_threshold``), and Arrow's new buffers come from glibc's
+    allocator unless the deployment chose a pool (``statestore.memory.arrow_on_system_pool``)."""
+    memory.arrow_on_system_pool()  # Arrow's buffers where the trim reaches them
     return memory.pin_mmap_threshold()
 
 

@@ -7,13 +7,16 @@ when wholly empty), glibc's (heaps returned only from their top unless trimmed) 
 resident memory stepped up by 8-13 MB once or twice, 15-35 minutes in, in whichever of the
 three happened to keep a batch's high-water mark (``docs/reliability.md``, "Soak").
 
+(Polars' own jemalloc, a fourth, hands freed pages back by itself: polars sets its decay to
+half a second, then one, at import.)
+
 ``LONG_RUNNING_ENV`` puts all three on glibc's allocator (Python's small objects and Arrow's
 buffers alike), so that one ``malloc_trim`` hands back every free page wherever it lies; the
 compactor process is started with it. ``WORKER_ENV``, Arrow's buffers on glibc's allocator alone,
-is what a deployment sets for its executors' Python workers (``spark_conf``: ``spark.executorEnv.*``,
-as the soak does): flat over 90 minutes like the whole setting, without the 1.6x that Python's
-objects on glibc cost the Spark-API processors with list and map state. ``return_freed_memory``
-is the trim.
+is what the task runner puts a worker on at its first task unless the deployment chose a pool
+(``arrow_on_system_pool``; ``spark_conf`` gives it as ``spark.executorEnv.*`` settings, as the soak
+sets it): flat over 90 minutes like the whole setting, without the 1.6x that Python's objects on
+glibc cost the Spark-API processors with list and map state. ``return_freed_memory`` is the trim.
 """
 
 from __future__ import annotations
@@ -40,6 +43,17 @@ MMAP_THRESHOLD_BYTES = 128 * 1024
 def spark_conf() -> dict[str, str]:
     """``WORKER_ENV`` as Spark settings for the executors' Python workers."""
     return {f"spark.executorEnv.{name}": value for name, value in WORKER_ENV.items()}
+
+
+@functools.cache
+def arrow_on_system_pool() -> bool:
+    """Once per process: new Arrow buffers from glibc's allocator (``WORKER_ENV``'s setting, which
+    one ``malloc_trim`` empties), unless the environment chose Arrow's pool. Buffers already
+    allocated stay with the pool they came from. Whether this call switched."""
+    if "ARROW_DEFAULT_MEMORY_POOL" in os.environ or pa.default_memory_pool().backend_name == "system":
+        return False
+    pa.set_memory_pool(pa.system_memory_pool())
+    return True
 
 
 @functools.cache

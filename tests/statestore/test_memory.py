@@ -62,3 +62,33 @@ def test_the_long_running_environment_returns_pages_that_survivors_would_pin():
 def test_the_executor_settings_carry_the_workers_environment():
     assert memory.spark_conf() == {"spark.executorEnv.ARROW_DEFAULT_MEMORY_POOL": "system"}
     assert memory.LONG_RUNNING_ENV == {"PYTHONMALLOC": "malloc", "ARROW_DEFAULT_MEMORY_POOL": "system"}
+
+
+SWITCH = textwrap.dedent("""
+    import json
+    import pyarrow as pa
+    from statestore import memory
+    before = pa.default_memory_pool().backend_name
+    kept = pa.array(range(1000))  # allocated from the pool in use before the switch
+    switched = memory.arrow_on_system_pool()
+    again = memory.arrow_on_system_pool.__wrapped__()
+    fresh = pa.array(range(1000))
+    print(json.dumps({"before": before, "switched": switched, "again": again,
+                      "after": pa.default_memory_pool().backend_name, "kept": kept.sum().as_py(),
+                      "fresh": fresh.sum().as_py()}))
+""")
+
+
+def _switch(env: dict[str, str]) -> dict:
+    clean = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+    out = subprocess.run([sys.executable, "-c", SWITCH], env={**clean, **env, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout)
+
+
+def test_a_worker_puts_arrow_on_the_system_allocator_unless_the_deployment_chose_a_pool():
+    default = _switch({})
+    assert default["before"] != "system" and default["switched"] and not default["again"], default
+    assert default["after"] == "system" and default["kept"] == default["fresh"] == 499500, default
+    chosen = _switch({"ARROW_DEFAULT_MEMORY_POOL": "jemalloc"})
+    assert not chosen["switched"] and chosen["after"] == chosen["before"] == "jemalloc", chosen
