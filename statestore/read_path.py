@@ -150,11 +150,12 @@ def _index_map(keys: Iterable[tuple], rows: Iterable[tuple], hashed: Iterable[An
 
 _NOT_PREFETCHED = object()
 # The host's shared views of a reader's key groups are written at its first commit (or load),
-# then again once they are this many
-# checkpoints behind the reader's (a task moved to another worker reads at most about as many
-# checkpoints' segments to catch up), or once this share of the views' bytes is the process's
-# own (new runs, merges: one copy on the host again).
-HOST_VIEWS_LAG_MAX = 4
+# then again once they are this many checkpoints behind the reader's (a task moved to another
+# worker reads about as many checkpoints' segments to catch up; each worker holds the runs merged
+# since as its own: 4 left 13-14 MB of them per 5M-key store, 2 left 9 MB, and the workers of
+# local[4] at 1.31x one copy instead of 1.35x), or once this share of the views' bytes is the
+# process's own (new runs, merges: one copy on the host again).
+HOST_VIEWS_LAG_MAX = 2
 HOST_VIEWS_PRIVATE_SHARE_MAX = 0.25
 _AFTER = "__after"  # a key group's newest checkpoint already in its views, while catching up
 
@@ -1228,9 +1229,9 @@ class StateReader:
         due = sorted((kg for kg in whole if kg in self._host_lag and (
             self._host_lag[kg] >= HOST_VIEWS_LAG_MAX or self._mostly_private(kg))),
             key=lambda kg: -self._host_lag[kg])
-        # At most a quarter (1 / HOST_VIEWS_LAG_MAX) of the key groups a time: a batch never pays
-        # for writing all of them at once (each is written again about every HOST_VIEWS_LAG_MAX
-        # checkpoints).
+        # At most 1 / HOST_VIEWS_LAG_MAX of the key groups a time: a batch never pays for writing
+        # all of them at once (each is written again about every HOST_VIEWS_LAG_MAX checkpoints,
+        # at most 2 * HOST_VIEWS_LAG_MAX - 1 behind while the first ones due take their turns).
         kgs = sorted(new + due[:max(1, -(-len(whole) // HOST_VIEWS_LAG_MAX))])
         if not kgs:
             return

@@ -24,6 +24,7 @@ from statestore import (
     ValueStateDescriptor,
 )
 from statestore.host_views import MANIFEST, HostViews, RunPart, SnapshotDamaged, slot_name
+from statestore.read_path import HOST_VIEWS_LAG_MAX
 
 LAYOUT = StateLayout.of(pa.schema([("k", pa.string())]), [
     ValueStateDescriptor("v", pa.int64()),
@@ -70,25 +71,37 @@ def values(s: StateStore, ks: list[str]) -> tuple[list, list]:
 
 def test_a_store_maps_what_another_published_and_catches_up(env):
     tmp_path, config, _ = env
+    lag = HOST_VIEWS_LAG_MAX
+    model = {k: [1] for k in KEYS}
+
+    def write_and_model(s, ks, value):
+        write(s, ks, value)
+        for k in ks:
+            model[k].append(value)
+
+    def expected(ks):
+        return [model[k][-1] for k in ks], [model[k] for k in ks]
+
     writer = store(tmp_path, config)
     write(writer, KEYS, 1)
     assert values(writer, KEYS)[0] == [1] * N  # loads every key group whole: published
     assert writer.stats()["host_views_published"] == 16
-    write(writer, KEYS[:10], 2)
-    write(writer, KEYS[:5], 3)  # two checkpoints behind: not written again yet
+    for value in range(2, lag + 1):  # lag - 1 checkpoints behind: not written again yet
+        write_and_model(writer, KEYS[:12 - value], value)
     assert writer.stats()["host_views_published"] == 16
     reader = store(tmp_path, config)
     assert reader.stats()["host_views_mapped"] == 16
-    assert values(reader, KEYS[:12]) == (
-        [3] * 5 + [2] * 5 + [1] * 2, [[1, 2, 3]] * 5 + [[1, 2]] * 5 + [[1]] * 2)
-    assert reader.stats()["segment_files_opened"] == 2  # the two checkpoints since, not the state
-    for value in (4, 5, 6, 7):  # four checkpoints behind: written again (links, new runs), a quarter a time
-        write(writer, KEYS[:1], value)
-    assert writer.stats()["host_views_published"] == 16 + 3 * 4  # at the fifth, sixth and seventh
+    assert values(reader, KEYS[:12]) == expected(KEYS[:12])
+    assert reader.stats()["segment_files_opened"] == lag - 1  # the checkpoints since, not the state
+    # lag behind: written again (links, new runs), 1 / lag of the key groups a commit
+    for value in range(lag + 1, 2 * lag):
+        write_and_model(writer, KEYS[:1], value)
+    assert writer.stats()["host_views_published"] == 16 + (lag - 1) * -(-16 // lag)
     again = store(tmp_path, config)
     assert again.stats()["host_views_mapped"] == 16
-    assert values(again, KEYS[:2]) == ([7, 3], [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3]])
-    assert again.stats()["segment_files_opened"] == 6  # the checkpoints its oldest snapshot is behind, read once
+    assert values(again, KEYS[:2]) == expected(KEYS[:2])
+    # the checkpoints its oldest snapshot (the first) is behind, each read once
+    assert again.stats()["segment_files_opened"] == 2 * lag - 2
 
 
 def test_a_snapshot_off_the_line_or_resolved_later_is_not_used(env):
