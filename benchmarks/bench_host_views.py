@@ -21,12 +21,16 @@ Measured per stream:
   no batch pays a worker's load), events/s over the steady batches;
 - memory: the proportional set size (``Pss`` in ``/proc/<pid>/smaps_rollup``: shared pages
   split between the processes that map them) of all of the session's Python workers together,
-  sampled every 0.25 s: its peak over the steady batches, and the same less the workers' own
-  footprint before the stream (measured by a job that imports the task runner in every worker),
-  against one copy of the cached state (the tasks' views, ``cache_size_bytes`` summed over the
-  tasks): its peak (the first batches' loads: segments decoded and resolved) and its settled
-  level (the median over the second half of the steady batches); target at most 1.3x with the
-  shared views.
+  sampled every 0.25 s: its peak over the steady batches, and its settled level (the median over
+  the second half of the steady batches) less the workers' own footprint, against one copy of
+  the cached state (the tasks' views, ``cache_size_bytes`` summed over the tasks); target at most
+  1.3x with the shared views. The workers' own footprint is what they hold after the same query
+  ran one batch of the same input over an empty state in the same session (the runner's modules,
+  pandas, which pyarrow imports at its first array, a batch's work); the footprint of workers
+  that only imported the task runner is reported beside it;
+- per worker after the stream: anonymous (its own heap) and file-backed memory (the mapped views,
+  libraries), its kept stores' views and of them its own bytes (runs merged since the host's
+  views were written), and its anonymous memory once its stores are closed.
 
 Prints tables, writes ``bench_host_views.json`` and a plot to the results folder
 (``ICESTATE_BENCH_RESULTS_DIR``). Run: ``.venv/bin/python -m benchmarks.bench_host_views``
@@ -35,6 +39,8 @@ Prints tables, writes ``bench_host_views.json`` and a plot to the results folder
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 import shutil
 import statistics
@@ -169,27 +175,116 @@ def _baseline(spark: Any, workers: int) -> int:
     return _memory(_python_workers(jvm))[0]  # Pss
 
 
-def _stream(spark: Any, props: dict, branch: str, scratch: Path, input_dir: Path, tasks: int, workers: int,
-            host_views: bool, batch_events: int) -> dict:
-    from spark_integration import RunningAggregate, StateLocation, runner_of, start_stateful_query
+def _rollup(pid: str = "self") -> dict[str, int]:
+    """``/proc/<pid>/smaps_rollup`` in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return out
+
+
+def _mapped_views(views_dir: str, pid: str = "self") -> dict[str, int]:
+    """Pss of the shared views' files that ``pid`` maps: those whose file (inode) is still in the
+    host's views and those that a newer write replaced (their pages this process's alone)."""
+    current = set()
+    for root, _, files in os.walk(views_dir):
+        for name in files:
+            try:
+                current.add(os.stat(os.path.join(root, name)).st_ino)
+            except OSError:
+                continue
+    out = {"current_pss": 0, "replaced_pss": 0, "current_maps": 0, "replaced_maps": 0}
+    kind = None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=5)
+            if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's first line
+                path = head[5].strip() if len(head) == 6 else ""
+                kind = None if not path.startswith(views_dir) else (
+                    "current" if int(head[4]) in current else "replaced")
+                if kind:
+                    out[f"{kind}_maps"] += 1
+            elif kind and line.startswith("Pss:"):
+                out[f"{kind}_pss"] += int(line.split()[1]) * 1024
+    return out
+
+
+def _breakdown(spark: Any, workers: int, views_dir: str) -> list[dict]:
+    """Per Python worker after the stream: its anonymous memory (its own heap) and file-backed
+    memory (the mapped views, libraries), what its kept stores hold (views' bytes, of them this
+    process's own), Arrow's pool; then the same with its stores closed and its allocators
+    trimmed (what stays in a worker without state)."""
+    def look(batches):
+        import pyarrow as pa
+
+        from spark_integration import tasks
+        from statestore import memory
+
+        time.sleep(1.0)  # every slot busy at once: one worker each
+        stores = []
+        for (_, task), ts in tasks._STORES.items():
+            cache = ts.store.reader._cache
+            views = [v for kg in cache.key_groups() for v in cache.peek(kg).views.values()]
+            stores.append({"task": task, "view_bytes": cache.size_bytes,
+                           "private_bytes": sum(v.private_bytes() for v in views)})
+        held = _rollup()
+        views = _mapped_views(views_dir)
+        for key in list(tasks._STORES):
+            tasks._drop(key)
+        gc.collect()
+        memory.return_freed_memory()
+        time.sleep(1.5)  # polars' allocator hands pages back after a second
+        bare = _rollup()
+        row = {"pid": os.getpid(), "stores": stores, "arrow_pool": pa.default_memory_pool().backend_name,
+               "pss_anon": held.get("Pss_Anon"), "pss_file": held.get("Pss_File"), "mapped_views": views,
+               "pss_anon_without_stores": bare.get("Pss_Anon")}
+        yield pa.RecordBatch.from_pylist([{"json": json.dumps(row)}])
+
+    rows = spark.range(workers, numPartitions=workers).mapInArrow(look, "json string").collect()
+    return [json.loads(r.json) for r in rows]
+
+
+def _query(spark: Any, props: dict, table: str, branch: str, scratch: Path, input_dir: Path, tasks: int,
+           host_views: bool) -> Any:
+    """The stream (``RunningAggregate("count")`` over ``input_dir``, availableNow) on ``table``'s
+    ``branch``, to its end."""
+    from spark_integration import RunningAggregate, StateLocation, start_stateful_query
     from statestore import StoreConfig
 
-    baseline = _baseline(spark, workers)
-    sampler = Sampler(int(spark.sparkContext._jvm.ProcessHandle.current().pid()))
+    df = spark.readStream.schema("user string").option("maxFilesPerTrigger", 1).parquet(str(input_dir))
+    location = StateLocation(table=table, catalog_name=CATALOG, catalog_properties=props, branch=branch,
+                             parallelism=tasks, max_parallelism=MAX_PARALLELISM)
+    # Views of whole key groups from the first batch on, as a long-running stream's are once its
+    # key groups were read often enough (``StoreConfig.view_partial_reads_max``)
+    config = StoreConfig(host_views=host_views, host_views_dir=str(scratch / f"views-{table}-{branch}"),
+                         view_partial_reads_max=0)
+    query = start_stateful_query(df, ["user"], RunningAggregate("count"), location=location,
+                                 checkpoint_location=str(scratch / f"cp-{table}-{branch}"),
+                                 trigger={"availableNow": True}, compaction=None, store_config=config,
+                                 query_name=f"bench_{table}_{branch}")
+    query.awaitTermination()
+    return query
+
+
+def _stream(spark: Any, props: dict, branch: str, scratch: Path, input_dir: Path, tasks: int, workers: int,
+            host_views: bool, batch_events: int) -> dict:
+    from spark_integration import runner_of
+
+    jvm_pid = int(spark.sparkContext._jvm.ProcessHandle.current().pid())
+    imports_pss = _baseline(spark, workers)
+    # The workers' own footprint: the same query over an empty state, one batch of the same input
+    _query(spark, props, f"empty_{branch}", "main", scratch, scratch / "input-first", tasks, host_views)
+    time.sleep(1.5)  # polars' allocator hands pages back after a second
+    baseline = _memory(_python_workers(jvm_pid))[0]
+    sampler = Sampler(jvm_pid)
     try:
-        df = spark.readStream.schema("user string").option("maxFilesPerTrigger", 1).parquet(str(input_dir))
-        location = StateLocation(table="state", catalog_name=CATALOG, catalog_properties=props, branch=branch,
-                                 parallelism=tasks, max_parallelism=MAX_PARALLELISM)
-        # Views of whole key groups from the first batch on, as a long-running stream's are once its
-        # key groups were read often enough (``StoreConfig.view_partial_reads_max``)
-        config = StoreConfig(host_views=host_views, host_views_dir=str(scratch / f"views-{branch}"),
-                             view_partial_reads_max=0)
-        query = start_stateful_query(df, ["user"], RunningAggregate("count"), location=location,
-                                     checkpoint_location=str(scratch / f"cp-{branch}"), trigger={"availableNow": True},
-                                     compaction=None, store_config=config, query_name=f"bench_{branch}")
-        query.awaitTermination()
+        query = _query(spark, props, "state", branch, scratch, input_dir, tasks, host_views)
     finally:
         sampler.stop()
+    breakdown = _breakdown(spark, workers, str(scratch / f"views-state-{branch}"))
     reports = {r.batch_id: r for r in runner_of(query).reports if not r.skipped}
     batches = []
     for p in query.recentProgress:
@@ -217,6 +312,8 @@ def _stream(spark: Any, props: dict, branch: str, scratch: Path, input_dir: Path
     state_bytes = batches[-1]["cache_size_bytes"]
     return {
         "workers": workers, "host_views": host_views, "batches": batches, "baseline_pss": baseline,
+        "imports_pss": imports_pss, "settled_less_imports_over_state": ratio(settled - imports_pss, state_bytes),
+        "workers_after": breakdown,
         "first_ms": batches[0]["duration_ms"], "steady_median_ms": median, "steady_max_ms": max(durations),
         "max_over_median": max(durations) / median,
         "steady_events_per_s": batch_events * len(steady) / (sum(durations) / 1000),
@@ -237,6 +334,7 @@ def main(
     workers: Annotated[str, typer.Option(help="Task slots (Python workers) of each run, comma-separated.")] = "2,4",
     batches: Annotated[int, typer.Option(help="Micro-batches of each stream.")] = 10,
     batch_events: Annotated[int, typer.Option(help="Events per micro-batch.")] = 200_000,
+    private: Annotated[bool, typer.Option(help="Also run each with the shared views off (the comparison).")] = True,
 ) -> None:
     if quick:
         keys, batches, batch_events = 400_000, 6, 20_000
@@ -259,8 +357,11 @@ def main(
             path = input_dir / f"part-{b:04d}.parquet"
             pq.write_table(user_keys(rng.integers(0, keys, batch_events)), path)
             os.utime(path, (1_700_000_000 + b, 1_700_000_000 + b))
+        (scratch / "input-first").mkdir()
+        os.link(input_dir / "part-0000.parquet", scratch / "input-first" / "part-0000.parquet")
         for i, w in enumerate(slots):
-            for on in ((False, True) if i % 2 == 0 else (True, False)):  # alternating: neither always first
+            modes = (False, True) if i % 2 == 0 else (True, False)  # alternating: neither always first
+            for on in modes if private else (True,):
                 name = f"w{w}_{'shared' if on else 'private'}"
                 console.print(f"local[{w}], shared views {'on' if on else 'off'} ...")
                 spark = _session(w, tasks, scratch)
@@ -268,7 +369,8 @@ def main(
                     runs.append(_stream(spark, props, name, scratch, input_dir, tasks, w, on, batch_events))
                 finally:
                     spark.stop()
-                shutil.rmtree(scratch / f"views-{name}", ignore_errors=True)
+                for views in scratch.glob(f"views-*-{name}"):
+                    shutil.rmtree(views, ignore_errors=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -284,7 +386,7 @@ def main(
                                                       by[(w, False)]["steady_events_per_s"]),
             "peak_pss_shared_over_private": ratio(by[(w, True)]["peak_pss"], by[(w, False)]["peak_pss"]),
             "settled_pss_shared_over_private": ratio(by[(w, True)]["settled_pss"], by[(w, False)]["settled_pss"]),
-        } for w in slots},
+        } for w in slots if (w, False) in by},
     }
     _report(results)
     name = "bench_host_views" + ("_quick" if quick else "")
@@ -297,7 +399,7 @@ def _report(results: dict) -> None:
                         f"{results['config']['batch_events']:,} events a batch)")
     for col in ("run", "processes", "first batch s", "steady median s", "slowest / median", "events/s",
                 "workers' Pss MB: peak", "settled", "of it files", "less their own", "one copy MB",
-                "settled less own / copy"):
+                "settled less own / copy", "less imports only / copy"):
         table.add_column(col, justify="right")
     for r in results["runs"]:
         table.add_row(f"local[{r['workers']}], shared {'on' if r['host_views'] else 'off'}", str(r["processes"]),
@@ -305,7 +407,8 @@ def _report(results: dict) -> None:
                       fmt(r["max_over_median"], ".2f"), fmt(r["steady_events_per_s"]),
                       fmt(r["peak_pss"] / 1e6), fmt(r["settled_pss"] / 1e6), fmt(r["settled_pss_file"] / 1e6),
                       fmt((r["settled_pss"] - r["baseline_pss"]) / 1e6), fmt(r["state_view_bytes"] / 1e6),
-                      fmt(r["settled_less_baseline_over_state"], ".2f"))
+                      fmt(r["settled_less_baseline_over_state"], ".2f"),
+                      fmt(r["settled_less_imports_over_state"], ".2f"))
     console.print(table)
 
 
