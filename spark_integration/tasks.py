@@ -43,6 +43,7 @@ from spark_integration.timers import TIMERS_STATE, TimerService
 from statestore import memory
 from statestore.config import StoreConfig
 from statestore.faults import fail_if_first_attempt
+from statestore.host_views import host_views_for
 from statestore.layout import StateLayout
 from statestore.operator_state import OperatorStateDescriptor, OperatorStateStore
 from statestore.paths import output_file_name
@@ -248,6 +249,47 @@ def _evict(plan: BatchPlan) -> None:
             _drop(key)
 
 
+# This worker as the host's task claims name it (``HostViews.claim``); None: its pid. Tests
+# that simulate several workers in one process give each its own.
+_HOLDER: str | None = None
+
+
+def _holder() -> str:
+    return _HOLDER if _HOLDER is not None else str(os.getpid())
+
+
+def _claimed_task(plan: BatchPlan, task: int) -> str:
+    return repr((plan.table, plan.parallelism, task))
+
+
+def _claim(plan: BatchPlan, task: int, store: StateStore) -> None:
+    """With the host's shared views: tell the host's other workers that this one runs ``task``
+    for the plan's checkpoint (``_drop_moved``)."""
+    host = host_views_for(store.config)
+    if host is not None:
+        host.claim(_claimed_task(plan, task), _holder(), plan.checkpoint_id)
+
+
+def _drop_moved(plan: BatchPlan, task: int) -> bool:
+    """After a task, with the host's shared views: close this worker's stores of the run's other
+    tasks that another worker of the host has claimed for this batch or a later one (the task
+    runs there now). Wherever the task comes back it maps the host's views; what such a store
+    holds of its own (runs merged since the views were written, the pages of views replaced
+    since) is freed now rather than at this worker's next task (``_evict``). A store whose task
+    has not started elsewhere stays: it may be this worker's next task. Whether any closed."""
+    dropped = False
+    for key, ts in list(_STORES.items()):
+        run, other = key
+        if run != plan.run_id or other == task or ts.dirty or (
+                ts.pending is not None and ts.pending[0] >= plan.checkpoint_id):
+            continue
+        host = host_views_for(ts.store.config)
+        if host is not None and host.ran_elsewhere(_claimed_task(plan, other), _holder(), plan.checkpoint_id):
+            _drop(key)
+            dropped = True
+    return dropped
+
+
 def _drop(key: tuple[str, int]) -> None:
     ts = _STORES.pop(key, None)
     if ts is not None:
@@ -308,6 +350,7 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
     kept = _STORES.get((plan.run_id, task))
     before = None if kept is None else kept.store.stats()  # what bringing it up to date reads counts too
     ts = task_store(plan, task)
+    _claim(plan, task, ts.store)
     opened = time.perf_counter()
     ts.dirty = True
     store = ts.store
@@ -373,8 +416,10 @@ def _run(plan: BatchPlan, task: int, rows: pa.Table, initial: pa.Table | None,
         "cpu_ms": round((time.process_time() - cpu_started) * 1000, 1),  # the worker's, all its threads
     }
     # A batch that wrote views to the host's shared views has just swapped its own copies for
-    # the host's pages: what it freed goes back at once, not at the next minute's trim.
-    trimmed = _return_freed_memory(now=stats["views_published"] > 0)
+    # the host's pages, or closed stores whose tasks moved: what it freed goes back at once, not
+    # at the next minute's trim.
+    moved = _drop_moved(plan, task)
+    trimmed = _return_freed_memory(now=stats["views_published"] > 0 or moved)
     if trimmed is not None:
         stats["trimmed_mb"] = trimmed
     report = [(task, "task", json.dumps(stats))]

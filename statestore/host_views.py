@@ -49,6 +49,14 @@ recently used snapshots first (a use stamps the snapshot directory's modificatio
 under an ``flock`` on ``<root>/.evict.lock``; a snapshot replaced by a newer one of the same
 key groups is deleted when the newer one is written.
 
+Where tasks run: a process that runs a task of a table claims it for its checkpoint
+(``claim``: ``<root>/tasks/<digest of the task>``, the holder and the checkpoint id, replaced
+whole), and another process of the host that holds a store of the same task learns from it
+that the task runs elsewhere now (``ran_elsewhere``), so it can free that store at once: with
+the shared views a task is as cheap to pick up from them as to keep, and what a store holds of
+its own (runs merged since the views were written, the pages of views replaced since) is a
+second copy. A claim only ever closes a store (a cache), never decides what state is read.
+
 Threat model (``docs/reliability.md``): the root is a directory of this user's alone
 (``private_directory``); the manifest is JSON checked field by field, file names in it must
 be plain names, every file must be a regular file (no link, no pipe), arrays are read with
@@ -91,6 +99,8 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 MANIFEST = "manifest.json"
 _EVICT_LOCK = ".evict.lock"
+_CLAIMS = "tasks"
+_HOLDER = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SNAPSHOT = re.compile(r"^(\d{12})-(\d{1,15})-(\d+)-[0-9a-f]{8}$")
 _TMP = re.compile(r"^\.tmp-(\d+)-[0-9a-f]{8}$")
 _SLOT = re.compile(r"^[0-9a-f]{32}$")
@@ -317,6 +327,47 @@ class HostViews:
 
     def size_bytes(self) -> int:
         return sum(s for _, s, _ in self._all_snapshots())
+
+    # ------------------------------------------------------------------ where tasks run
+
+    def claim(self, task: str, holder: str, checkpoint_id: int) -> None:
+        """Note that ``holder`` (a process: letters, digits, ``-``, ``_``) runs ``task`` (any
+        string naming a task of a table) for ``checkpoint_id``. Best effort: a claim that cannot
+        be written is skipped (a store elsewhere is then kept until its own process learns)."""
+        if not _HOLDER.fullmatch(holder):
+            raise ValueError(f"a holder of a task claim is a plain token, not {holder!r}")
+        path = self._claim_path(task)
+        tmp = f"{path}.{holder}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            with open(tmp, "w") as f:
+                f.write(f"{holder} {int(checkpoint_id)}")
+            os.replace(tmp, path)
+        except OSError as e:
+            log.debug("shared state views: cannot claim a task (%s)", e)
+
+    def ran_elsewhere(self, task: str, holder: str, checkpoint_id: int) -> bool:
+        """Whether another holder than ``holder`` claimed ``task`` for ``checkpoint_id`` or a
+        later one. No claim, or one that is not a regular file of a holder and a number: False."""
+        try:
+            fd = os.open(self._claim_path(task), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return False
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
+            text = os.read(fd, 128).decode("ascii", errors="replace")
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        parts = text.split(" ")
+        if len(parts) != 2 or not _HOLDER.fullmatch(parts[0]) or not re.fullmatch(r"\d{1,18}", parts[1]):
+            return False
+        return parts[0] != holder and int(parts[1]) >= checkpoint_id
+
+    def _claim_path(self, task: str) -> str:
+        return os.path.join(self.root, _CLAIMS, hashlib.sha256(task.encode()).hexdigest()[:32])
 
     # ------------------------------------------------------------------ internals
 

@@ -122,6 +122,7 @@ class Workers:
 
     def use(self, worker: int) -> dict:
         self._mp.setattr(tasks, "_STORES", self.stores[worker])
+        self._mp.setattr(tasks, "_HOLDER", f"worker{worker}")  # as the host's task claims name it
         return self.stores[worker]
 
     def run(self, worker: int, plan: BatchPlan, task: int, rows: pa.Table) -> pa.Table:
@@ -267,6 +268,31 @@ def test_a_task_in_a_fresh_worker_maps_the_views_another_worker_committed(locati
         assert sql_counts(location) == dict.fromkeys(all_keys(), 6)
     finally:
         workers.close()
+
+
+def test_a_worker_closes_a_store_once_another_worker_of_the_host_runs_its_task(location, workers, drivers):
+    """With the host's shared views, a worker that ends a task closes its stores of the run's
+    other tasks that another worker has claimed for the batch (their own bytes are a second
+    copy, and the task maps the host's views wherever it comes back); a store whose task has not
+    started elsewhere stays, as it may be the worker's next task."""
+    driver = drivers(location, RunningAggregate("count"))
+
+    def batch(order: list[tuple[int, int]]) -> dict[int, dict]:
+        plan, rows = driver.plan(), split_by_task(input_rows(all_keys()))
+        results = {task: workers.run(worker, plan, task, rows[task]) for worker, task in order}
+        return driver.commit(plan, list(results.values()))
+
+    batch([(0, 0), (0, 1)])
+    batch([(0, 0), (0, 1)])  # commits the first: the views are the host's
+    stats = batch([(0, 1), (0, 0)])  # task 0 has not started elsewhere: kept, reused
+    assert stats[0]["views_mapped"] == 0 and stats[0]["files_opened"] == 0, stats
+    assert set(workers.use(0)) == {("run-1", 0), ("run-1", 1)}
+    stats = batch([(1, 0), (0, 1)])  # task 0 claimed by worker 1 before task 1 ends in worker 0
+    assert set(workers.use(0)) == {("run-1", 1)} and set(workers.use(1)) == {("run-1", 0)}
+    stats = batch([(0, 0), (0, 1)])  # back in worker 0: maps the host's views
+    assert stats[0]["views_mapped"] > 0 and stats[1]["views_mapped"] == 0, stats
+    assert state_counts(location, driver.layout, all_keys()) == [5] * 6
+    assert sql_counts(location) == dict.fromkeys(all_keys(), 5)
 
 
 def test_a_store_completing_an_older_flush_after_a_compaction_shares_no_views_behind_the_table(location, drivers,

@@ -374,3 +374,44 @@ def test_a_view_cut_from_a_larger_frame_is_written_with_its_own_bytes(tmp_path):
     assert snap.bytes < 2_000 * 64
     (run,) = host.open_runs(snap, snap.views[0]["v"], part.schema)
     assert run.frame.equals(part)
+
+
+def test_a_task_claimed_by_another_holder_for_this_checkpoint_or_later_ran_elsewhere(tmp_path):
+    host = HostViews(str(tmp_path / "views"), 1 << 30, 0)
+    assert not host.ran_elsewhere("t0", "w1", 5)  # no claim yet
+    host.claim("t0", "w1", 5)
+    assert not host.ran_elsewhere("t0", "w1", 5)  # its own
+    assert host.ran_elsewhere("t0", "w2", 5) and host.ran_elsewhere("t0", "w2", 4)
+    assert not host.ran_elsewhere("t0", "w2", 6)  # an older claim: the task has not started elsewhere yet
+    assert not host.ran_elsewhere("t1", "w2", 5)  # another task
+    host.claim("t0", "w2", 6)
+    assert host.ran_elsewhere("t0", "w1", 6) and not host.ran_elsewhere("t0", "w2", 6)
+    with pytest.raises(ValueError, match="plain token"):
+        host.claim("t0", "w 1\n99", 1)
+    assert host.snapshots("0" * 32) == [] and host.size_bytes() == 0  # claims are no snapshot
+
+
+@pytest.mark.parametrize("content", ["w2", "w2 x", "w2 7 8", "w\u00e92 7", "w2 " + "9" * 40, "", "w2 -7"])
+def test_a_claim_that_is_not_a_holder_and_a_checkpoint_says_nothing(tmp_path, content):
+    host = HostViews(str(tmp_path / "views"), 1 << 30, 0)
+    host.claim("t0", "w2", 1)
+    path = host._claim_path("t0")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(content)
+    assert not host.ran_elsewhere("t0", "w1", 0)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
+def test_a_claim_that_is_not_a_regular_file_says_nothing(tmp_path, kind):
+    host = HostViews(str(tmp_path / "views"), 1 << 30, 0)
+    host.claim("t0", "w2", 1)
+    path = host._claim_path("t0")
+    os.remove(path)
+    if kind == "symlink":
+        (tmp_path / "elsewhere").write_text("w2 9")
+        os.symlink(tmp_path / "elsewhere", path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.mkdir(path)
+    assert not host.ran_elsewhere("t0", "w1", 0)  # returns at once: a FIFO is not read
