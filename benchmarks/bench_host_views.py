@@ -297,6 +297,9 @@ def _stream(spark: Any, props: dict, branch: str, scratch: Path, input_dir: Path
             "views_mapped": sum(t.get("views_mapped", 0) for t in tasks_of.values()),
             "views_published": sum(t.get("views_published", 0) for t in tasks_of.values()),
             "cache_size_bytes": sum(t.get("cache_size_bytes", 0) for t in tasks_of.values()),
+            # per task: opening its store (mapping, catching up), processing, flushing
+            "task_ms": {task: [t.get("open_ms"), t.get("process_ms"), t.get("flush_ms"), t.get("views_mapped")]
+                        for task, t in sorted(tasks_of.items())},
             "pids": sorted({t.get("pid") for t in tasks_of.values()}),
         })
     steady = batches[1:]
