@@ -1,6 +1,6 @@
 """Smoke test of the benchmarks, so that a change that breaks one fails CI rather than the next
 benchmark run: every module of ``benchmarks`` imports, and ``remote_storage``, ``bench_restart_reads``
-(moto's S3 server and our proxy, started by the run) and ``bench_inspect`` run end to end
+(moto's S3 server and our proxy, started by the run), ``bench_inspect`` and ``bench_host_views_store`` run end to end
 through their command lines at tiny sizes (no Spark), as does the whole suite
 (``benchmarks.suite``) in its tiny mode, writing their JSON and plots to a temporary folder,
 never over the recorded results.
@@ -116,6 +116,26 @@ def test_bench_inspect_runs_end_to_end(tmp_path, monkeypatch):
 
 @pytest.mark.spark  # real Spark, one driver process per job
 @pytest.mark.slow
+def test_bench_host_views_store_runs_end_to_end(tmp_path, monkeypatch):
+    """The store-level price of the host's shared views at tiny sizes: without them nothing is
+    written or mapped; with them a moved store maps every key group of its task, and views
+    written 2 checkpoints behind are written more often than 4 behind."""
+    from benchmarks import bench_host_views_store
+
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    app = typer.Typer()
+    app.command()(bench_host_views_store.main)
+    args = ["--keys", "40000", "--checkpoints", "5", "--updates", "2000", "--lag-other", "4"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    off, lag2, lag4 = json.loads((tmp_path / "bench_host_views_store.json").read_text())["runs"]
+    assert (off["views_written"], off["moved_views_mapped"]) == (0, 0)
+    assert (lag2["lag"], lag4["lag"]) == (2, 4)
+    assert lag2["moved_views_mapped"] == lag4["moved_views_mapped"] == harness.MAX_PARALLELISM // 2
+    assert lag2["views_written"] > lag4["views_written"] >= harness.MAX_PARALLELISM // 2
+    assert all(r["steady_total_s"] > 0 and len(r["checkpoints"]) == 5 for r in (off, lag2, lag4))
+
+
 def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
     """``python -m benchmarks.suite --mode tiny``: every benchmark of the suite at its smallest
     sizes, each in a process of its own with its results in the suite's folder (real Spark, one
