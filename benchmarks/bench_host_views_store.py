@@ -1,7 +1,7 @@
 """What the host's shared views cost a store that keeps its task, and what they save one that moves.
 
 With the shared views (``statestore.host_views``) a store writes part of its key groups' views
-to the host at each commit (``statestore.read_path.HOST_VIEWS_LAG_MAX``); a task that never
+to the host at each commit (``StoreConfig.host_views_lag``); a task that never
 changes process pays that and gets nothing back but its own memory's move to the page cache,
 while a task that moves opens by mapping instead of loading. This measures both at store level,
 without Spark, one process:
@@ -9,8 +9,8 @@ without Spark, one process:
 - a state of ``keys`` running counts over ``tasks`` tasks (``build_count_state``; SQLite catalog,
   table on local disk), built again for each mode so every mode starts from the same state;
 - a store of task 0 with views of whole key groups (``view_partial_reads_max=0``, as a
-  long-running stream's), for each mode (the shared views off; on, written
-  ``HOST_VIEWS_LAG_MAX`` checkpoints behind; on, written ``--lag-other`` behind), runs
+  long-running stream's), for each mode (the shared views off; on, written the default
+  ``host_views_lag`` checkpoints behind; on, written ``--lag-other`` behind), runs
   ``checkpoints`` checkpoints of ``updates`` uniform random keys (the task's share of them): read
   them, write them, flush; commit; ``checkpoint_complete`` (where the views are written);
 - then a second store of task 0 opened in the same process and its first read of one
@@ -58,55 +58,50 @@ STEADY_FROM = 2  # the first checkpoint loads, the second writes every key group
 
 
 def _mode(name: str, lag: int | None, keys: int, tasks: int, checkpoints: int, updates: int, scratch: Path) -> dict:
-    import statestore.read_path as read_path
     from statestore import StateStore, StoreConfig
 
     work = scratch / name
     work.mkdir()
     props = {"type": "sql", "uri": f"sqlite:///{work}/catalog.db", "init_catalog_tables": "true",
              "warehouse": str(work / "warehouse")}
-    config = StoreConfig(host_views=lag is not None, host_views_dir=str(work / "views"), view_partial_reads_max=0)
-    default_lag = read_path.HOST_VIEWS_LAG_MAX
-    read_path.HOST_VIEWS_LAG_MAX = lag or default_lag
+    config = StoreConfig(host_views=lag is not None, host_views_dir=str(work / "views"), view_partial_reads_max=0,
+                         host_views_lag=lag or StoreConfig().host_views_lag)
     rng = np.random.default_rng(7)
 
     def task_keys() -> pa.Table:
         batch = user_keys(rng.integers(0, keys, updates))
         return batch.filter(pa.array(owners(batch, tasks) == 0))
 
-    try:
-        with TableRef("state", catalog_name=CATALOG, catalog_properties=props).open(
-                count_layout(), retain_checkpoints=checkpoints + 10) as table:
-            build_count_state(table, keys, 4, tasks, f"{name}: a state of {keys:,} keys")
-            store = StateStore(table, task_index=0, parallelism=tasks, config=config)
-            rows = []
-            for _ in range(checkpoints):
-                batch = task_keys()
-                checkpoint_id = table.next_checkpoint_id()
-                started = time.perf_counter()
-                state = store.get_state(COUNT)
-                counts = state.get_batch(batch)
-                state.update_batch(batch, pc.add(pc.fill_null(counts, 0), 1))
-                segments = store.flush(checkpoint_id)
-                flushed = time.perf_counter()
-                table.commit_checkpoint(checkpoint_id, segments, parallelism=tasks)
-                committed = time.perf_counter()
-                store.checkpoint_complete(checkpoint_id)
-                completed = time.perf_counter()
-                rows.append({"process_flush_s": flushed - started, "commit_s": committed - flushed,
-                             "complete_s": completed - committed, "total_s": completed - started})
-            stats = store.stats()
+    with TableRef("state", catalog_name=CATALOG, catalog_properties=props).open(
+            count_layout(), retain_checkpoints=checkpoints + 10) as table:
+        build_count_state(table, keys, 4, tasks, f"{name}: a state of {keys:,} keys")
+        store = StateStore(table, task_index=0, parallelism=tasks, config=config)
+        rows = []
+        for _ in range(checkpoints):
             batch = task_keys()
+            checkpoint_id = table.next_checkpoint_id()
             started = time.perf_counter()
-            moved = StateStore(table, task_index=0, parallelism=tasks, config=config)
-            opened = time.perf_counter()
-            moved.get_state(COUNT).get_batch(batch)
-            read = time.perf_counter()
-            moved_stats = moved.stats()
-            moved.close()
-            store.close()
-    finally:
-        read_path.HOST_VIEWS_LAG_MAX = default_lag
+            state = store.get_state(COUNT)
+            counts = state.get_batch(batch)
+            state.update_batch(batch, pc.add(pc.fill_null(counts, 0), 1))
+            segments = store.flush(checkpoint_id)
+            flushed = time.perf_counter()
+            table.commit_checkpoint(checkpoint_id, segments, parallelism=tasks)
+            committed = time.perf_counter()
+            store.checkpoint_complete(checkpoint_id)
+            completed = time.perf_counter()
+            rows.append({"process_flush_s": flushed - started, "commit_s": committed - flushed,
+                         "complete_s": completed - committed, "total_s": completed - started})
+        stats = store.stats()
+        batch = task_keys()
+        started = time.perf_counter()
+        moved = StateStore(table, task_index=0, parallelism=tasks, config=config)
+        opened = time.perf_counter()
+        moved.get_state(COUNT).get_batch(batch)
+        read = time.perf_counter()
+        moved_stats = moved.stats()
+        moved.close()
+        store.close()
     steady = rows[STEADY_FROM:]
     return {
         "mode": name, "host_views": lag is not None, "lag": lag, "checkpoints": rows,
@@ -125,13 +120,14 @@ def main(
     updates: Annotated[int, typer.Option(help="Random keys a checkpoint (the task gets its share).")] = 100_000,
     lag_other: Annotated[int, typer.Option(help="The other lag to compare.")] = 4,
 ) -> None:
-    from statestore.read_path import HOST_VIEWS_LAG_MAX
+    from statestore import StoreConfig
 
     if quick:
         keys, checkpoints, updates = 400_000, 6, 10_000
     scratch = Path(tempfile.mkdtemp(prefix="bench-host-views-store-"))
     try:
-        modes = [("shared off", None), (f"shared on, lag {HOST_VIEWS_LAG_MAX}", HOST_VIEWS_LAG_MAX),
+        lag = StoreConfig().host_views_lag
+        modes = [("shared off", None), (f"shared on, lag {lag}", lag),
                  (f"shared on, lag {lag_other}", lag_other)]
         runs = [_mode(f"m{i}", lag, keys, tasks, checkpoints, updates, scratch) | {"mode": name}
                 for i, (name, lag) in enumerate(modes)]

@@ -65,6 +65,13 @@ class StoreConfig:
     host_views_dir: where the shared views live; None: ``<file cache directory>/views``.
     host_views_bytes_max: bound of the shared views of every process of the host together
         (least recently used first out); the file cache's reserved free bytes are kept free too.
+    host_views_lag: a store writes its key groups' views to the host again once they are this
+        many checkpoints behind its own (1 / ``host_views_lag`` of them a commit at most). Each
+        worker holds what changed since as its own memory, and a task that moves reads about as
+        many checkpoints' segments to catch up; lower is less of both and more written at each
+        commit (a 5M-key task, 50k updates a checkpoint: 2 costs a task that never moves
+        1.2-1.7x the store time of a checkpoint without the shared views and leaves it 9 MB of
+        its own, 4 costs 1.0-1.2x and leaves 13-14 MB; ``benchmarks/bench_host_views_store.py``).
     """
 
     cache_size_bytes_max: int = 512 * 1024 * 1024
@@ -84,10 +91,11 @@ class StoreConfig:
     host_views: bool | None = None
     host_views_dir: str | None = None
     host_views_bytes_max: int = 8 * 1024 * 1024 * 1024
+    host_views_lag: int = 2
 
     def __post_init__(self) -> None:
         for name in ("cache_size_bytes_max", "row_group_rows_min", "row_group_rows_max", "footer_cache_entries_max",
-                     "file_cache_bytes_max", "host_views_bytes_max"):
+                     "file_cache_bytes_max", "host_views_bytes_max", "host_views_lag"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"StoreConfig.{name} must be a positive int, got {value!r}")

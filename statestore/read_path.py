@@ -150,12 +150,9 @@ def _index_map(keys: Iterable[tuple], rows: Iterable[tuple], hashed: Iterable[An
 
 _NOT_PREFETCHED = object()
 # The host's shared views of a reader's key groups are written at its first commit (or load),
-# then again once they are this many checkpoints behind the reader's (a task moved to another
-# worker reads about as many checkpoints' segments to catch up; each worker holds the runs merged
-# since as its own: 4 left 13-14 MB of them per 5M-key store, 2 left 9 MB, and the workers of
-# local[4] at 1.31x one copy instead of 1.35x), or once this share of the views' bytes is the
-# process's own (new runs, merges: one copy on the host again).
-HOST_VIEWS_LAG_MAX = 2
+# then again once they are ``StoreConfig.host_views_lag`` checkpoints behind the reader's, or
+# once this share of the views' bytes is the process's own (new runs, merges: one copy on the
+# host again).
 HOST_VIEWS_PRIVATE_SHARE_MAX = 0.25
 _AFTER = "__after"  # a key group's newest checkpoint already in its views, while catching up
 
@@ -255,6 +252,7 @@ class StateReader:
         self._partial_reads_max = config.view_partial_reads_max if self._indexable else 0
         # Views this large are kept indexed by key hash (``views.KeyedView``).
         self._index_rows_min = config.view_index_rows_min
+        self._host_views_lag = config.host_views_lag  # see StoreConfig.host_views_lag
         self.partial_reads = 0
         # Checkpoints flushed but not settled: their entries are still in the memtable.
         self._unsettled: set[int] = set()
@@ -1227,12 +1225,12 @@ class StateReader:
         whole = [kg for kg in self._cache.key_groups() if self._is_whole(kg)]
         new = sorted(kg for kg in whole if kg not in self._host_lag)  # the host has none of theirs: all now
         due = sorted((kg for kg in whole if kg in self._host_lag and (
-            self._host_lag[kg] >= HOST_VIEWS_LAG_MAX or self._mostly_private(kg))),
+            self._host_lag[kg] >= self._host_views_lag or self._mostly_private(kg))),
             key=lambda kg: -self._host_lag[kg])
-        # At most 1 / HOST_VIEWS_LAG_MAX of the key groups a time: a batch never pays for writing
-        # all of them at once (each is written again about every HOST_VIEWS_LAG_MAX checkpoints,
-        # at most 2 * HOST_VIEWS_LAG_MAX - 1 behind while the first ones due take their turns).
-        kgs = sorted(new + due[:max(1, -(-len(whole) // HOST_VIEWS_LAG_MAX))])
+        # At most 1 / lag of the key groups a time: a batch never pays for writing all of them
+        # at once (each is written again about every lag checkpoints, at most 2 * lag - 1
+        # behind while the first ones due take their turns).
+        kgs = sorted(new + due[:max(1, -(-len(whole) // self._host_views_lag))])
         if not kgs:
             return
         self._refresh_all(kgs)

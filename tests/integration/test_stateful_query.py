@@ -205,7 +205,7 @@ def test_tasks_in_workers_that_never_ran_them_map_the_views_of_the_host(spark, t
         # Spark moves tasks between its workers too: a task in a worker without its store maps
         # the host's views and reads only the checkpoints they are behind, fewer than the
         # segments of every checkpoint before (one a task: what a load reads; the views are
-        # written again once HOST_VIEWS_LAG_MAX behind, a share of them a commit, by a store that
+        # written again once StoreConfig.host_views_lag behind, a share of them a commit, by a store that
         # lives to commit again); one that kept its store reads nothing
         assert all((t["views_mapped"] > 0 and t["files_opened"] < r.checkpoint_id - 1)
                    or t["files_opened"] == 0

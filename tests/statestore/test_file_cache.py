@@ -426,9 +426,10 @@ cache.close()
 # ---------------------------------------------------------------------- configuration
 
 
-def test_config_validates_the_file_cache_settings():
+def test_config_validates_the_file_cache_and_shared_views_settings():
     for bad in ({"file_cache_mode": "sometimes"}, {"file_cache_bytes_max": 0},
-                {"file_cache_reserved_free_bytes": -1}, {"file_cache_dir": ""}, {"file_cache_bytes_max": 1.5}):
+                {"file_cache_reserved_free_bytes": -1}, {"file_cache_dir": ""}, {"file_cache_bytes_max": 1.5},
+                {"host_views_lag": 0}, {"host_views_lag": 2.5}, {"host_views_bytes_max": -1}):
         with pytest.raises(ValueError, match=f"StoreConfig.{next(iter(bad))}"):
             StoreConfig(**bad)
     config = StoreConfig()

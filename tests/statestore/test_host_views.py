@@ -4,6 +4,7 @@ trusted beyond their checks (a damaged, partial or hostile snapshot is not read 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,7 +25,6 @@ from statestore import (
     ValueStateDescriptor,
 )
 from statestore.host_views import MANIFEST, HostViews, RunPart, SnapshotDamaged, slot_name
-from statestore.read_path import HOST_VIEWS_LAG_MAX
 
 LAYOUT = StateLayout.of(pa.schema([("k", pa.string())]), [
     ValueStateDescriptor("v", pa.int64()),
@@ -69,9 +69,10 @@ def values(s: StateStore, ks: list[str]) -> tuple[list, list]:
     return s.get_state("v").get_batch(keys(ks)).to_pylist(), s.get_state("l").get_batch(keys(ks)).to_pylist()
 
 
-def test_a_store_maps_what_another_published_and_catches_up(env):
+@pytest.mark.parametrize("lag", [1, StoreConfig().host_views_lag, 3])
+def test_a_store_maps_what_another_published_and_catches_up(env, lag):
     tmp_path, config, _ = env
-    lag = HOST_VIEWS_LAG_MAX
+    config = dataclasses.replace(config, host_views_lag=lag)
     model = {k: [1] for k in KEYS}
 
     def write_and_model(s, ks, value):
