@@ -118,7 +118,7 @@ def main(
     tasks: Annotated[int, typer.Option(help="Tasks of the state (its parallelism); task 0 is measured.")] = 2,
     checkpoints: Annotated[int, typer.Option(help="Checkpoints of each mode.")] = 10,
     updates: Annotated[int, typer.Option(help="Random keys a checkpoint (the task gets its share).")] = 100_000,
-    lag_other: Annotated[int, typer.Option(help="The other lag to compare.")] = 4,
+    lag_other: Annotated[int, typer.Option(min=1, help="The other lag to compare.")] = 4,
 ) -> None:
     from statestore import StoreConfig
 

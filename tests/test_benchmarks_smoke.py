@@ -114,8 +114,6 @@ def test_bench_inspect_runs_end_to_end(tmp_path, monkeypatch):
     assert (tmp_path / "bench_inspect.png").stat().st_size > 0
 
 
-@pytest.mark.spark  # real Spark, one driver process per job
-@pytest.mark.slow
 def test_bench_host_views_store_runs_end_to_end(tmp_path, monkeypatch):
     """The store-level price of the host's shared views at tiny sizes: without them nothing is
     written or mapped; with them a moved store maps every key group of its task, and views
@@ -136,6 +134,8 @@ def test_bench_host_views_store_runs_end_to_end(tmp_path, monkeypatch):
     assert all(r["steady_total_s"] > 0 and len(r["checkpoints"]) == 5 for r in (off, lag2, lag4))
 
 
+@pytest.mark.spark  # real Spark, one driver process per job
+@pytest.mark.slow
 def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
     """``python -m benchmarks.suite --mode tiny``: every benchmark of the suite at its smallest
     sizes, each in a process of its own with its results in the suite's folder (real Spark, one
