@@ -104,21 +104,28 @@ def _python_workers(root_pid: int) -> list[int]:
     return out
 
 
+def _rollup(pid: str = "self") -> dict[str, int]:
+    """``/proc/<pid>/smaps_rollup`` in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return out
+
+
 def _memory(pids: list[int]) -> tuple[int, int, int]:
     """(Pss, Rss, Pss of file-backed pages: the mapped views among them) of ``pids`` together, in bytes."""
     pss = rss = pss_file = 0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        pss += int(line.split()[1]) * 1024
-                    elif line.startswith("Rss:"):
-                        rss += int(line.split()[1]) * 1024
-                    elif line.startswith("Pss_File:"):
-                        pss_file += int(line.split()[1]) * 1024
+            rollup = _rollup(str(pid))
         except OSError:
             continue
+        pss += rollup.get("Pss", 0)
+        rss += rollup.get("Rss", 0)
+        pss_file += rollup.get("Pss_File", 0)
     return pss, rss, pss_file
 
 
@@ -173,17 +180,6 @@ def _baseline(spark: Any, workers: int) -> int:
     spark.range(workers, numPartitions=workers).mapInArrow(touch, "id long").collect()
     jvm = int(spark.sparkContext._jvm.ProcessHandle.current().pid())
     return _memory(_python_workers(jvm))[0]  # Pss
-
-
-def _rollup(pid: str = "self") -> dict[str, int]:
-    """``/proc/<pid>/smaps_rollup`` in bytes."""
-    out = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) == 3 and parts[2] == "kB":
-                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    return out
 
 
 def _mapped_views(views_dir: str, pid: str = "self") -> dict[str, int]:
