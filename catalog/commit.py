@@ -32,7 +32,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -173,18 +173,23 @@ class CheckpointCommitter:
                 f"within one partition of [0, {n - 1}]: write one segment per partition_of(key group)"
             )
 
-    def data_files(self, segments: Sequence[SegmentFile], checkpoint_id: int) -> tuple[list[DataFile], Future]:
-        """``data_file`` of every segment, in order, and the check that the segments are stored
-        as their writers reported (``check_stored``), running meanwhile on the I/O pool: its
-        round trips overlap the commit's metadata uploads, and ``commit`` waits for it before
-        the catalog switches. Footers a writer did not report are read now, in parallel (on an
-        object store each is a round trip or two)."""
-        reported = [s for s in segments if s.footer is not None]
-        check = submit_io(self.check_stored, reported, checkpoint_id)
+    def data_files(self, segments: Sequence[SegmentFile], checkpoint_id: int,
+                   uploads: Mapping[str, Future] | None = None) -> tuple[list[DataFile], list[Future]]:
+        """``data_file`` of every segment, in order, and what ``commit`` waits for before the
+        catalog switches: the check that the segments are stored as their writers reported
+        (``check_stored``), running meanwhile on the I/O pool (its round trips overlap the
+        commit's metadata uploads), and ``uploads`` (segment path -> its upload, still under way:
+        ``IcebergStateTable.upload_segment``), whose success is that segment's check. Footers a
+        writer did not report are read now, in parallel (on an object store each is a round
+        trip or two)."""
+        uploads = uploads or {}
+        reported = [s for s in segments if s.footer is not None and s.path not in uploads]
+        stored = [submit_io(self.check_stored, reported, checkpoint_id),
+                  *(uploads[s.path] for s in segments if s.path in uploads)]
         if sum(s.footer is None for s in segments) <= 1:
-            return [self.data_file(s, checkpoint_id) for s in segments], check
+            return [self.data_file(s, checkpoint_id) for s in segments], stored
         with ThreadPoolExecutor(min(FOOTER_READS_MAX, len(segments)), thread_name_prefix="icestate-footers") as pool:
-            return list(pool.map(lambda s: self.data_file(s, checkpoint_id), segments)), check
+            return list(pool.map(lambda s: self.data_file(s, checkpoint_id), segments)), stored
 
     def check_stored(self, segments: Sequence[SegmentFile], checkpoint_id: int) -> None:
         """Raise CorruptSegmentError unless each of ``segments`` (whose writers reported their
@@ -277,11 +282,12 @@ class CheckpointCommitter:
 
     def commit(
         self, checkpoint_id: int, data_files: list[DataFile], summary: dict[str, str], *,
-        opened: Snapshot | None, expected_head: int | None, stored: Future | None = None,
+        opened: Snapshot | None, expected_head: int | None, stored: Sequence[Future] = (),
     ) -> Committed:
         """Commit the checkpoint after ``opened`` (the snapshot the table is opened at; the
         branch's head was ``expected_head`` when last seen), retrying lost races. ``stored``
-        (``data_files``' check) is waited for, and its error raised, before the catalog switches.
+        (``data_files``' checks and uploads) is waited for, and the first error raised, before
+        the catalog switches.
 
         Raises:
             CommitConflictError: another writer kept committing, or committed checkpoints
@@ -370,7 +376,7 @@ class CheckpointCommitter:
 
     def _commit_once(
         self, checkpoint_id: int, data_files: list[DataFile], summary: dict[str, str], parent: int | None,
-        rollback: bool, stored: Future | None,
+        rollback: bool, stored: Sequence[Future],
     ) -> Committed:
         """Commit the append and, in the same catalog commit, the expiry that retention asks for.
 
@@ -385,9 +391,9 @@ class CheckpointCommitter:
 
     def _commit_transaction(
         self, checkpoint_id: int, data_files: list[DataFile], summary: dict[str, str], parent: int | None,
-        rollback: bool, stored: Future | None, commit: uuid.UUID,
+        rollback: bool, stored: Sequence[Future], commit: uuid.UUID,
     ) -> Committed:
-        tx = self._table.transaction()
+        tx = StagedTransaction(self._table)
         main = self._branch == MAIN_BRANCH
         if rollback:
             # Staged in the same transaction as the append, so the catalog switches to the
@@ -406,8 +412,8 @@ class CheckpointCommitter:
         unreferenced = self._stage_expiry(tx)
 
         def ready() -> None:  # everything the new metadata references is stored
-            if stored is not None:
-                stored.result()
+            for check in stored:
+                check.result()
             UPLOADS.wait(str(commit))
 
         with before_catalog_switch(self._table, ready):
@@ -504,6 +510,32 @@ class _BeforeSwitch:
         self._wait()
         crash_point(self._point)
         return self._catalog.commit_table(*args, **kwargs)
+
+
+class StagedTransaction(Transaction):
+    """pyiceberg's ``Transaction`` whose ``table_metadata`` (the table's metadata with the
+    staged updates applied) is computed once per set of staged updates.
+
+    pyiceberg computes it afresh at every read, and a checkpoint's commit reads it some 18
+    times (each snapshot producer, expiry, validation): each read applies every staged update
+    and deep-copies the whole metadata, 3 ms at a few retained checkpoints, so 57 of a commit's
+    ~150 ms of CPU went there (profile in ``docs/decisions.md``, "A commit's CPU"). The
+    metadata is a frozen model and both inputs are immutable (the staged updates a tuple that
+    staging replaces, the table's metadata an object a commit or refresh replaces): the same
+    inputs give the same metadata, so one computation serves every read until either changes.
+    """
+
+    def __init__(self, table: Table, autocommit: bool = False):
+        super().__init__(table, autocommit)
+        self._memo: tuple[TableMetadata, tuple, TableMetadata] | None = None
+
+    @property
+    def table_metadata(self) -> TableMetadata:
+        base, updates, memo = self._table.metadata, self._updates, self._memo
+        if memo is None or memo[0] is not base or memo[1] is not updates:
+            # Holding both inputs keeps their ids from being reused while compared by identity.
+            memo = self._memo = (base, updates, super().table_metadata)
+        return memo[2]
 
 
 class _FooterInput:

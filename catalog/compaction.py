@@ -56,7 +56,7 @@ from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.io.pyarrow import parquet_file_to_data_file
 from pyiceberg.table.refs import MAIN_BRANCH
 
-from catalog.commit import before_catalog_switch
+from catalog.commit import StagedTransaction, before_catalog_switch
 from catalog.iceberg_table import IcebergStateTable
 from catalog.naming import commit_uuid
 from catalog.retention import line, newest_checkpoint_id
@@ -522,7 +522,7 @@ def _commit(table: IcebergStateTable, plan: _Plan) -> int:
     # started_ms: when its planning began (with the snapshot's timestamp, the span it ran)
     figures = {**plan.result(table, 0, 0, 0.0).summary(), "started_ms": plan.started_ms}
     summary = {stored_keys.SUMMARY_COMPACTION: json.dumps(figures)}
-    tx = ice.transaction()
+    tx = StagedTransaction(ice)
     # Its manifests and manifest list carry the planned-on checkpoint, so the leftovers of an
     # attempt that crashed or lost its race are garbage collection's once it can no longer commit.
     tagged = commit_uuid(plan.base_checkpoint_id, fork=table.branch != MAIN_BRANCH, compaction=True)

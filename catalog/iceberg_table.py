@@ -44,7 +44,8 @@ savepoint.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import pyarrow as pa
@@ -62,7 +63,7 @@ from catalog import refs
 from catalog.commit import CheckpointCommitter, adds_no_checkpoint, is_int
 from catalog.creation import load_or_create
 from catalog.defaults import DEFAULT_NAMESPACE, default_catalog
-from catalog.fileio import refuse_code_from_metadata, wait_for_deletes
+from catalog.fileio import refuse_code_from_metadata, submit_io, wait_for_deletes
 from catalog.gc import DirectoryFound, GarbageCollector, SweepResult, run_in_threads, run_on_spark
 from catalog.manifests import FileEntry, ManifestCache, file_entry
 from catalog.naming import Locations
@@ -95,6 +96,7 @@ from statestore.paths import (
     segment_path,
     window_dir,
 )
+from statestore.segment import store_file
 from statestore.table import CheckpointInfo, SegmentFile
 
 logger = logging.getLogger(__name__)
@@ -428,11 +430,13 @@ class IcebergStateTable:
     def commit_checkpoint(
         self, checkpoint_id: int, segments: Sequence[SegmentFile], *, parallelism: int,
         batch_id: int | None = None, properties: dict[str, str] | None = None,
-        operator_state: Sequence[OperatorStateFile] = (),
+        operator_state: Sequence[OperatorStateFile] = (), uploads: Mapping[str, Future] | None = None,
     ) -> CheckpointInfo:
         """Commit ``segments`` of every task as checkpoint ``checkpoint_id`` in one snapshot,
         with ``operator_state``: one file per task (``OperatorStateStore.flush``), or none to
-        keep the opened checkpoint's operator state as it is.
+        keep the opened checkpoint's operator state as it is. ``uploads``: segment path -> its
+        upload still under way (``upload_segment``), waited for before the catalog switch
+        instead of checking the stored file.
 
         Raises:
             ValueError: bad arguments, or ``checkpoint_id`` not above every committed id.
@@ -446,7 +450,7 @@ class IcebergStateTable:
         self._check_open()
         properties = properties or {}
         self._committer.check_args(checkpoint_id, segments, parallelism, batch_id, properties, self._index)
-        data_files, stored = self._committer.data_files(segments, checkpoint_id)
+        data_files, stored = self._committer.data_files(segments, checkpoint_id, uploads)
         summary = self._committer.summary(checkpoint_id, parallelism, batch_id, properties, operator_state)
         if not operator_state:
             # A checkpoint without operator state keeps the opened one's (the same files, listed
@@ -470,6 +474,13 @@ class IcebergStateTable:
         crash_point(COMMIT_DONE)
         self._gc.after_commit(committed.snapshot, committed.commit_uuid, committed.unreferenced)
         return self._info(committed.snapshot)
+
+    def upload_segment(self, path: str, data: pa.Buffer) -> Future:
+        """Start storing a segment's bytes as ``path`` on the I/O threads; the upload, for
+        ``commit_checkpoint(..., uploads={path: upload})``. ``StateStore.checkpoint`` on an
+        object store: the upload's round trip overlaps the commit's metadata work."""
+        self._check_open()
+        return submit_io(store_file, self.filesystem, path, data)
 
     def note_outside_commit(self) -> None:
         """Another writer of this table (its compactor) has committed: the next checkpoint's

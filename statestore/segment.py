@@ -22,7 +22,7 @@ from __future__ import annotations
 import base64
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -84,11 +84,15 @@ def _row_group_bounds(key_groups: np.ndarray, rows_min: int, rows_max: int) -> l
 def write_segments(
     table: StateTable, entries: pa.Table, checkpoint_id: int, task_index: int,
     rows_min: int, rows_max: int, *, file_cache: FileCache | None = None,
-    counters: FileCacheCounters | None = None,
+    counters: FileCacheCounters | None = None, upload: Callable[[str, pa.Buffer], object] | None = None,
 ) -> list[SegmentFile]:
     """Write ``entries`` (entry schema, any order) as this task's segments of ``checkpoint_id``,
     one file per partition, each also put into ``file_cache`` (``counters``: the writer's
-    share of its counters). Returns the files, not yet committed."""
+    share of its counters). Returns the files, not yet committed.
+
+    With ``upload``, each file's bytes go to ``upload(path, data)`` instead of being stored
+    here: ``StateStore.checkpoint`` starts them in the background on an object store
+    (``IcebergStateTable.upload_segment``), and its commit waits for them."""
     if entries.num_rows == 0:
         return []
     file_schema = table.file_schema()
@@ -103,7 +107,7 @@ def write_segments(
         part = entries.slice(lo, hi - lo)
         path = table.new_segment_path(checkpoint_id, task_index, int(partitions[lo]))
         files.append(_write_one(table.filesystem, path, part, kgs[lo:hi], checkpoint_id, rows_min, rows_max,
-                                table.layout.key_names, file_cache, counters))
+                                table.layout.key_names, file_cache, counters, upload))
         crash_point(faults.SEGMENT_WRITTEN)
     return files
 
@@ -123,7 +127,8 @@ def write_segment_file(table: StateTable, entries: pa.Table, path: str, rows_min
 
 def _write_one(fs: pafs.FileSystem, path: str, part: pa.Table, kgs: np.ndarray, checkpoint_id: int,
                rows_min: int, rows_max: int, key_names: Sequence[str], file_cache: FileCache | None = None,
-               counters: FileCacheCounters | None = None) -> SegmentFile:
+               counters: FileCacheCounters | None = None,
+               upload: Callable[[str, pa.Buffer], object] | None = None) -> SegmentFile:
     sink = pa.BufferOutputStream()
     # Key columns are nearly unique and sorted, seq ascends: a dictionary only costs them time
     # to decode (plain keys, delta-coded seq: a third smaller and faster to read than all
@@ -141,16 +146,24 @@ def _write_one(fs: pafs.FileSystem, path: str, part: pa.Table, kgs: np.ndarray, 
         # committed and not another valid segment copied over it.
         writer.add_key_value_metadata({SEGMENT_NAME_KEY: path.rsplit("/", 1)[-1]})
     data = sink.getvalue()
-    if needs_parent_directories(fs):
-        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    with fs.open_output_stream(path) as out:
-        out.write(data)
+    if upload is not None:
+        upload(path, data)
+    else:
+        store_file(fs, path, data)
     if file_cache is not None:
         file_cache.put(path, data, counters)
     return SegmentFile(
         path=path, checkpoint_id=checkpoint_id, key_group_min=int(kgs[0]), key_group_max=int(kgs[-1]),
         record_count=part.num_rows, size_bytes=data.size, footer=_footer_of(data),
     )
+
+
+def store_file(fs: pafs.FileSystem, path: str, data: pa.Buffer) -> None:
+    """Write ``data`` as the file ``path`` of ``fs`` (on an object store: one PUT)."""
+    if needs_parent_directories(fs):
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(path) as out:
+        out.write(data)
 
 
 def _footer_of(data: pa.Buffer) -> str:

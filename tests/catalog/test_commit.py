@@ -199,3 +199,39 @@ def test_a_tie_left_by_an_older_writer_reads_one_value_per_key(open_table, monke
     monkeypatch.undo()
     values = StateStore(table).get_state("count").get_batch(pa.table({"user": ["a", "only0"]}))
     assert len(values) == 2 and values.to_pylist()[1] == 1 and values.to_pylist()[0] in (10, 11)
+
+
+def test_a_commit_computes_the_staged_metadata_once_per_staging_step(open_table, monkeypatch):
+    """pyiceberg's ``Transaction.table_metadata`` applies every staged update and deep-copies
+    the whole metadata at each read; a checkpoint's commit read it some 18 times
+    (``StagedTransaction``). It now computes it once per staging step (the append, the
+    checkpoint property, the expiry, the requirement pyiceberg adds), and what it returns is
+    pyiceberg's own result for the same staged updates."""
+    from pyiceberg.table import Transaction
+
+    from catalog.commit import StagedTransaction
+
+    table = open_table(retain_checkpoints=2)
+    for _ in range(3):
+        commit_next(table)
+    computed = []
+    original = Transaction.table_metadata
+
+    def counted(tx):
+        computed.append(len(tx._updates))
+        return original.fget(tx)
+
+    monkeypatch.setattr(Transaction, "table_metadata", property(counted))
+    commit_next(table)  # an append, the property and an expiry (retain 2)
+    assert 0 < len(computed) <= 6, computed  # 18 without the memo
+    assert len(computed) == len(set(computed)), f"the same staged updates computed twice: {computed}"
+    monkeypatch.setattr(Transaction, "table_metadata", original)
+
+    tx = StagedTransaction(table.iceberg_table)
+    first = tx.table_metadata
+    assert tx.table_metadata is first  # nothing staged since
+    tx.set_properties({"example": "1"})
+    staged = tx.table_metadata
+    assert staged is not first and staged.properties["example"] == "1"
+    fresh = original.fget(tx)  # pyiceberg's own computation of the same staged updates
+    assert staged.model_dump(exclude={"last_updated_ms"}) == fresh.model_dump(exclude={"last_updated_ms"})

@@ -367,6 +367,70 @@ def test_a_driver_commit_the_storage_fails_is_a_storage_error_and_loses_nothing(
     assert _fresh_counts(ref) == (2, [0, 1], [BOTH.get(u) for u in USERS])
 
 
+# --- a checkpoint's own uploads ------------------------------------------------------------
+
+def _segment_requests(traffic: Traffic) -> list[tuple[str, str]]:
+    return [(r.method, r.path) for r in traffic.requests if "/data/" in r.path and r.path.endswith(".parquet")]
+
+
+def test_a_store_checkpoint_on_s3_uploads_its_segment_beside_the_commit_and_never_checks_it_with_a_head(ref, proxy):
+    """``StateStore.checkpoint`` on an object store: the segment goes up once (one PUT) while
+    the commit prepares its metadata, and no HEAD asks the server about a file this process
+    has just stored (the commit waits for the upload itself); metadata.json, the commit's
+    last upload, goes after it; a new process restores exactly what was written."""
+    store = _after_first(ref)
+    proxy.reset()
+    store.checkpoint(batch_id=1)
+    traffic = proxy.snapshot()
+    segment = _segment_requests(traffic)
+    assert [m for m, _ in segment] == ["PUT"], traffic.calls()
+    order = [r.path for r in traffic.requests if r.method == "PUT"]
+    metadata_json = next(i for i, p in enumerate(order) if p.endswith(".metadata.json"))
+    assert order.index(segment[0][1]) < metadata_json, order
+    assert _fresh_counts(ref) == (2, [0, 1], [BOTH.get(u) for u in USERS])
+    # The streaming driver's path (flush by the task, commit by the driver) still checks the
+    # files it did not write itself: one HEAD per segment.
+    _put(store, {"u0": 7})
+    checkpoint_id = store.table.next_checkpoint_id()
+    segments = store.flush(checkpoint_id)
+    proxy.reset()
+    store.table.commit_checkpoint(checkpoint_id, segments, parallelism=1, batch_id=2)
+    store.checkpoint_complete(checkpoint_id)
+    assert [m for m, _ in _segment_requests(proxy.snapshot())] == ["HEAD"]
+    store.close()
+
+
+def test_a_segment_upload_that_fails_fails_the_checkpoint_before_the_catalog_switch_and_loses_nothing(ref, proxy):
+    """The segment's background upload is refused (403, which the client does not retry)
+    while the commit goes on: the checkpoint raises StorageUnavailableError naming the table,
+    the catalog never switched (a new process restores checkpoint 1), no upload of the failed
+    checkpoint is still running when the error is raised, and the store's next checkpoint
+    commits everything the failed one held. (Every attempt failing with 503:
+    ``test_a_permanent_fault_fails_the_checkpoint...``.)"""
+    status = 403
+    store = _after_first(ref)
+    wait_for_deletes()
+    proxy.reset()
+    # The segment's PUT is the first: the flush starts its upload before the commit writes
+    # any metadata.
+    proxy.fail_next(1, status, method="PUT")
+    try:
+        with pytest.raises(StorageUnavailableError, match=r"checkpoint 2 of task 0 of state table s3://"):
+            store.checkpoint(batch_id=1)
+        settled = proxy.snapshot().count
+    finally:
+        proxy.fail_next(0)
+    failed = [(r.method, r.path) for r in proxy.snapshot().requests if r.injected_status == status]
+    assert failed and all("/data/" in p for _, p in failed), failed
+    assert not any(r.path.endswith(".metadata.json") and r.method == "PUT" for r in proxy.snapshot().requests)
+    time.sleep(0.2)
+    assert proxy.snapshot().count == settled, "an upload of the failed checkpoint went on after its error"
+    assert _fresh_counts(ref) == (1, [0], [FIRST.get(u) for u in USERS])
+    assert store.checkpoint(batch_id=1).checkpoint_id == 2
+    assert _fresh_counts(ref) == (2, [0, 1], [BOTH.get(u) for u in USERS])
+    store.close()
+
+
 # --- a full disk ----------------------------------------------------------------------------
 
 TMPFS_BYTES = 4 * 1024 * 1024
