@@ -10,6 +10,8 @@ proxy at 0, 10 and 20 ms per request, a SQLite catalog on local disk whose wareh
    state of a stream (each commit expires the oldest retained checkpoint): the flush
    (segment upload), the commit (Iceberg metadata) and the whole checkpoint, median of
    ``repeat``, and the requests of the expired files' deletes, which run in the background;
+   then as many through ``StateStore.checkpoint()`` (the store alone: the segment uploads
+   while the commit prepares its metadata);
 2. *Cold open to first lookup* of task 0 of ``tasks`` on a ``keys``-key state written by
    ``tasks`` tasks over ``checkpoints`` checkpoints: a fresh ``TableRef.open`` (the
    restore: metadata only), a fresh ``StateStore`` and a batched get of ``lookup`` of the
@@ -236,9 +238,22 @@ def bench_commit(storage: Storage, variant: Variant, delta: int, repeat: int) ->
         total_s.append(t2 - t0)
         flush_t += flush_rec
         commit_t += commit_rec
+    # The same, through the store's own API: the segment uploads beside the commit.
+    store_s: list[float] = []
+    store_t: list[Traffic] = []
+    for r in range(warm_up + repeat, warm_up + 2 * repeat):
+        ids = rng.choice(10 * delta * (warm_up + 2 * repeat), size=delta, replace=False)
+        state.update_batch(user_keys(ids), pa.array(np.full(delta, r, dtype=np.int64)))
+        t0 = time.perf_counter()
+        with storage.counting(store_t):
+            store.checkpoint()
+        store_s.append(time.perf_counter() - t0)
+        table.wait_for_deletes()
     store.close()
     table.close()
     return {
+        "store_checkpoint_s_median": statistics.median(store_s), "store_checkpoint_s_all": store_s,
+        "store_checkpoint_requests": median_counts(store_t),
         "delta_keys": delta, "repeat": repeat, "warm_up_checkpoints": warm_up,
         "flush_s_median": statistics.median(flush_s), "commit_s_median": statistics.median(commit_s),
         "checkpoint_s_median": statistics.median(total_s),
@@ -528,6 +543,7 @@ MEASURES = [
     ("checkpoint (flush + commit), ms", ("commit", "checkpoint_s_median"), 1e3),
     ("  flush (segment upload), ms", ("commit", "flush_s_median"), 1e3),
     ("  commit (metadata), ms", ("commit", "commit_s_median"), 1e3),
+    ("StateStore.checkpoint() (upload beside the commit), ms", ("commit", "store_checkpoint_s_median"), 1e3),
     ("cold open to first lookup, ms", ("cold", "open_to_first_lookup_s_median"), 1e3),
     ("  open (restore), ms", ("cold", "open_s_median"), 1e3),
     ("  first batched lookup, ms", ("cold", "first_lookup_s_median"), 1e3),
@@ -538,6 +554,7 @@ MEASURES = [
 REQUESTS = [
     ("flush", ("commit", "flush_requests")),
     ("commit", ("commit", "commit_requests")),
+    ("StateStore.checkpoint()", ("commit", "store_checkpoint_requests")),
     ("its garbage (background)", ("commit", "background_delete_requests")),
     ("open (restore)", ("cold", "open_requests")),
     ("first lookup", ("cold", "first_lookup_requests")),
