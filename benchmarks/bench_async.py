@@ -14,6 +14,8 @@ Variants, each runner on its own copy of the state (a fork of the built table: n
 
 - ``local, cached``: the table on local disk, the view cache unbounded and every key group
   loaded before the first batch (the fully cached run, and its CPU per event);
+- ``local, small cache``: the same table on local disk with the S3 runs' view cache (below):
+  what the small cache costs, apart from the storage;
 - ``s3, small cache``: the table on moto's S3 server behind our proxy adding ``--latency-ms``
   per request; the view cache ``--cache-fraction`` of the resolved state, cold at the first
   batch, and the local file cache of whole segments (``--file-cache``): the store's default
@@ -22,7 +24,8 @@ Variants, each runner on its own copy of the state (a fork of the built table: n
 
 Reported: events/s of the median batch, CPU seconds per 1k events, requests and bytes read per
 batch, and the ratios of the targets: async on S3 / async local cached (Flink's figure for
-ForSt: 0.75), async on S3 / sync on S3 (3), CPU per event async / sync when cached (1.3).
+ForSt: 0.75), async on S3 / sync on S3 (3), CPU per event async / sync when cached (1.3), and
+async on S3 / async on local disk with the same small cache (what S3 itself costs).
 Writes ``bench_async.json`` and ``bench_async.png`` to the results folder (``--out``).
 Run: ``.venv/bin/python -m benchmarks.bench_async`` (``--quick``: 50k users).
 """
@@ -216,6 +219,7 @@ def main(
             build(table, users, items, checkpoints)
             for runner in ("sync", "async"):
                 table.fork(runner)
+                table.fork(f"{runner}-small")
             results[f"{where}_segment_bytes"] = sum(s.size_bytes for s in table.segments_at()[1])
             table.close()
         # The fully cached runs first: their views' size sets the small cache.
@@ -230,6 +234,13 @@ def main(
                  "default": {}, "off": {"file_cache_mode": "off"}}[file_cache]
         small = StoreConfig(cache_size_bytes_max=max(1, int(views * cache_fraction)),
                             file_cache_dir=str(root / "file-cache"), **files)
+        # The same small cache on local disk: what the cache's size costs, apart from S3's.
+        for runner in ("sync", "async"):
+            close_process_file_caches()
+            results["runs"][f"local small cache, {runner}"] = run_variant(
+                TableRef(TABLE, warehouse=str(root / "local"), branch=f"{runner}-small"), small, runner, users=users,
+                items=items, events_n=events_n, batches=batches, warmup=warmup, proxy=None, preload=False,
+                options=options)
         proxy.latency_s = latency_ms / 1000
         for runner in ("sync", "async"):
             close_process_file_caches()
@@ -252,6 +263,7 @@ def main(
     results["ratios"] = {
         "async_s3_over_local_cached": rate("s3 small cache, async") / rate("local cached, async"),
         "async_s3_over_sync_s3": rate("s3 small cache, async") / rate("s3 small cache, sync"),
+        "async_s3_over_local_small_cache": rate("s3 small cache, async") / rate("local small cache, async"),
         "cpu_per_event_async_over_sync_cached": runs["local cached, async"]["cpu_s_per_1k_events"]
         / runs["local cached, sync"]["cpu_s_per_1k_events"],
     }

@@ -30,6 +30,7 @@ import contextlib
 import itertools
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
@@ -50,7 +51,7 @@ from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.table.update.snapshot import ExpireSnapshots, ManageSnapshots
 
 from catalog import properties as props
-from catalog.fileio import UPLOADS, submit_io
+from catalog.fileio import UPLOADS, StateFileIO, metadata_json_gate, submit_io
 from catalog.manifests import FileEntry, ManifestCache, file_entry
 from catalog.naming import Locations, commit_uuid
 from catalog.retention import (
@@ -487,29 +488,51 @@ def before_catalog_switch(table: Table, wait: Callable[[], object] = lambda: Non
     catalog to the new metadata. When it is entered, the append has written its manifests
     and manifest list. The table's ``catalog`` attribute (our own Table object, not the
     user's catalog) is replaced for the duration by a proxy that waits and crashes before
-    delegating.
+    delegating; with pyiceberg's ``SqlCatalog`` over ``StateFileIO``, which stores the new
+    metadata.json and then switches, the wait and the crash point run while that file uploads
+    (``fileio.metadata_json_gate``), and the switch still comes after them.
     """
     real = table.catalog
-    table.catalog = _BeforeSwitch(real, wait, point)  # type: ignore[assignment]
+    table.catalog = _BeforeSwitch(real, wait, point, _stores_metadata_json_first(real, table))  # type: ignore[assignment]
     try:
         yield
     finally:
         table.catalog = real
 
 
+def _stores_metadata_json_first(catalog: Catalog, table: Table) -> bool:
+    """Whether ``catalog.commit_table`` stores the new metadata.json through ``StateFileIO``
+    and only then switches the table: pyiceberg's own ``SqlCatalog`` (SQLite, PostgreSQL) over
+    a table whose FileIO is ours. Its module is not imported for the check (executors never
+    load SQLAlchemy): a catalog of that class has imported it."""
+    sql = sys.modules.get("pyiceberg.catalog.sql")
+    return sql is not None and type(catalog) is sql.SqlCatalog and isinstance(table.io, StateFileIO)
+
+
 class _BeforeSwitch:
-    def __init__(self, catalog: Catalog, wait: Callable[[], object], point: str):
+    def __init__(self, catalog: Catalog, wait: Callable[[], object], point: str, gate: bool):
         self._catalog = catalog
         self._wait = wait
         self._point = point
+        self._gate = gate
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._catalog, name)
 
-    def commit_table(self, *args: Any, **kwargs: Any) -> Any:
+    def _ready(self) -> None:
         self._wait()
         crash_point(self._point)
-        return self._catalog.commit_table(*args, **kwargs)
+
+    def commit_table(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._gate:
+            self._ready()
+            return self._catalog.commit_table(*args, **kwargs)
+        # The metadata.json goes up while the waits run (``metadata_json_gate``), the switch after both.
+        with metadata_json_gate(self._ready) as used:
+            response = self._catalog.commit_table(*args, **kwargs)
+            if not used():  # it stored nothing, so it switched nothing (pyiceberg: no change)
+                self._ready()
+        return response
 
 
 class StagedTransaction(Transaction):

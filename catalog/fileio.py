@@ -320,6 +320,23 @@ class PendingUploads:
 
 
 UPLOADS = PendingUploads()
+_GATE = threading.local()
+
+
+@contextlib.contextmanager
+def metadata_json_gate(wait: Callable[[], None]) -> Iterator[Callable[[], bool]]:
+    """Within the block, on this thread, the next metadata.json this FileIO stores uploads in
+    the background while ``wait()`` runs, and the store returns once both are done, raising
+    ``wait``'s error or the upload's. A SQL catalog's ``commit_table`` stores the new
+    metadata.json and then switches the table: its last round trip so overlaps the commit's
+    uploads still under way, and the switch still comes after all of them. Yields whether the
+    gate was used (if not, ``wait`` never ran)."""
+    used = []
+    _GATE.wait = lambda: (used.append(True), wait())
+    try:
+        yield lambda: bool(used)
+    finally:
+        _GATE.wait = None
 _deleting: set[Future] = set()
 _deleting_lock = threading.Lock()
 
@@ -350,6 +367,42 @@ def _forget_after_fork() -> None:
     _POOLS.forget()
     UPLOADS.forget()
     _deleting, _deleting_lock = set(), threading.Lock()
+    _S3_FILESYSTEMS.forget()
+
+
+class _S3FileSystems:
+    """The S3 filesystems of this process, one per bucket and FileIO properties: pyiceberg
+    makes a new FileIO for every table it loads (a SQL catalog's commit loads the table twice),
+    and building pyarrow's ``S3FileSystem`` costs 20-40 ms while requests of another filesystem
+    are under way (measured in a commit on S3 whose segment and manifest uploads were going:
+    the construction waited for them), against one lookup here. Filesystems are thread safe;
+    bounded, least recently used out; forgotten in a child after ``fork``."""
+
+    MAX = 32
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._built: OrderedDict[tuple, FileSystem] = OrderedDict()
+
+    def get(self, key: tuple, build: Callable[[], FileSystem]) -> FileSystem:
+        with self._lock:
+            fs = self._built.get(key)
+            if fs is not None:
+                self._built.move_to_end(key)
+                return fs
+        fs = build()
+        with self._lock:
+            fs = self._built.setdefault(key, fs)
+            while len(self._built) > self.MAX:
+                self._built.popitem(last=False)
+        return fs
+
+    def forget(self) -> None:
+        self._lock = threading.Lock()
+        self._built = OrderedDict()
+
+
+_S3_FILESYSTEMS = _S3FileSystems()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -393,12 +446,24 @@ class _MetadataFile(InputFile, OutputFile):
 
     def store(self, data: bytes) -> None:
         """Store the file: in the background when it belongs to a ``deferred`` commit (readable
-        from memory meanwhile), else now."""
+        from memory meanwhile); a commit's metadata.json beside the commit's last waits when
+        its thread set a ``metadata_json_gate``; else now."""
         METADATA_FILES.put(self.location, data)
         if UPLOADS.deferred_tag(self.location) is not None:
             UPLOADS.start(self.location, lambda: self._put(data))
             return
+        gate = getattr(_GATE, "wait", None)
         try:
+            if gate is not None and self.location.endswith(".metadata.json"):
+                _GATE.wait = None  # one metadata.json per gate
+                upload = run_in_background(_POOLS.io(), self._put, data)
+                try:
+                    gate()
+                finally:
+                    failed = upload.exception()  # waited for either way: nothing goes on after a failure
+                if failed is not None:
+                    raise failed
+                return
             self._put(data)
         except BaseException:
             METADATA_FILES.discard(self.location)
@@ -471,6 +536,14 @@ class StateFileIO(PyArrowFileIO):
             log.warning("could not delete the metadata file %s (%s); retention's sweep will", path, e)
 
     def _initialize_s3_fs(self, netloc: str | None) -> FileSystem:
+        # One per bucket and S3 settings in the process (``_S3FileSystems``): the properties
+        # pyiceberg's S3 filesystem and ``s3_retry_options`` read (``s3.*``, ``client.*``), not
+        # the table's own, which change at every commit. The key holds their values in memory
+        # only, never shown.
+        settings = tuple(sorted((k, v) for k, v in self.properties.items() if k.startswith(("s3.", "client."))))
+        return _S3_FILESYSTEMS.get((netloc, settings), lambda: self._build_s3_fs(netloc))
+
+    def _build_s3_fs(self, netloc: str | None) -> FileSystem:
         fs = super()._initialize_s3_fs(netloc)
         # The pickle protocol: every option of the filesystem but its retry strategy.
         rebuild, (options,) = fs.__reduce__()

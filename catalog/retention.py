@@ -199,11 +199,15 @@ def _is_old_commit_file(path: str, newest_checkpoint: int) -> bool:
 
 
 def _stale_metadata_json(paths: Iterable[str], metadata: TableMetadata, metadata_location: str) -> list[str]:
-    """metadata.json files older than the current one that the metadata log no longer lists.
+    """metadata.json files up to the current version that are neither the current one nor
+    listed by the metadata log.
 
-    Only versions below the current one: a writer racing us writes a higher version, and
-    an older one can no longer win the catalog's compare-and-swap.
+    A metadata.json of version v is written by a commit based on version v - 1; once the
+    catalog holds the current version, one of a version up to it that is not the current file
+    can no longer win the catalog's compare-and-swap (a lost race, or a commit that stored its
+    metadata.json beside its last waits and failed before the switch). A writer racing us
+    writes a higher version: never taken.
     """
     current = metadata_json_version(metadata_location)
     logged = {e.metadata_file for e in metadata.metadata_log} | {metadata_location}
-    return [p for p in paths if p not in logged and -1 < metadata_json_version(p) < current]
+    return [p for p in paths if p not in logged and -1 < metadata_json_version(p) <= current]

@@ -369,7 +369,7 @@ class NetProxy:
         self._stopped = False
         self._closed = False
         # (status, method or None for any) of the next requests to answer with an error
-        self._fail: list[tuple[int, str | None]] = []
+        self._fail: list[tuple[int, str | None, str | None]] = []
         # (response bytes to pass on or None for mid-request, method or None) of the next resets
         self._resets: list[tuple[int | None, str | None]] = []
         # (extra delay in seconds, method or None) of the next slow requests
@@ -437,14 +437,17 @@ class NetProxy:
             self._listen()
         self._running.set()
 
-    def fail_next(self, n: int = 1, status: int = 503, *, method: str | None = None, append: bool = False) -> None:
-        """Answer the next ``n`` requests (of ``method`` only, when given) with an S3 error of
-        ``status`` instead of forwarding them. Replaces the failures still queued (``n=0``
-        clears them), or, with ``append``, queues these after them (say, two of each method)."""
+    def fail_next(self, n: int = 1, status: int = 503, *, method: str | None = None, append: bool = False,
+                  path_contains: str | None = None) -> None:
+        """Answer the next ``n`` requests (of ``method`` only, and to a path containing
+        ``path_contains`` only, when given) with an S3 error of ``status`` instead of forwarding
+        them. Replaces the failures still queued (``n=0`` clears them), or, with ``append``,
+        queues these after them (say, two of each method)."""
         if n < 0 or not 400 <= status <= 599:
             raise ValueError(f"fail_next needs n >= 0 and an error status, got n={n}, status={status}")
         with self._lock:
-            self._fail = (self._fail if append else []) + [(status, method.upper() if method else None)] * n
+            self._fail = (self._fail if append else []) + [
+                (status, method.upper() if method else None, path_contains)] * n
 
     def reset_next(self, n: int = 1, *, method: str | None = None, after_response_bytes: int | None = None,
                    append: bool = False) -> None:
@@ -557,8 +560,8 @@ class NetProxy:
             if self._stopped or self._closed:
                 raise _Dropped("stopped")
             status = reset = where = None
-            for i, (failure, only) in enumerate(self._fail):
-                if only is None or only == method:
+            for i, (failure, only, inside) in enumerate(self._fail):
+                if (only is None or only == method) and (inside is None or inside in target.split("?", 1)[0]):
                     status = failure
                     del self._fail[i]
                     break

@@ -177,7 +177,7 @@ def test_the_suite_runs_every_step_end_to_end_in_tiny_mode(tmp_path):
     assert store["checkpoint_restore"]["big"]["delta_keys"] == 100
     assert len(store["commit_growth"]["commit_s_all"]) == 16
     runs = json.loads((tmp_path / "bench_async.json").read_text())["runs"]
-    assert set(runs) == {f"{where}, {runner}" for where in ("local cached", "s3 small cache")
+    assert set(runs) == {f"{where}, {runner}" for where in ("local cached", "local small cache", "s3 small cache")
                          for runner in ("sync", "async")}
     assert all(len(r["batches"]) == 2 and r["events_per_s"] > 0 for r in runs.values())
     assert runs["s3 small cache, async"]["requests_per_batch"] > 0  # it went through the proxy

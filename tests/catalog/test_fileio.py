@@ -20,6 +20,7 @@ from catalog.fileio import (
     UPLOADS,
     MetadataFileCache,
     is_metadata_file,
+    metadata_json_gate,
     wait_for_deletes,
 )
 from statestore import StateStore
@@ -99,6 +100,65 @@ def test_manifests_upload_in_the_background_and_a_metadata_json_waits_for_them(f
         _write(fileio, metadata, b"{}")  # what the catalog then switches to
     METADATA_FILES.clear()  # all three are in the store, not only in memory
     assert all(fileio.new_input(loc).exists() for loc in (manifest, manifest_list, metadata))
+
+
+def test_under_a_gate_the_metadata_json_uploads_while_the_commits_waits_run(fileio, s3_proxy, s3_prefix):
+    """``metadata_json_gate`` (a SQL catalog's commit: store the metadata.json, then switch):
+    the file's PUT is under way while the gate's wait runs (the wait sees it at the proxy, which
+    it could not if the store ran it first or after), and the store returns once both are done.
+    A wait that fails makes the store fail with its error, after the upload settled; the file
+    is not served from memory then, and the next metadata.json stores as usual."""
+    location = f"{s3_prefix}/metadata/00001-gate.metadata.json"
+    seen = []
+
+    def wait() -> None:
+        for _ in range(500):
+            if any(r.method == "PUT" and r.path.endswith("00001-gate.metadata.json")
+                   for r in s3_proxy.snapshot().requests):
+                seen.append(True)
+                return
+            threading.Event().wait(0.01)
+
+    s3_proxy.reset()
+    with metadata_json_gate(wait) as used:
+        assert not used()
+        _write(fileio, location, b"{}")
+        assert used()
+    assert seen == [True]
+    METADATA_FILES.clear()
+    assert fileio.new_input(location).exists()
+
+    failed = f"{s3_prefix}/metadata/00002-gate.metadata.json"
+
+    def refuse() -> None:
+        raise OSError("an upload of the commit failed")
+
+    with pytest.raises(OSError, match="an upload of the commit failed"), metadata_json_gate(refuse):
+        _write(fileio, failed, b"{}")
+    assert METADATA_FILES.get(failed) is None
+    after = f"{s3_prefix}/metadata/00003-gate.metadata.json"  # the gate is spent: stored at once
+    s3_proxy.reset()
+    _write(fileio, after, b"{}")
+    assert s3_proxy.snapshot().by_method == {"PUT": 1}
+
+
+def test_fileios_of_the_same_s3_settings_share_one_filesystem(s3_proxy, monkeypatch):
+    """pyiceberg makes a FileIO per loaded table (a SQL catalog's commit loads two); building
+    pyarrow's S3 filesystem waited 20-40 ms for other requests under way. FileIOs whose S3
+    settings are the same share one (whatever their other, table, properties); other settings
+    get their own."""
+    from catalog.fileio import StateFileIO
+
+    built = []
+    original = StateFileIO._build_s3_fs
+    monkeypatch.setattr(StateFileIO, "_build_s3_fs",
+                        lambda self, netloc: built.append(netloc) or original(self, netloc))
+    props = {"py-io-impl": STATE_FILE_IO, **s3_server.properties(s3_proxy.endpoint), "s3.request-timeout": "7.5"}
+    first = load_file_io(props).fs_by_scheme("s3", "bucket-share")
+    second = load_file_io({**props, "icestate.last-checkpoint-id": "9"}).fs_by_scheme("s3", "bucket-share")
+    assert second is first and built == ["bucket-share"]
+    other = load_file_io({**props, "s3.request-timeout": "8.5"}).fs_by_scheme("s3", "bucket-share")
+    assert other is not first and len(built) == 2
 
 
 def test_leaving_a_deferred_block_waits_for_its_uploads_and_forgets_their_failures(fileio, s3_proxy, s3_prefix):

@@ -139,10 +139,19 @@ def test_stale_metadata_json_is_swept(open_table):
     commit_next(table)
     metadata_dir = os.path.dirname(table.iceberg_table.metadata_location.removeprefix("file://"))
     stale = os.path.join(metadata_dir, "00000-0a1b2c3d-lost-race.metadata.json")  # our own lost race
-    with open(table.iceberg_table.metadata_location.removeprefix("file://"), "rb") as current, open(stale, "wb") as f:
-        f.write(current.read())
+    # A commit that stored its metadata.json beside its last waits and failed before the switch:
+    # the current version's number, another file.
+    failed = os.path.join(metadata_dir, f"{os.path.basename(table.iceberg_table.metadata_location)[:5]}-"
+                                        "0a1b2c3d-failed-commit.metadata.json")
+    racing = os.path.join(metadata_dir, "99999-0a1b2c3d-racing.metadata.json")  # a newer version: kept
+    with open(table.iceberg_table.metadata_location.removeprefix("file://"), "rb") as current:
+        data = current.read()
+    for path in (stale, failed, racing):
+        with open(path, "wb") as f:
+            f.write(data)
     table.collect_garbage()
-    assert not file_exists(stale)
+    assert not file_exists(stale) and not file_exists(failed)
+    assert file_exists(racing) and file_exists(table.iceberg_table.metadata_location.removeprefix("file://"))
     assert table.iceberg_table.properties[TableProperties.METADATA_DELETE_AFTER_COMMIT_ENABLED] == "true"
 
 

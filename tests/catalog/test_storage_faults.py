@@ -376,17 +376,14 @@ def _segment_requests(traffic: Traffic) -> list[tuple[str, str]]:
 def test_a_store_checkpoint_on_s3_uploads_its_segment_beside_the_commit_and_never_checks_it_with_a_head(ref, proxy):
     """``StateStore.checkpoint`` on an object store: the segment goes up once (one PUT) while
     the commit prepares its metadata, and no HEAD asks the server about a file this process
-    has just stored (the commit waits for the upload itself); metadata.json, the commit's
-    last upload, goes after it; a new process restores exactly what was written."""
+    has just stored (the commit waits for the upload itself); a new process restores exactly
+    what was written."""
     store = _after_first(ref)
     proxy.reset()
     store.checkpoint(batch_id=1)
     traffic = proxy.snapshot()
     segment = _segment_requests(traffic)
     assert [m for m, _ in segment] == ["PUT"], traffic.calls()
-    order = [r.path for r in traffic.requests if r.method == "PUT"]
-    metadata_json = next(i for i, p in enumerate(order) if p.endswith(".metadata.json"))
-    assert order.index(segment[0][1]) < metadata_json, order
     assert _fresh_counts(ref) == (2, [0, 1], [BOTH.get(u) for u in USERS])
     # The streaming driver's path (flush by the task, commit by the driver) still checks the
     # files it did not write itself: one HEAD per segment.
@@ -411,9 +408,7 @@ def test_a_segment_upload_that_fails_fails_the_checkpoint_before_the_catalog_swi
     store = _after_first(ref)
     wait_for_deletes()
     proxy.reset()
-    # The segment's PUT is the first: the flush starts its upload before the commit writes
-    # any metadata.
-    proxy.fail_next(1, status, method="PUT")
+    proxy.fail_next(1, status, method="PUT", path_contains="/data/")  # the segment's upload
     try:
         with pytest.raises(StorageUnavailableError, match=r"checkpoint 2 of task 0 of state table s3://"):
             store.checkpoint(batch_id=1)
@@ -422,7 +417,8 @@ def test_a_segment_upload_that_fails_fails_the_checkpoint_before_the_catalog_swi
         proxy.fail_next(0)
     failed = [(r.method, r.path) for r in proxy.snapshot().requests if r.injected_status == status]
     assert failed and all("/data/" in p for _, p in failed), failed
-    assert not any(r.path.endswith(".metadata.json") and r.method == "PUT" for r in proxy.snapshot().requests)
+    # The metadata.json may have gone up beside the commit's waits: no catalog names it (the
+    # check below), and retention deletes it once a newer one is current.
     time.sleep(0.2)
     assert proxy.snapshot().count == settled, "an upload of the failed checkpoint went on after its error"
     assert _fresh_counts(ref) == (1, [0], [FIRST.get(u) for u in USERS])
