@@ -185,7 +185,7 @@ class CheckpointCommitter:
         trip or two)."""
         uploads = uploads or {}
         reported = [s for s in segments if s.footer is not None and s.path not in uploads]
-        stored = [submit_io(self.check_stored, reported, checkpoint_id),
+        stored = [*([submit_io(self.check_stored, reported, checkpoint_id)] if reported else []),
                   *(uploads[s.path] for s in segments if s.path in uploads)]
         if sum(s.footer is None for s in segments) <= 1:
             return [self.data_file(s, checkpoint_id) for s in segments], stored

@@ -55,6 +55,7 @@ name another ``py-io-impl``; tasks get it through the shipped storage properties
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import io
 import logging
@@ -367,42 +368,18 @@ def _forget_after_fork() -> None:
     _POOLS.forget()
     UPLOADS.forget()
     _deleting, _deleting_lock = set(), threading.Lock()
-    _S3_FILESYSTEMS.forget()
+    _shared_s3_fs.cache_clear()
 
 
-class _S3FileSystems:
-    """The S3 filesystems of this process, one per bucket and FileIO properties: pyiceberg
-    makes a new FileIO for every table it loads (a SQL catalog's commit loads the table twice),
-    and building pyarrow's ``S3FileSystem`` costs 20-40 ms while requests of another filesystem
-    are under way (measured in a commit on S3 whose segment and manifest uploads were going:
-    the construction waited for them), against one lookup here. Filesystems are thread safe;
-    bounded, least recently used out; forgotten in a child after ``fork``."""
-
-    MAX = 32
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._built: OrderedDict[tuple, FileSystem] = OrderedDict()
-
-    def get(self, key: tuple, build: Callable[[], FileSystem]) -> FileSystem:
-        with self._lock:
-            fs = self._built.get(key)
-            if fs is not None:
-                self._built.move_to_end(key)
-                return fs
-        fs = build()
-        with self._lock:
-            fs = self._built.setdefault(key, fs)
-            while len(self._built) > self.MAX:
-                self._built.popitem(last=False)
-        return fs
-
-    def forget(self) -> None:
-        self._lock = threading.Lock()
-        self._built = OrderedDict()
-
-
-_S3_FILESYSTEMS = _S3FileSystems()
+@functools.lru_cache(maxsize=32)
+def _shared_s3_fs(netloc: str | None, settings: tuple[tuple[str, str], ...]) -> FileSystem:
+    """The process's S3 filesystem for a bucket and S3 settings: pyiceberg makes a new FileIO for
+    every table it loads (a SQL catalog's commit loads the table twice), and building pyarrow's
+    ``S3FileSystem`` costs 20-40 ms while requests of another filesystem are under way (measured
+    in a commit on S3 whose segment and manifest uploads were going: the build waited for them),
+    against one lookup here. Filesystems are thread safe; least recently used out; forgotten in
+    a child after ``fork``."""
+    return StateFileIO(dict(settings))._build_s3_fs(netloc)
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -536,12 +513,12 @@ class StateFileIO(PyArrowFileIO):
             log.warning("could not delete the metadata file %s (%s); retention's sweep will", path, e)
 
     def _initialize_s3_fs(self, netloc: str | None) -> FileSystem:
-        # One per bucket and S3 settings in the process (``_S3FileSystems``): the properties
+        # One per bucket and S3 settings in the process (``_shared_s3_fs``): the properties
         # pyiceberg's S3 filesystem and ``s3_retry_options`` read (``s3.*``, ``client.*``), not
         # the table's own, which change at every commit. The key holds their values in memory
         # only, never shown.
-        settings = tuple(sorted((k, v) for k, v in self.properties.items() if k.startswith(("s3.", "client."))))
-        return _S3_FILESYSTEMS.get((netloc, settings), lambda: self._build_s3_fs(netloc))
+        return _shared_s3_fs(netloc, tuple(sorted(
+            (k, v) for k, v in self.properties.items() if k.startswith(("s3.", "client.")))))
 
     def _build_s3_fs(self, netloc: str | None) -> FileSystem:
         fs = super()._initialize_s3_fs(netloc)

@@ -376,7 +376,7 @@ class StateStore:
             # failed upload is the cause, said as a failed synchronous write says it.
             futures.wait(uploads.values())
             self.checkpoint_aborted(checkpoint_id)
-            failed = next((u.exception() for u in uploads.values() if u.exception() is not None), None)
+            failed = next(filter(None, (u.exception() for u in uploads.values())), None)
             if failed is not None:
                 self._raise_storage_error(failed, checkpoint_id, "writing its segments")
             self._raise_storage_error(e, checkpoint_id, "committing it")
