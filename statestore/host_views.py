@@ -37,10 +37,15 @@ view drops rows expired at its resolution time).
 Crash safety: a snapshot is written under ``.tmp-<pid>-<random>`` and renamed into place
 complete, so no process ever sees a partial one; a writer killed midway leaves a temporary
 directory that the next writer removes (its pid gone). A file is mapped only after its size
-and digest were checked (once per process and file: device, inode, size and mtime); a
-snapshot that fails any check is deleted and its key groups load from the table as without
-it. Files are never changed in place; a deleted or replaced file stays readable by the
-processes that mapped it (POSIX unlink), so eviction never pulls a run from under a reader.
+was checked and either its *stamp* matched or its digest was checked (once per process and
+file: device, inode, size and mtime). The stamp: its writer sets the file's modification time
+a second back once it is written and records (device, inode, that time) in the manifest; any
+write to the file since moves the time to the present, so a file that still bears its stamp
+holds the bytes its writer wrote and checked, and a reader skips their digest and validation
+(which, per process, cost as much as the rest of opening a task's views). A snapshot that
+fails any check is deleted and its key groups load from the table as without it. Files are
+never changed in place; a deleted or replaced file stays readable by the processes that
+mapped it (POSIX unlink), so eviction never pulls a run from under a reader.
 
 Bound: every snapshot of the host together stays within ``bytes_max`` (a snapshot's size is
 in its directory's name, ``<checkpoint id>-<bytes>-<pid>-<random>``) and leaves
@@ -60,10 +65,12 @@ second copy. A claim only ever closes a store (a cache), never decides what stat
 Threat model (``docs/reliability.md``): the root is a directory of this user's alone
 (``private_directory``); the manifest is JSON checked field by field, file names in it must
 be plain names, every file must be a regular file (no link, no pipe), arrays are read with
-their header checked (no objects, no pickle), and each file is checked once per process
-before its first use: size and digest (accidents: the digest sits in the same directory),
+their header checked (no objects, no pickle), and each file's size is checked at every use
+and, unless it bears its writer's stamp, once per process before its first use: its digest,
 Arrow's full validation of the rows, the hash index's order (sorted hashes, rows in range).
-Nothing in a snapshot is executed.
+The stamp and the digest guard against accidents (they sit in the same directory: a process
+of the user that forges a file can forge its manifest too). Nothing in a snapshot is
+executed.
 """
 
 from __future__ import annotations
@@ -96,7 +103,7 @@ from statestore.table import SegmentFile
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: each file's stamp (device, inode, modification time) beside its size and digest
 MANIFEST = "manifest.json"
 _EVICT_LOCK = ".evict.lock"
 _CLAIMS = "tasks"
@@ -108,7 +115,6 @@ _FILE = re.compile(r"^r\d{1,6}\.(arrow|hashes\.npy|order\.npy|alive\.npy)$")
 _SUFFIXES = ("arrow", "hashes.npy", "order.npy", "alive.npy")
 # A temporary directory older than this is removed even when its writer's pid is alive (pid reuse).
 _TMP_STALE_S = 3600
-_DIGEST_CHUNK = 16 * 1024 * 1024
 _MANIFEST_BYTES_MAX = 64 * 1024 * 1024
 _CHECKED_MAX = 1 << 16  # files remembered as checked, per process (then forgotten, checked again)
 
@@ -135,7 +141,9 @@ def slot_name(layout: StateLayout, filesystem_type: str) -> str:
 class RunFiles:
     name: str  # the run's file stem in the snapshot, r<n>
     rows: int
-    files: tuple[tuple[str, int, int], ...]  # (suffix, size, digest) of each of its files
+    # (suffix, size, digest, stamp) of each of its files; the stamp is (device, inode,
+    # modification time in ns) as its writer left it (``_stamp``)
+    files: tuple[tuple[str, int, int, tuple[int, int, int]], ...]
 
 
 @dataclass(frozen=True)
@@ -228,8 +236,9 @@ class HostViews:
                     entries = []
                     for run in runs:
                         files = _write_run(tmp, f"r{n}", run)
-                        entries.append({"name": f"r{n}", "rows": run.frame.height, "files": [list(f) for f in files]})
-                        total += sum(size for _, size, _ in files)
+                        entries.append({"name": f"r{n}", "rows": run.frame.height,
+                                        "files": [[suffix, size, dig, *stamp] for suffix, size, dig, stamp in files]})
+                        total += sum(f[1] for f in files)
                         n += 1
                     per_var[name] = entries
                 manifest_views[str(kg)] = per_var
@@ -253,7 +262,7 @@ class HostViews:
         for views_of in snapshot.views.values():  # checked as written: no need to read them again
             for runs in views_of.values():
                 for run in runs:
-                    for suffix, _, _ in run.files:
+                    for suffix, *_ in run.files:
                         self._remember(os.path.join(final, f"{run.name}.{suffix}"))
         self._drop_replaced(slot_dir, snapshot)
         return snapshot
@@ -298,8 +307,8 @@ class HostViews:
         schema is not ``schema``."""
         out = []
         for run in runs:
-            paths = {suffix: os.path.join(snapshot.path, f"{run.name}.{suffix}") for suffix, _, _ in run.files}
-            fresh = [self._check(paths[suffix], size, dig) for suffix, size, dig in run.files]
+            paths = {suffix: os.path.join(snapshot.path, f"{run.name}.{suffix}") for suffix, *_ in run.files}
+            fresh = [self._check(paths[suffix], size, dig, stamp) for suffix, size, dig, stamp in run.files]
             frame = _map_frame(paths["arrow"], validate=any(fresh))
             if frame.height != run.rows or frame.schema != schema:
                 raise SnapshotDamaged(f"{paths['arrow']}: {frame.height} rows of {frame.schema}, expected "
@@ -379,15 +388,19 @@ class HostViews:
                     self._checked.clear()
                 self._checked.add((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
-    def _check(self, path: str, size: int, dig: int) -> bool:
+    def _check(self, path: str, size: int, dig: int, stamp: tuple[int, int, int]) -> bool:
         """Check the file at ``path`` (a regular file of ``size`` bytes and digest ``dig``) unless
-        this process checked it before; whether it was checked now."""
+        this process checked it before or it is unchanged since its writer stamped it
+        (``stamp``: no write since, see ``_stamp``); whether it was checked now (its content
+        then to be validated too)."""
         try:
             st = os.lstat(path)
             if not stat.S_ISREG(st.st_mode):
                 raise SnapshotDamaged(f"{path} is not a regular file")
             if st.st_size != size:
                 raise SnapshotDamaged(f"{path} is {st.st_size} bytes, its manifest says {size}")
+            if (st.st_dev, st.st_ino, st.st_mtime_ns) == stamp:
+                return False
             with self._lock:
                 if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) in self._checked:
                     return False
@@ -449,9 +462,9 @@ class HostViews:
         return host_lock(os.path.join(self.root, _EVICT_LOCK))
 
 
-def _write_run(directory: str, stem: str, run: RunPart) -> list[tuple[str, int, int]]:
+def _write_run(directory: str, stem: str, run: RunPart) -> list[tuple[str, int, int, tuple[int, int, int]]]:
     """Write one run's files (link them, for a run mapped from a snapshot still there; its
-    live rows' mask is the only file written again); (suffix, size, digest) of each."""
+    live rows' mask is the only file written again); (suffix, size, digest, stamp) of each."""
     if run.source is not None:
         linked = _link_run(directory, stem, run)
         if linked is not None:
@@ -461,7 +474,7 @@ def _write_run(directory: str, stem: str, run: RunPart) -> list[tuple[str, int, 
     table = _compact(run.frame)
     with ipc.new_file(path, table.schema) as writer:
         writer.write_table(table)
-    files.append(("arrow", os.path.getsize(path), _file_digest(path)))
+    files.append(_written("arrow", path))
     arrays = [("hashes.npy", run.hashes, np.uint64), ("order.npy", run.order, np.int64),
               ("alive.npy", run.alive, np.bool_)]
     for suffix, array, dtype in arrays:
@@ -469,8 +482,27 @@ def _write_run(directory: str, stem: str, run: RunPart) -> list[tuple[str, int, 
             continue
         path = os.path.join(directory, f"{stem}.{suffix}")
         np.save(path, np.ascontiguousarray(array, dtype=dtype), allow_pickle=False)
-        files.append((suffix, os.path.getsize(path), _file_digest(path)))
+        files.append(_written(suffix, path))
     return files
+
+
+def _written(suffix: str, path: str) -> tuple[str, int, int, tuple[int, int, int]]:
+    """(suffix, size, digest, stamp) of a file just written at ``path``."""
+    dig = _file_digest(path)
+    stamp = _stamp(path)
+    return suffix, os.path.getsize(path), dig, stamp
+
+
+def _stamp(path: str) -> tuple[int, int, int]:
+    """Set the modification time of the file just written at ``path`` a second back and return
+    (device, inode, that time): any later write to the file moves its time to the present (the
+    kernel's clock can be coarser than a write, so a write in the same tick as the file's own
+    would otherwise leave it as it was). A reader that finds a file so stamped finds the
+    bytes its writer wrote (checked there), and skips the digest and Arrow's validation."""
+    past = time.time_ns() - 1_000_000_000
+    os.utime(path, ns=(past, past), follow_symlinks=False)
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
 def _compact(frame: pl.DataFrame) -> pa.Table:
@@ -484,24 +516,24 @@ def _compact(frame: pl.DataFrame) -> pa.Table:
     return frame.to_arrow(compat_level=pl.CompatLevel.oldest()).cast(table.schema)
 
 
-def _link_run(directory: str, stem: str, run: RunPart) -> list[tuple[str, int, int]] | None:
+def _link_run(directory: str, stem: str, run: RunPart) -> list[tuple[str, int, int, tuple[int, int, int]]] | None:
     """Link the immutable files of ``run``'s source into ``directory``; None when they are gone."""
     src_dir, src = run.source
     files = []
     try:
-        for suffix, size, dig in src.files:
-            if suffix != "alive.npy":
+        for suffix, size, dig, stamp in src.files:
+            if suffix != "alive.npy":  # a link is the same inode: its stamp stays
                 os.link(os.path.join(src_dir, f"{src.name}.{suffix}"), os.path.join(directory, f"{stem}.{suffix}"))
-                files.append((suffix, size, dig))
+                files.append((suffix, size, dig, stamp))
     except OSError:
-        for suffix, _, _ in files:
+        for suffix, *_ in files:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, f"{stem}.{suffix}"))
         return None
     if run.alive is not None:
         path = os.path.join(directory, f"{stem}.alive.npy")
         np.save(path, np.ascontiguousarray(run.alive, dtype=np.bool_), allow_pickle=False)
-        files.append(("alive.npy", os.path.getsize(path), _file_digest(path)))
+        files.append(_written("alive.npy", path))
     return files
 
 
@@ -539,14 +571,13 @@ def _load_array(path: str, dtype: type, rows: int) -> np.ndarray:
 
 
 def _file_digest(path: str) -> int:
-    h = xxhash.xxh3_64()
+    """xxh3-64 of the file's bytes, hashed in place from its mapping (slices of a mapping would
+    copy them first: a third of the digest's time)."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                for start in range(0, size, _DIGEST_CHUNK):
-                    h.update(m[start:start + _DIGEST_CHUNK])
-    return h.intdigest()
+        if not os.fstat(f.fileno()).st_size:
+            return xxhash.xxh3_64_intdigest(b"")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return xxhash.xxh3_64_intdigest(m)
 
 
 def _remove_stale_temporaries(slot_dir: str) -> None:
@@ -594,12 +625,12 @@ def _run_files(raw: object) -> RunFiles:
     raw = _dict(raw)
     name = _str(raw["name"])
     files = []
-    for suffix, size, dig in _list(raw["files"]):
+    for suffix, size, dig, dev, ino, mtime_ns in _list(raw["files"]):
         if _str(suffix) not in _SUFFIXES or not _FILE.match(f"{name}.{suffix}"):
             raise ValueError(f"file {name}.{suffix} is not a snapshot's")
-        files.append((suffix, _int(size), _int(dig)))
-    if not any(s == "arrow" for s, _, _ in files) or (
-            any(s == "hashes.npy" for s, _, _ in files) != any(s == "order.npy" for s, _, _ in files)):
+        files.append((suffix, _int(size), _int(dig), (_int(dev), _int(ino), _int(mtime_ns))))
+    suffixes = [f[0] for f in files]
+    if "arrow" not in suffixes or ("hashes.npy" in suffixes) != ("order.npy" in suffixes):
         raise ValueError(f"run {name} lacks files")
     return RunFiles(name, _int(raw["rows"]), tuple(files))
 

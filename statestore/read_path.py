@@ -50,6 +50,7 @@ segment readers of their own) while the task thread goes on, and is applied on t
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -350,10 +351,17 @@ class StateReader:
                     self._cache.resized(kg)
         self._forget_dead_footers()
         self._trim()
-        behind = len({s.checkpoint_id for s in newer})
+        # How many checkpoints each key group's shared views fell behind: those of ``newer``
+        # after its own (a key group mapped from an older snapshot is the more behind; counting
+        # every one of ``newer`` for all made them equal, and the first half of the key groups
+        # by number were written again every time while the rest stayed at their first
+        # snapshot, their catch-ups growing a checkpoint each batch).
+        ids = sorted({s.checkpoint_id for s in newer})
         for kg in cached:
             if kg in self._host_lag:
-                self._host_lag[kg] += behind
+                after = (after_checkpoint_id.get(kg) if isinstance(after_checkpoint_id, dict)
+                         else after_checkpoint_id)
+                self._host_lag[kg] += len(ids) - (0 if after is None else bisect.bisect_right(ids, after))
         if publish:
             self._publish_committed()
 

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import polars as pl
@@ -23,8 +24,9 @@ from statestore import (
     StateStore,
     StoreConfig,
     ValueStateDescriptor,
+    host_views,
 )
-from statestore.host_views import MANIFEST, HostViews, RunPart, SnapshotDamaged, slot_name
+from statestore.host_views import FORMAT, MANIFEST, HostViews, RunPart, SnapshotDamaged, slot_name
 
 LAYOUT = StateLayout.of(pa.schema([("k", pa.string())]), [
     ValueStateDescriptor("v", pa.int64()),
@@ -103,6 +105,33 @@ def test_a_store_maps_what_another_published_and_catches_up(env, lag):
     assert values(again, KEYS[:2]) == expected(KEYS[:2])
     # the checkpoints its oldest snapshot (the first) is behind, each read once
     assert again.stats()["segment_files_opened"] == 2 * lag - 2
+
+
+def test_a_task_that_moves_every_batch_keeps_every_key_groups_views_a_few_checkpoints_behind(env):
+    """A Spark task run by another worker each batch: every batch's store maps the host's views,
+    catches up, writes half of the key groups again (the most behind first), commits and is
+    dropped (its commit completes nowhere). Each key group's views fall at most a few
+    checkpoints behind, so a store's catch-up reads a bounded number of checkpoints; when every
+    key group counted as behind as the most behind one, the same half was written every time and
+    the other half's catch-ups grew by a checkpoint a batch."""
+    tmp_path, config, _ = env
+    writer = store(tmp_path, config)
+    write(writer, KEYS, 0)
+    values(writer, KEYS)  # every key group whole: published
+    writer.close()
+    table = DirectoryStateTable(tmp_path / "table", LAYOUT)
+    opened = []
+    for value in range(1, 9):
+        moved = StateStore(table, config=config)
+        assert moved.stats()["host_views_mapped"] == 16
+        assert values(moved, KEYS[:3]) == ([value - 1] * 3, [[0, *range(1, value)]] * 3)
+        opened.append(moved.stats()["segment_files_opened"])
+        moved.get_state("v").update_batch(keys(KEYS), [value] * N)  # every key group
+        moved.get_state("l").add_batch(keys(KEYS), [value] * N)
+        checkpoint_id = table.next_checkpoint_id()
+        table.commit_checkpoint(checkpoint_id, moved.flush(checkpoint_id), parallelism=1)
+        moved.close()
+    assert max(opened[4:]) <= 2, opened
 
 
 def test_a_snapshot_off_the_line_or_resolved_later_is_not_used(env):
@@ -234,13 +263,48 @@ def test_open_runs_checks_sizes_digests_and_schemas(tmp_path):
         HostViews(str(tmp_path / "views"), 1 << 30, 0).open_runs(snap, snap.views[0]["v"], frame.schema)
 
 
+def test_a_file_bearing_its_writers_stamp_is_not_checked_again_and_one_written_since_is(tmp_path, monkeypatch):
+    """A reader skips the digest and Arrow's validation of a file that still bears the stamp its
+    writer recorded (a second back: any write since moves it); a file written since, even with
+    its own bytes, is checked again."""
+    host = HostViews(str(tmp_path / "views"), 1 << 30, 0)
+    frame = pl.DataFrame({"k": ["a", "b", "c"], "v": [1, 2, 3]})
+    hashes, order = np.array([1, 2, 3], dtype=np.uint64), np.array([2, 0, 1], dtype=np.int64)
+    snap = host.publish("0" * 32, 4, 10, [], {0: {"v": [RunPart(frame, hashes, order)]}})
+    (run,) = snap.views[0]["v"]
+    for suffix, _, _, (_, ino, mtime_ns) in run.files:
+        st = os.lstat(os.path.join(snap.path, f"r0.{suffix}"))
+        assert (st.st_ino, st.st_mtime_ns) == (ino, mtime_ns) and mtime_ns < time.time_ns() - 500_000_000
+    digested, validated = [], []
+    digest, map_frame = host_views._file_digest, host_views._map_frame
+    monkeypatch.setattr(host_views, "_file_digest", lambda p: digested.append(os.path.basename(p)) or digest(p))
+    monkeypatch.setattr(host_views, "_map_frame",
+                        lambda p, validate=True: validated.append(validate) or map_frame(p, validate))
+    (part,) = HostViews(str(tmp_path / "views"), 1 << 30, 0).open_runs(snap, (run,), frame.schema)
+    assert part.frame.equals(frame) and (part.order == order).all()
+    assert (digested, validated) == ([], [False])
+    victim = os.path.join(snap.path, "r0.order.npy")
+    with open(victim, "r+b") as f:  # its own bytes again, at once: the time moves all the same
+        data = f.read()
+        f.seek(0)
+        f.write(data)
+    HostViews(str(tmp_path / "views"), 1 << 30, 0).open_runs(snap, (run,), frame.schema)
+    assert (digested, validated) == (["r0.order.npy"], [False, True])
+
+
 @pytest.mark.parametrize("manifest", [
     "not json",
     json.dumps({"format": 99}),
-    json.dumps({"format": 1, "checkpoint_id": 1, "resolved_at_ms": 1, "segments": [], "bytes": 1,
+    json.dumps({"format": FORMAT, "checkpoint_id": 1, "resolved_at_ms": 1, "segments": [], "bytes": 1,
                 "top_checkpoint_id": -1,
-                "views": {"0": {"v": [{"name": "../../x", "rows": 1, "files": [["arrow", 1, 1]]}]}}}),
-    json.dumps({"format": 1, "checkpoint_id": -1, "resolved_at_ms": 1, "segments": [], "bytes": 1, "views": {},
+                "views": {"0": {"v": [{"name": "../../x", "rows": 1, "files": [["arrow", 1, 1, 1, 1, 1]]}]}}}),
+    json.dumps({"format": FORMAT, "checkpoint_id": 1, "resolved_at_ms": 1, "segments": [], "bytes": 1,
+                "top_checkpoint_id": -1,
+                "views": {"0": {"v": [{"name": "r0", "rows": 1, "files": [["arrow", 1, 1, 1, -1, 1]]}]}}}),
+    json.dumps({"format": FORMAT - 1, "checkpoint_id": 1, "resolved_at_ms": 1, "segments": [], "bytes": 1,
+                "top_checkpoint_id": -1,
+                "views": {"0": {"v": [{"name": "r0", "rows": 1, "files": [["arrow", 1, 1]]}]}}}),
+    json.dumps({"format": FORMAT, "checkpoint_id": -1, "resolved_at_ms": 1, "segments": [], "bytes": 1, "views": {},
                 "top_checkpoint_id": -1}),
     "[" * 100_000,
 ])
