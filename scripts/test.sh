@@ -36,7 +36,11 @@ status=0
 # once: the first process got all the longest tests and ran them one after another.
 # --no-loadscope-reorder keeps the order tests/conftest.py gives.
 # --basetemp: the tests' folders directly in it (paths no longer than pytest's own default gives).
-.venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder --basetemp "$TMPDIR/t" "$@" || status=$?
+# PYTHONDONTWRITEBYTECODE emptied: pytest keeps the test modules it rewrote for their asserts
+# (each process collects every file: 9 against 4 CPU-s a collection), as do the run's other
+# processes for anything set-up did not compile.
+PYTHONDONTWRITEBYTECODE= .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder \
+  --basetemp "$TMPDIR/t" "$@" || status=$?
 if [ "$status" -eq 0 ]; then rm -rf "$TMPDIR"; else echo "scripts/test.sh: the run's temporary files are kept in $TMPDIR"; fi
 echo "scripts/test.sh: set up, linted and tested in $((SECONDS / 60)) min $((SECONDS % 60)) s (exit $status)"
 exit "$status"
