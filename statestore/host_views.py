@@ -142,7 +142,7 @@ class RunFiles:
     name: str  # the run's file stem in the snapshot, r<n>
     rows: int
     # (suffix, size, digest, stamp) of each of its files; the stamp is (device, inode,
-    # modification time in ns) as its writer left it (``_stamp``)
+    # modification time in ns) as its writer left it (``_written``)
     files: tuple[tuple[str, int, int, tuple[int, int, int]], ...]
 
 
@@ -258,12 +258,7 @@ class HostViews:
             raise
         snapshot = _parse(manifest, final)
         with self._lock:
-            self._manifests[final] = snapshot
-        for views_of in snapshot.views.values():  # checked as written: no need to read them again
-            for runs in views_of.values():
-                for run in runs:
-                    for suffix, *_ in run.files:
-                        self._remember(os.path.join(final, f"{run.name}.{suffix}"))
+            self._manifests[final] = snapshot  # its files bear their stamps: not read again here either
         self._drop_replaced(slot_dir, snapshot)
         return snapshot
 
@@ -391,7 +386,7 @@ class HostViews:
     def _check(self, path: str, size: int, dig: int, stamp: tuple[int, int, int]) -> bool:
         """Check the file at ``path`` (a regular file of ``size`` bytes and digest ``dig``) unless
         this process checked it before or it is unchanged since its writer stamped it
-        (``stamp``: no write since, see ``_stamp``); whether it was checked now (its content
+        (``stamp``: no write since, see ``_written``); whether it was checked now (its content
         then to be validated too)."""
         try:
             st = os.lstat(path)
@@ -487,22 +482,17 @@ def _write_run(directory: str, stem: str, run: RunPart) -> list[tuple[str, int, 
 
 
 def _written(suffix: str, path: str) -> tuple[str, int, int, tuple[int, int, int]]:
-    """(suffix, size, digest, stamp) of a file just written at ``path``."""
+    """(suffix, size, digest, stamp) of a file just written at ``path``, stamped: its
+    modification time set a second back, the stamp (device, inode, that time). Any later write
+    to the file moves its time to the present (the kernel's clock can be coarser than a write,
+    so a write in the same tick as the file's own would otherwise leave it as it was); a reader
+    that finds a file so stamped finds the bytes its writer wrote, and skips the digest and
+    Arrow's validation."""
     dig = _file_digest(path)
-    stamp = _stamp(path)
-    return suffix, os.path.getsize(path), dig, stamp
-
-
-def _stamp(path: str) -> tuple[int, int, int]:
-    """Set the modification time of the file just written at ``path`` a second back and return
-    (device, inode, that time): any later write to the file moves its time to the present (the
-    kernel's clock can be coarser than a write, so a write in the same tick as the file's own
-    would otherwise leave it as it was). A reader that finds a file so stamped finds the
-    bytes its writer wrote (checked there), and skips the digest and Arrow's validation."""
     past = time.time_ns() - 1_000_000_000
     os.utime(path, ns=(past, past), follow_symlinks=False)
     st = os.lstat(path)
-    return st.st_dev, st.st_ino, st.st_mtime_ns
+    return suffix, st.st_size, dig, (st.st_dev, st.st_ino, st.st_mtime_ns)
 
 
 def _compact(frame: pl.DataFrame) -> pa.Table:
