@@ -52,7 +52,7 @@ in its directory's name, ``<checkpoint id>-<bytes>-<pid>-<random>``) and leaves
 ``reserved_free_bytes`` free on its disk: a writer that needs room deletes the least
 recently used snapshots first (a use stamps the snapshot directory's modification time),
 under an ``flock`` on ``<root>/.evict.lock``; a snapshot replaced by a newer one of the same
-key groups is deleted when the newer one is written.
+key groups and table is deleted when the newer one is written.
 
 Where tasks run: a process that runs a task of a table claims it for its checkpoint
 (``claim``: ``<root>/tasks/<digest of the task>``, the holder and the checkpoint id, replaced
@@ -97,7 +97,7 @@ import pyarrow.ipc as ipc
 import xxhash
 
 from statestore.layout import StateLayout
-from statestore.paths import parse_segment_name
+from statestore.paths import DATA_DIR, parse_segment_name
 from statestore.private_dir import private_directory
 from statestore.table import SegmentFile
 
@@ -407,12 +407,14 @@ class HostViews:
         return True
 
     def _drop_replaced(self, slot_dir: str, newest: Snapshot) -> None:
-        """Delete the slot's snapshots that ``newest`` replaces: of none but its key groups, and
-        neither of a newer checkpoint nor over newer segments."""
-        mine = set(newest.views)
+        """Delete the slot's snapshots that ``newest`` replaces: of none but its key groups, of
+        no table but its own (a slot holds every table of the layout: two queries of one
+        layout on a host would evict each other's), and neither of a newer checkpoint nor over
+        newer segments. A snapshot of no segment is of no table: any newer one replaces it."""
+        mine, tables = set(newest.views), _tables(newest)
         for other in self.snapshots(os.path.basename(slot_dir)):
             if other.path != newest.path and set(other.views) <= mine and other.checkpoint_id <= newest.checkpoint_id \
-                    and other.top_checkpoint_id <= newest.top_checkpoint_id:
+                    and other.top_checkpoint_id <= newest.top_checkpoint_id and _tables(other) <= tables:
                 shutil.rmtree(other.path, ignore_errors=True)
 
     def _all_snapshots(self) -> list[tuple[str, int, int]]:
@@ -568,6 +570,12 @@ def _file_digest(path: str) -> int:
             return xxhash.xxh3_64_intdigest(b"")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             return xxhash.xxh3_64_intdigest(m)
+
+
+def _tables(snapshot: Snapshot) -> set[str]:
+    """The locations of the tables whose segments ``snapshot`` lists (a segment's path is
+    ``<table location>/data/...``, ``statestore.paths``)."""
+    return {path.rsplit(f"/{DATA_DIR}/", 1)[0] for path, _, _ in snapshot.segments}
 
 
 def _remove_stale_temporaries(slot_dir: str) -> None:

@@ -27,6 +27,7 @@ from statestore import (
     host_views,
 )
 from statestore.host_views import FORMAT, MANIFEST, HostViews, RunPart, SnapshotDamaged, slot_name
+from statestore.table import SegmentFile
 
 LAYOUT = StateLayout.of(pa.schema([("k", pa.string())]), [
     ValueStateDescriptor("v", pa.int64()),
@@ -203,6 +204,46 @@ def test_a_snapshot_of_another_table_of_the_same_layout_is_not_its_state(env):
     assert values(empty, KEYS[:3])[0] == [None] * 3 and empty.stats()["host_views_published"] > 0
     fresh = StateStore(DirectoryStateTable(tmp_path / "t2", LAYOUT), config=config)
     assert values(fresh, KEYS[:200])[0] == [42] * 200
+
+
+def test_two_tables_of_the_same_layout_on_one_host_keep_each_others_snapshots(env):
+    """Two queries of the same layout on one host (one slot): a snapshot replaces only the
+    earlier snapshots of its own table, so each table's store still maps its views once the
+    other published the same key groups (they evicted each other's as replaced)."""
+    tmp_path, config, _ = env
+    tables = [DirectoryStateTable(tmp_path / name, LAYOUT) for name in ("t1", "t2")]
+    for value, table in enumerate(tables):
+        writer = StateStore(table, config=config)
+        write(writer, KEYS, value)
+        assert values(writer, KEYS)[0] == [value] * N  # every key group whole: published
+        writer.close()
+    host = HostViews(config.host_views_dir, config.host_views_bytes_max, 0)
+    (slot,) = (d for d in os.listdir(config.host_views_dir) if not d.startswith("."))
+    assert len(host.snapshots(slot)) == 2
+    for value, table in enumerate(tables):
+        reader = StateStore(table, config=config)
+        assert reader.stats()["host_views_mapped"] == 16
+        assert values(reader, KEYS[:5])[0] == [value] * 5
+        assert reader.stats()["segment_files_opened"] == 0
+
+
+def test_a_snapshot_replaces_the_earlier_ones_of_its_own_table_only(tmp_path):
+    frame = pl.DataFrame({"v": np.arange(10)})
+    host = HostViews(str(tmp_path / "views"), 1 << 30, 0)
+
+    def publish(table: str, checkpoint_id: int):
+        segment = SegmentFile(f"s3://b/w/{table}/data/c000000000000/seg-cp{checkpoint_id:012d}-t00000-p00000-"
+                              f"{checkpoint_id:012x}.parquet", checkpoint_id, 0, 0, 10, 100)
+        return host.publish("c" * 32, checkpoint_id, 1, [segment], {0: {"v": [RunPart(frame)]}}).path
+
+    first_a, first_b = publish("a", 1), publish("b", 1)
+    assert {s.path for s in host.snapshots("c" * 32)} == {first_a, first_b}
+    second_a = publish("a", 2)
+    assert {s.path for s in host.snapshots("c" * 32)} == {second_a, first_b}
+    empty = host.publish("c" * 32, 3, 1, [], {0: {"v": [RunPart(frame)]}}).path  # no segment: no table's
+    assert {s.path for s in host.snapshots("c" * 32)} == {empty, second_a, first_b}
+    fourth_b = publish("b", 4)  # replaces its table's and the one of no table
+    assert {s.path for s in host.snapshots("c" * 32)} == {second_a, fourth_b}
 
 
 def test_a_compaction_beside_a_snapshot_makes_it_unusable(env):
