@@ -211,11 +211,21 @@ def _read_json(io: FileIO, uri: str) -> dict:
         return json.loads(f.read())
 
 
+def _torn(e: Exception) -> bool:
+    """Whether ``e`` says the JSON document ended early: a prefix of a document, as a writer
+    killed while storing it leaves (empty, or cut anywhere), not a document damaged inside."""
+    if not isinstance(e, json.JSONDecodeError):
+        return False
+    return e.msg.startswith("Unterminated string") or e.pos >= len(e.doc.rstrip())
+
+
 def foreign_metadata(table: Table, metadata_uris: list[str]) -> tuple[list[str], list[str]]:
     """Of ``metadata_uris`` (metadata.json files in ``table``'s metadata directory that its
     metadata log does not list): those of another table (another ``table-uuid``), and those
-    that cannot be read (a torn write of a crashed commit, or anything else: nothing is known
-    of them, so they are neither taken for another table's nor deleted)."""
+    that cannot be read (nothing is known of them, so they are neither taken for another
+    table's nor deleted). A torn write (a commit killed while storing its metadata.json: the
+    document ends early) is neither: the sweep takes it like any stale version of the table
+    once its version is not above the current one (no commit can switch to it then)."""
     ours = str(table.metadata.table_uuid)
     foreign, unreadable = [], []
     for uri in metadata_uris:
@@ -224,6 +234,10 @@ def foreign_metadata(table: Table, metadata_uris: list[str]) -> tuple[list[str],
         except FileNotFoundError:
             continue  # deleted since it was listed (an expired version): nothing to take or keep
         except (OSError, ValueError, AttributeError) as e:
+            if _torn(e):
+                logger.info("metadata file %s of state table %s ends early (a commit killed while storing it)",
+                            uri, ".".join(table.name()))
+                continue
             logger.warning("metadata file %s of state table %s cannot be read (%s): kept", uri,
                            ".".join(table.name()), e)
             unreadable.append(uri)

@@ -155,6 +155,29 @@ def test_stale_metadata_json_is_swept(open_table):
     assert table.iceberg_table.properties[TableProperties.METADATA_DELETE_AFTER_COMMIT_ENABLED] == "true"
 
 
+def test_a_torn_metadata_json_of_a_killed_commit_is_swept_and_a_damaged_one_kept(open_table):
+    """A commit killed while storing its metadata.json leaves a prefix of it (empty, or cut
+    anywhere): of a version up to the current one, no commit can switch to it, so the sweep takes
+    it; one damaged inside, or of a newer version, stays."""
+    table = open_table()
+    commit_next(table)
+    current = table.iceberg_table.metadata_location.removeprefix("file://")
+    metadata_dir, version = os.path.dirname(current), os.path.basename(current)[:5]
+    with open(current, "rb") as f:
+        data = f.read()
+    cut_in_a_string = data.index(b'"table-uuid"') + 5
+    torn = {os.path.join(metadata_dir, f"{version}-0a1b2c3d-torn-{n}.metadata.json"): content
+            for n, content in enumerate([b"", data[:1], data[:cut_in_a_string], data[:len(data) // 2], data[:-1]])}
+    kept = {os.path.join(metadata_dir, f"{version}-0a1b2c3d-damaged.metadata.json"): data.replace(b":", b";", 1),
+            os.path.join(metadata_dir, "99999-0a1b2c3d-torn-racing.metadata.json"): data[:len(data) // 2]}
+    for path, content in {**torn, **kept}.items():
+        with open(path, "wb") as f:
+            f.write(content)
+    table.collect_garbage()
+    assert [p for p in torn if file_exists(p)] == []
+    assert all(file_exists(p) for p in kept) and file_exists(current)
+
+
 def test_commit_files_carry_their_checkpoint_id(open_table):
     table = open_table()
     cp = commit_next(table)
