@@ -97,7 +97,7 @@ import pyarrow.ipc as ipc
 import xxhash
 
 from statestore.layout import StateLayout
-from statestore.paths import DATA_DIR, parse_segment_name
+from statestore.paths import parse_segment_name, table_location_of
 from statestore.private_dir import private_directory
 from statestore.table import SegmentFile
 
@@ -573,9 +573,8 @@ def _file_digest(path: str) -> int:
 
 
 def _tables(snapshot: Snapshot) -> set[str]:
-    """The locations of the tables whose segments ``snapshot`` lists (a segment's path is
-    ``<table location>/data/...``, ``statestore.paths``)."""
-    return {path.rsplit(f"/{DATA_DIR}/", 1)[0] for path, _, _ in snapshot.segments}
+    """The locations of the tables whose segments ``snapshot`` lists."""
+    return {table_location_of(path) for path, _, _ in snapshot.segments}
 
 
 def _remove_stale_temporaries(slot_dir: str) -> None:

@@ -54,6 +54,12 @@ def segment_file_name(checkpoint_id: int, task_index: int, partition: int) -> st
     return f"seg-cp{checkpoint_id:012d}-t{task_index:05d}-p{partition:05d}-{uuid.uuid4().hex[:12]}.parquet"
 
 
+def table_location_of(segment_path: str) -> str:
+    """The location of the table whose data directory holds ``segment_path`` (``segment_path``'s
+    inverse: ``<table location>/data/...``, a fork's files under it too)."""
+    return segment_path.rsplit(f"/{DATA_DIR}/", 1)[0]
+
+
 def segment_path(table_location: str, checkpoint_id: int, task_index: int, partition: int,
                  subdir: str | None = None) -> str:
     """A fresh segment URI under the table's data directory (or ``subdir`` of it)."""

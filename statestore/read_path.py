@@ -328,6 +328,7 @@ class StateReader:
         cached = sorted(self._cache.key_groups() if key_groups is None else key_groups)
         if not newer or not cached:
             return
+        after_of = after_checkpoint_id.get if isinstance(after_checkpoint_id, dict) else lambda _: after_checkpoint_id
         # The store's own committed entries still pending carry their segment's ords
         # (``committed``): the newer segments' entries join them and the views take all at their
         # next read, in one refresh.
@@ -359,8 +360,7 @@ class StateReader:
         ids = sorted({s.checkpoint_id for s in newer})
         for kg in cached:
             if kg in self._host_lag:
-                after = (after_checkpoint_id.get(kg) if isinstance(after_checkpoint_id, dict)
-                         else after_checkpoint_id)
+                after = after_of(kg)
                 self._host_lag[kg] += len(ids) - (0 if after is None else bisect.bisect_right(ids, after))
         if publish:
             self._publish_committed()

@@ -56,3 +56,11 @@ def test_merged_away_manifests_are_the_unlisted_numbers_below_the_highest():
     assert merged_away_manifests(tag, listed) == [f"file:///t/metadata/{tag}-m0.avro", f"file:///t/metadata/{tag}-m1.avro"]
     assert merged_away_manifests(tag, [f"file:///t/metadata/{tag}-m0.avro"]) == []
     assert merged_away_manifests(tag, ["file:///t/metadata/other-m0.avro"]) == []
+
+
+@pytest.mark.parametrize("location", ["s3://bucket/wh/state/op", "/tmp/wh/state/op", "file:///tmp/data/op"])
+def test_a_segment_path_names_its_table(location):
+    from statestore.paths import segment_path, table_location_of
+
+    assert table_location_of(segment_path(location, 7, 1, 2)) == location
+    assert table_location_of(segment_path(location, 7, 1, 2, subdir="branches/b1/c000000000000")) == location
