@@ -38,6 +38,13 @@ from pathlib import Path
 
 import pytest
 
+# Every Python process of the tests (test processes, drivers and CLI calls in subprocesses, Spark's
+# Python workers, which inherit the JVM's environment) runs polars on one thread: on the tests'
+# small frames a pool of two threads only adds its hand-offs (the model tests 176 -> 148 CPU-s),
+# and the suite's processes already keep both cores busy. A user's processes are not touched;
+# POLARS_MAX_THREADS set before the run wins.
+os.environ.setdefault("POLARS_MAX_THREADS", "1")
+
 from tests import jvm_archive, pg_server, s3_server
 
 # Every JVM the tests start (the shared Spark sessions, drivers in subprocesses, the standalone
