@@ -70,7 +70,7 @@ from statestore.host_views import HostViews, Snapshot, SnapshotDamaged, host_vie
 from statestore.keygroups import KeyGroupRange
 from statestore.layout import CHECKPOINT_ID, EXPIRE_AT_MS, KEY_GROUP, OP, OP_DELETE, STATE
 from statestore.memtable import KG, Memtable
-from statestore.resolve import ORD, entry_columns, live_rows, merge, resolve, view_columns
+from statestore.resolve import ORD, empty_view, entry_columns, live_rows, merge, resolve
 from statestore.segment import SegmentReader
 from statestore.table import SegmentFile, StateTable
 from statestore.views import MERGE_RATIO, KeyedView, distinct_sorted, key_hashes, replace_rows
@@ -236,13 +236,10 @@ class StateReader:
         self._installs = 0  # changes of the cached key groups (see ``CoverPlan.installs``)
         self._entry_schema = self.layout.entry_schema
         self._entry_schemas = self._polars_entry_schemas()
-        # An empty view per variable, made once: a query per empty view (a ``select`` of an
-        # empty frame) was a tenth of the model tests' CPU (readers opened, empty key groups).
-        self._empty_views = {
-            d.name: pl.DataFrame(schema=pl.Schema({c: self._entry_schemas[d.name][c]
-                                                   for c in view_columns(d, self.key_names)}))
-            for d in self.layout.descriptors}
-        self._view_schemas = {name: empty.schema for name, empty in self._empty_views.items()}
+        # An empty view per variable, made once (one per empty key group and per reader was a
+        # tenth of the model tests' CPU); its schema is the variable's view schema.
+        self._empty_views = {d.name: empty_view(d, self.key_names, self._entry_schemas[d.name])
+                             for d in self.layout.descriptors}
         self._indexable = all(
             pa.types.is_string(f.type) or pa.types.is_binary(f.type) or pa.types.is_integer(f.type)
             or pa.types.is_boolean(f.type) or pa.types.is_date32(f.type) for f in self.layout.key_schema)
@@ -1213,7 +1210,7 @@ class StateReader:
                     runs = snap.views[kg].get(desc.name)
                     if runs is None:
                         raise SnapshotDamaged(f"{snap.path}: no view of {desc.name!r} in key group {kg}")
-                    parts = self._host.open_runs(snap, runs, self._view_schemas[desc.name])
+                    parts = self._host.open_runs(snap, runs, self._empty_views[desc.name].schema)
                     group.views[desc.name] = KeyedView.of_parts(parts, self.key_names, self._index_rows_min,
                                                                 self.merge_ratio)
                     group.applied[desc.name] = 0
@@ -1289,7 +1286,8 @@ class StateReader:
                 for name, view in self._cache.peek(kg).views.items():
                     files = snap.views[kg][name]
                     own = [i for i, part in enumerate(view.parts(index=False)) if part.source is None]
-                    mapped = host.open_runs(snap, [files[i] for i in own], self._view_schemas[name]) if own else []
+                    schema = self._empty_views[name].schema
+                    mapped = host.open_runs(snap, [files[i] for i in own], schema) if own else []
                     view.shared_as(snap.path, files, dict(zip(own, mapped, strict=True)))
                 self._cache.resized(kg)
         except SnapshotDamaged as e:  # removed meanwhile (another process made room): the views stay private

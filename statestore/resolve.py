@@ -131,7 +131,7 @@ def merge(view: pl.DataFrame | None, new_entries: list[pl.DataFrame], desc: Stat
         # One select and cast over all new parts: per part, they would cost more than the merge.
         parts.append(pl.concat(new_entries, how="diagonal_relaxed").select(cols).cast(entry_schema))
     if not parts:
-        return pl.DataFrame(schema={c: entry_schema[c] for c in view_columns(desc, keys)})
+        return empty_view(desc, keys, entry_schema)
     return resolve(pl.concat(parts, how="vertical"), desc, keys, now_ms)
 
 
@@ -146,6 +146,12 @@ def view_columns(desc: StateDescriptor, keys: list[str]) -> list[str]:
     if desc.kind is StateKind.MAP:
         return [*keys, desc.user_key_column, desc.value_column, EXPIRE_AT_MS]
     return [*keys, desc.value_column, EXPIRE_AT_MS]
+
+
+def empty_view(desc: StateDescriptor, keys: list[str], entry_schema: pl.Schema) -> pl.DataFrame:
+    """A view of ``desc`` without rows (``entry_schema``: its entries' polars schema), made
+    from the schema alone: a ``select`` of an empty frame would be a query of its own."""
+    return pl.DataFrame(schema={c: entry_schema[c] for c in view_columns(desc, keys)})
 
 
 # --- live state as people see it (SQL views, the data source, the state browser) -------------

@@ -334,8 +334,7 @@ class KeyedView:
                 view = view.join(gone_keys, on=self.key_names, how="anti")
             if gone is not None:
                 view = view.join(gone, on=list(on), how="anti", nulls_equal=True)
-            if view.get_column(EXPIRE_AT_MS).null_count() < view.height:
-                view = live_rows(view, now_ms)  # as a resolution would: expired rows leave the view
+            view = live_rows(view, now_ms)  # as a resolution would: expired rows leave the view
         if added is not None and added.height:
             view = pl.concat([view, added], how="vertical", rechunk=view.n_chunks() >= _CHUNKS_MAX)
         if view is not self._plain:
